@@ -1,0 +1,100 @@
+"""Load-balancing objectives: `balance="gshard" | "aux_free" | "none"` and the router z-loss.
+
+A balance module returns the auxiliary loss of one rank's routing (unweighted; the layer applies
+`balance_weight`), may bias expert *selection* (aux-free), and observes the global expert counts
+after the count exchange (identical on every rank, so replicated state stays identical).
+
+Shape suffixes: T tokens on this rank, E experts, A assignments.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeflow.gates import Routing
+
+
+def assignment_share_E(routing: Routing, num_experts: int) -> torch.Tensor:
+    """f_e: share of this rank's assignments (all k choices, before capacity) that go to e."""
+    counts_E = torch.bincount(routing.expert_A, minlength=num_experts).float()
+    return counts_E / max(routing.expert_A.numel(), 1)
+
+
+class GShardBalance(nn.Module):
+    """GShard / Switch balance loss `E · Σ_e f_e · P_e` (P_e: mean router probability of e).
+
+    Equals 1 under perfect balance; its gradient flows through P_e only (f_e is a count).
+    """
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+
+    def selection_bias(self) -> torch.Tensor | None:
+        return None
+
+    def loss(self, routing: Routing) -> torch.Tensor:
+        if routing.num_tokens == 0:
+            return routing.probs_TE.sum() * 0.0
+        f_E = assignment_share_E(routing, self.num_experts)
+        p_E = routing.probs_TE.mean(0)
+        return self.num_experts * (f_E * p_E).sum()
+
+    def observe(self, expert_counts_E: torch.Tensor) -> None:
+        del expert_counts_E
+
+
+class NoBalance(GShardBalance):
+    """`balance="none"`: no auxiliary term."""
+
+    def loss(self, routing: Routing) -> torch.Tensor:
+        return routing.probs_TE.sum() * 0.0
+
+
+class AuxFreeBalance(GShardBalance):
+    """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the routing
+    scores for top-k *selection only*; after each training forward, `b_e += u · sign(mean − count_e)`
+    from the global counts, so overloaded experts become less likely to be picked."""
+
+    def __init__(self, num_experts: int, update_rate: float = 1e-3) -> None:
+        super().__init__(num_experts)
+        if update_rate < 0:
+            raise ValueError(f"update_rate={update_rate} must be >= 0")
+        self.update_rate = update_rate
+        self.register_buffer("bias_E", torch.zeros(num_experts))
+
+    def selection_bias(self) -> torch.Tensor:
+        return self.bias_E
+
+    def loss(self, routing: Routing) -> torch.Tensor:
+        return routing.probs_TE.sum() * 0.0
+
+    @torch.no_grad()
+    def observe(self, expert_counts_E: torch.Tensor) -> None:
+        if not self.training or self.update_rate == 0:
+            return
+        counts_E = expert_counts_E.to(self.bias_E.device, torch.float32)
+        self.bias_E += self.update_rate * torch.sign(counts_E.mean() - counts_E)
+
+
+BALANCES: dict[str, type[GShardBalance]] = {
+    "gshard": GShardBalance,
+    "aux_free": AuxFreeBalance,
+    "none": NoBalance,
+}
+
+
+def build_balance(balance: str | nn.Module, num_experts: int) -> nn.Module:
+    if isinstance(balance, nn.Module):
+        return balance
+    if not isinstance(balance, str) or balance not in BALANCES:
+        raise ValueError(f"unknown balance={balance!r}; valid: {sorted(BALANCES)}")
+    return BALANCES[balance](num_experts)
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)²; keeps logits small."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.sum() * 0.0
+    return torch.logsumexp(logits_TE, dim=-1).square().mean()

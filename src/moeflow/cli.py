@@ -1,0 +1,51 @@
+"""`moeflow` command line: one sub-command per module in `moeflow.commands`.
+
+Each command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`.
+Heavy imports live inside `run` so that `moeflow --help` stays fast.
+
+    moeflow train --nproc 2 --out runs/demo
+    moeflow bench --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> module; the order is the order of `moeflow --help` (DESIGN.md §3.2).
+COMMANDS = {
+    "train": "moeflow.commands.train",
+    "generate": "moeflow.commands.generate",
+    "bench": "moeflow.commands.bench",
+    "profile": "moeflow.commands.profile",
+    "simulate": "moeflow.commands.simulate",
+    "roofline": "moeflow.commands.roofline",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moeflow", description="Mixture-of-Experts training for skewed loads and uneven networks."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        # Bad input: one line naming the culprit, no traceback (DESIGN.md §3.2).
+        print(f"moeflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Grouped experts: the experts of one layer on one rank, stored as `[E_local, ...]` tensors and
+computed as grouped matmuls over variable-size groups of tokens (never a loop over tokens).
+
+`expert="ffn"`:    y = gelu(x·w1[e] + b1[e])·w2[e] + b2[e]     (exact erf GELU; GPT, FasterMoE)
+`expert="swiglu"`: y = (silu(x·w1[e]) * (x·w3[e]))·w2[e]        (Mixtral; no biases)
+
+Shape suffixes: N rows (tokens × choices) sorted by expert, D d_model, H d_hidden, L local experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EXPERT_KINDS = ("ffn", "swiglu")
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: `torch._grouped_mm`'s backward
+    rejects the stride-0 gradients that `.sum()` and `expand` produce."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_mm_supported(x_ND: torch.Tensor, w_LDH: torch.Tensor) -> bool:
+    # torch._grouped_mm needs 16-byte aligned rows for both operands and the output.
+    if not hasattr(torch, "_grouped_mm") or x_ND.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x_ND.device.type == "cuda" and x_ND.dtype != torch.bfloat16:
+        return False
+    item = x_ND.element_size()
+    return (w_LDH.shape[1] * item) % 16 == 0 and (w_LDH.shape[2] * item) % 16 == 0
+
+
+def grouped_mm(x_ND: torch.Tensor, w_LDH: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
+    """`out[rows of group l] = x[rows of group l] @ w[l]` for consecutive groups of `counts_L` rows."""
+    w_LDH = w_LDH.to(x_ND.dtype)
+    if _grouped_mm_supported(x_ND, w_LDH):
+        offs_L = torch.tensor(counts_L, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_ND.device)
+        out = torch._grouped_mm(x_ND.contiguous(), w_LDH.contiguous(), offs=offs_L)
+        return _ContiguousGrad.apply(out)
+    chunks = torch.split(x_ND, counts_L)
+    return torch.cat([chunk @ w_LDH[i] for i, chunk in enumerate(chunks)], dim=0)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class GroupedExperts(nn.Module):
+    """`num_local` experts of one layer; global ids `[first_expert, first_expert + num_local)`."""
+
+    def __init__(self, num_local: int, d_model: int, d_hidden: int, kind: str = "ffn", first_expert: int = 0):
+        super().__init__()
+        if kind not in EXPERT_KINDS:
+            raise ValueError(f"unknown expert={kind!r}; valid: {list(EXPERT_KINDS)}")
+        self.kind, self.first_expert = kind, first_expert
+        self.d_model, self.d_hidden = d_model, d_hidden
+        self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
+        self.w2 = nn.Parameter(torch.empty(num_local, d_hidden, d_model))
+        if kind == "ffn":
+            self.b1 = nn.Parameter(torch.zeros(num_local, d_hidden))
+            self.b2 = nn.Parameter(torch.zeros(num_local, d_model))
+        else:
+            self.w3 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
+        self.reset_parameters()
+
+    @property
+    def num_local(self) -> int:
+        return self.w1.shape[0]
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default bound 1/sqrt(fan_in), expert by expert.
+        for name, param in self.named_parameters():
+            if name.startswith("w"):
+                bound = 1.0 / math.sqrt(param.shape[1])
+                nn.init.uniform_(param, -bound, bound)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The `[L, ...]` tensors by name; sparse collectives and sharding work on this dict."""
+        return dict(self.named_parameters())
+
+    def forward(self, x_ND: torch.Tensor, counts_L: list[int], weights: dict | None = None) -> torch.Tensor:
+        """Rows of `x_ND` are grouped by expert, `counts_L[l]` rows for expert l of `weights`
+        (default: this module's own parameters; a planner may pass materialized copies)."""
+        w = self.weights() if weights is None else weights
+        dtype = _compute_dtype(x_ND)
+        x_ND = x_ND.to(dtype)
+        if self.kind == "ffn":
+            row_expert_N = torch.repeat_interleave(
+                torch.arange(len(counts_L), device=x_ND.device),
+                torch.tensor(counts_L, device=x_ND.device),
+                output_size=x_ND.shape[0],
+            )
+            hidden_NH = grouped_mm(x_ND, w["w1"], counts_L) + w["b1"].to(dtype)[row_expert_N]
+            hidden_NH = F.gelu(hidden_NH)  # exact erf GELU (DESIGN.md §3.1)
+            return grouped_mm(hidden_NH, w["w2"], counts_L) + w["b2"].to(dtype)[row_expert_N]
+        gated_NH = F.silu(grouped_mm(x_ND, w["w1"], counts_L)) * grouped_mm(x_ND, w["w3"], counts_L)
+        return grouped_mm(gated_NH, w["w2"], counts_L)
+
+    def shard_(self, first: int, count: int) -> GroupedExperts:
+        """Keep experts `[first, first + count)` of those held now (global ids shift accordingly)."""
+        for name, param in list(self.named_parameters()):
+            setattr(self, name, nn.Parameter(param.detach()[first : first + count].clone()))
+        self.first_expert += first
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"kind={self.kind}, experts=[{self.first_expert}, {self.first_expert + self.num_local}), "
+            f"d_model={self.d_model}, d_hidden={self.d_hidden}"
+        )

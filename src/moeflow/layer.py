@@ -1,0 +1,262 @@
+"""`MoELayer`: the step sequence and its hook points; no algorithm lives here.
+
+Forward (DESIGN.md §2): gate → capacity → count exchange → plan → order → dispatch (all-to-all)
+→ experts → combine (all-to-all) → un-order (weighted sum). Backward mirrors it through autograd.
+FSMoE §3.1's six hooks sit at the named points. With `group=None` the dispatcher is local (W = 1)
+and every step runs unchanged — gates and planners never branch on "is distributed".
+
+Shape suffixes: T tokens on this rank, D d_model, E experts, A assignments (kept, this rank),
+R rows received by this rank, W ranks in the expert-parallel group, H experts held by this rank.
+
+    layer = MoELayer(d_model=512, d_hidden=1024, num_experts=8, top_k=2)
+    y = layer(x); loss = task_loss(y) + layer.aux_loss
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moeflow import dispatch
+from moeflow.balance import build_balance, router_z_loss
+from moeflow.experts import GroupedExperts
+from moeflow.gates import Routing, build_gate
+from moeflow.hooks import HOOK_POINTS, MoEHook, run_hooks
+from moeflow.placement import Placement, dispatch_counts
+from moeflow.planners import get_planner
+
+SCHEDULES = ("sync",)
+
+
+@dataclass
+class MoEStats:
+    """What the last forward did; derived from the count exchange, no extra collective."""
+
+    flow: torch.Tensor
+    """int64 `[W, E]`, global: assignments rank w sent to expert e (after capacity drops)."""
+    device_loads: torch.Tensor
+    """int64 `[W]`: assignments each rank computed."""
+    dropped: int
+    """Assignments dropped by capacity on this rank."""
+    bytes_sent: torch.Tensor
+    """int64 `[W]`: bytes this rank sent to each peer in the dispatch all-to-all."""
+    placement: Placement
+    """Where every expert was materialized."""
+
+    @property
+    def expert_counts(self) -> torch.Tensor:
+        """int64 `[E]`, global: assignments each expert received from all ranks."""
+        return self.flow.sum(0)
+
+    @property
+    def load_imbalance(self) -> float:
+        """max / mean expert load (1.0 = perfectly balanced)."""
+        counts = self.expert_counts.double()
+        mean = counts.mean().item()
+        return counts.max().item() / mean if mean > 0 else 1.0
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int")
+    if value <= 0:
+        raise ValueError(f"{name}={value} must be positive")
+    return value
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts FFN layer. See DESIGN.md §3.1 for the contract."""
+
+    def __init__(
+        self,
+        d_model: int,
+        d_hidden: int,
+        num_experts: int,
+        top_k: int = 2,
+        gate: str | nn.Module = "topk",
+        expert: str = "ffn",
+        capacity_factor: float | None = None,
+        group: dist.ProcessGroup | None = None,
+        strategy="ep",
+        schedule: str = "sync",
+        balance: str | nn.Module = "gshard",
+        balance_weight: float = 0.01,
+        z_loss_weight: float = 0.0,
+        hooks: Sequence[MoEHook] | None = None,
+        check_finite: bool = False,
+        node_of: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_model = _positive_int("d_model", d_model)
+        self.d_hidden = _positive_int("d_hidden", d_hidden)
+        self.num_experts = _positive_int("num_experts", num_experts)
+        self.top_k = _positive_int("top_k", top_k)
+        if top_k > num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        if capacity_factor is not None and not (
+            isinstance(capacity_factor, (int, float))
+            and math.isfinite(capacity_factor)
+            and capacity_factor > 0
+        ):
+            raise ValueError(f"capacity_factor={capacity_factor!r} must be None (dropless) or > 0")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule={schedule!r}; valid: {list(SCHEDULES)}")
+        for name, value in (("balance_weight", balance_weight), ("z_loss_weight", z_loss_weight)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value} must be a finite number >= 0")
+        self.capacity_factor = capacity_factor
+        self.schedule = schedule
+        self.balance_weight, self.z_loss_weight = float(balance_weight), float(z_loss_weight)
+        self.check_finite = check_finite
+        self.planner = get_planner(strategy)
+        self.strategy = strategy if isinstance(strategy, str) else type(strategy).__name__
+        self.gate = build_gate(gate, d_model, num_experts, top_k)
+        self.balance = build_balance(balance, num_experts)
+        self.experts = GroupedExperts(num_experts, d_model, d_hidden, kind=expert)
+        self.hooks = list(hooks or [])
+        for hook in self.hooks:
+            if not any(hasattr(hook, point) for point in HOOK_POINTS):
+                raise TypeError(f"hooks entry {hook!r} implements none of {list(HOOK_POINTS)}")
+        self.node_of = None if node_of is None else list(node_of)
+        self.group: dist.ProcessGroup | None = None
+        self.placement = Placement.expert_parallel(num_experts, 1)
+        self.aux_loss = torch.zeros(())
+        self.stats: MoEStats | None = None
+        if group is not None:
+            self.to_expert_parallel(group)
+
+    # ---- parallelism -------------------------------------------------------------------------
+    def to_expert_parallel(self, group: dist.ProcessGroup | None) -> MoELayer:
+        """Keep only this rank's experts `[r·E_local, (r+1)·E_local)` of the group; returns self.
+
+        Build the layer with the same seed on every rank first: the kept slices then form exactly
+        the single-process layer's experts.
+        """
+        world = dispatch.group_size(group)
+        if self.num_experts % world:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by the EP size {world}")
+        if self.experts.num_local != self.num_experts:
+            raise ValueError("to_expert_parallel: this layer is already sharded")
+        local = self.num_experts // world
+        self.experts.shard_(dispatch.group_rank(group) * local, local)
+        self.group = group
+        self.placement = Placement.expert_parallel(self.num_experts, world)
+        if self.node_of is not None and len(self.node_of) != world:
+            raise ValueError(f"node_of has {len(self.node_of)} entries, expected the EP size {world}")
+        return self
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _validate_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MoELayer input must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"MoELayer input dtype={x.dtype} must be floating point")
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"MoELayer input shape {tuple(x.shape)}: last dim must be d_model={self.d_model}"
+            )
+        if self.check_finite and not torch.isfinite(x).all():
+            raise ValueError("MoELayer input contains NaN or Inf (check_finite=True)")
+
+    def _capacity_keep(self, routing: Routing) -> torch.Tensor | None:
+        """Mask of kept assignments: at most C = ceil(c·k·T/E) per expert on this rank, in
+        assignment order (choice-major: first choices before second, then earlier tokens)."""
+        if self.capacity_factor is None:
+            return None
+        capacity = math.ceil(self.capacity_factor * self.top_k * routing.num_tokens / self.num_experts)
+        expert_A = routing.expert_A
+        order_A = torch.sort(expert_A, stable=True).indices
+        counts_E = torch.bincount(expert_A, minlength=self.num_experts)
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        position = torch.empty_like(expert_A)
+        position[order_A] = (
+            torch.arange(expert_A.numel(), device=expert_A.device) - starts_E[expert_A[order_A]]
+        )
+        return position < capacity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._validate_input(x)
+        x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
+        me = dispatch.group_rank(self.group)
+
+        routing = self.gate(x_TD, self.balance.selection_bias())
+        if self.check_finite and not torch.isfinite(routing.logits_TE).all():
+            raise ValueError("MoELayer routing scores contain NaN or Inf (check_finite=True)")
+        aux = self.balance_weight * self.balance.loss(routing)
+        if self.z_loss_weight:
+            aux = aux + self.z_loss_weight * router_z_loss(routing.logits_TE)
+        self.aux_loss = aux
+
+        token_A, expert_A, weight_A = routing.token_A, routing.expert_A, routing.weight_A
+        keep_A = self._capacity_keep(routing)
+        dropped = 0
+        if keep_A is not None:
+            dropped = int((~keep_A).sum())
+            token_A, expert_A, weight_A = token_A[keep_A], expert_A[keep_A], weight_A[keep_A]
+
+        # Count exchange → global flow → plan (every rank computes the same plan).
+        flow_WE = dispatch.exchange_counts(torch.bincount(expert_A, minlength=self.num_experts), self.group)
+        placement = self.planner(flow_WE, self.placement)
+        plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
+
+        # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
+        dest_A = dispatch.assignment_destinations(expert_A, plan_SED[me])
+        order_A = torch.sort(dest_A * self.num_experts + expert_A, stable=True).indices
+        send_splits = plan_SED[me].sum(0).tolist()
+        recv_splits = plan_SED[:, :, me].sum(1).tolist()
+        x_sent_AD = run_hooks(self.hooks, "before_dispatch", self, x_TD[token_A[order_A]])
+        x_recv_RD = dispatch.all_to_all_v(x_sent_AD, send_splits, recv_splits, self.group)
+        x_recv_RD = run_hooks(self.hooks, "after_dispatch", self, x_recv_RD)
+
+        # Experts: regroup rows (source, expert) → (expert, source), compute, restore the order.
+        held_H = np.flatnonzero(placement.holders_EW[:, me])
+        counts_SH = plan_SED[:, held_H, me]
+        perm_R = torch.as_tensor(dispatch.source_major_to_expert_major(counts_SH), device=x.device)
+        y_grouped = self.experts(x_recv_RD[perm_R], counts_SH.sum(0).tolist(), self._held_weights(held_H))
+        y_recv_RD = run_hooks(
+            self.hooks, "before_combine", self, y_grouped[dispatch.inverse_permutation(perm_R)]
+        )
+
+        y_back_AD = dispatch.all_to_all_v(y_recv_RD, recv_splits, send_splits, self.group)
+        y_back_AD = run_hooks(self.hooks, "after_combine", self, y_back_AD)
+
+        # Un-order: weighted sum of each token's expert outputs; dropped assignments add zero.
+        weighted_AD = y_back_AD.float() * weight_A[order_A, None]
+        y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x.device)
+        y_TD = y_TD.index_add(0, token_A[order_A], weighted_AD).to(x.dtype)
+        y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
+
+        element_bytes = x_sent_AD.element_size() * self.d_model
+        self.stats = MoEStats(
+            flow=torch.from_numpy(flow_WE),
+            device_loads=torch.from_numpy(plan_SED.sum((0, 1))),
+            dropped=dropped,
+            bytes_sent=torch.tensor(send_splits, dtype=torch.int64) * element_bytes,
+            placement=placement,
+        )
+        if self.training:
+            self.balance.observe(self.stats.expert_counts)
+        return y_TD.reshape(x.shape)
+
+    def _held_weights(self, held_H: np.ndarray) -> dict[str, torch.Tensor] | None:
+        """Weights of the experts this rank computes, in `held_H` order (None: exactly its own)."""
+        first, local = self.experts.first_expert, self.experts.num_local
+        if np.array_equal(held_H, np.arange(first, first + local)):
+            return None
+        raise NotImplementedError(
+            f"strategy={self.strategy!r} materializes experts {held_H.tolist()} outside this rank's "
+            f"[{first}, {first + local}); materialization lands with the shadowing strategies"
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, d_hidden={self.d_hidden}, num_experts={self.num_experts}, "
+            f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, strategy={self.strategy!r}, "
+            f"schedule={self.schedule!r}"
+        )

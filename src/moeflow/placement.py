@@ -1,0 +1,149 @@
+"""Where experts live: `Placement` (owner + holders) and the dispatch plan derived from it.
+
+Every strategy in moeflow is a planner that returns a `Placement` (SPEC.md §6): plain expert
+parallelism materializes each expert only on its owner; FasterMoE shadowing, Pro-Prophet and
+Hecate add holders. The dispatch plan (`dispatch_counts`) then decides, for each source rank and
+expert, how many assignments go to each holder — local first, then the same node, then remote,
+spread evenly (Hecate §4.4). Both are pure functions of numbers: every rank computes the same
+plan from the same global flow matrix, so no extra communication is needed.
+
+Shape suffixes: W ranks in the expert-parallel group, E experts, S source rank, D destination rank.
+    owner_E     home rank of each expert (holds its optimizer state)
+    holders_EW  True where expert e is materialized on rank w this iteration (owner included)
+    flow_WE     assignments rank w sends to expert e (global, after the count exchange)
+    plan_SED    assignments source s sends for expert e to destination d
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Owner of every expert plus the ranks where each expert is materialized this iteration."""
+
+    owner_E: np.ndarray
+    """Home rank of each expert, int64 `[E]`; it holds the master weights and optimizer state."""
+    holders_EW: np.ndarray
+    """bool `[E, W]`: where each expert is materialized; always includes the owner."""
+
+    def __post_init__(self) -> None:
+        owner = np.asarray(self.owner_E, dtype=np.int64)
+        holders = np.asarray(self.holders_EW, dtype=bool)
+        if owner.ndim != 1 or holders.ndim != 2 or holders.shape[0] != owner.shape[0]:
+            raise ValueError(
+                f"Placement: owner_E must be [E] and holders_EW [E, W]; got owner_E shape "
+                f"{tuple(owner.shape)} and holders_EW shape {tuple(holders.shape)}"
+            )
+        world = holders.shape[1]
+        if owner.size and (owner.min() < 0 or owner.max() >= world):
+            raise ValueError(f"Placement: owner_E={owner.tolist()} has ranks outside [0, {world})")
+        missing = np.flatnonzero(~holders[np.arange(owner.size), owner])
+        if missing.size:
+            raise ValueError(f"Placement: experts {missing.tolist()} are not held by their owner")
+        object.__setattr__(self, "owner_E", owner)
+        object.__setattr__(self, "holders_EW", holders)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.owner_E.shape[0])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.holders_EW.shape[1])
+
+    @classmethod
+    def expert_parallel(cls, num_experts: int, world_size: int) -> Placement:
+        """Plain EP: rank r owns experts [r·E_local, (r+1)·E_local) and holds nothing else."""
+        if world_size < 1 or num_experts < 1 or num_experts % world_size:
+            raise ValueError(
+                f"num_experts={num_experts} must be a positive multiple of the expert-parallel "
+                f"size {world_size}"
+            )
+        owner = np.arange(num_experts, dtype=np.int64) // (num_experts // world_size)
+        return cls.owners_only(owner, world_size)
+
+    @classmethod
+    def owners_only(cls, owner_E: np.ndarray, world_size: int) -> Placement:
+        owner = np.asarray(owner_E, dtype=np.int64)
+        holders = np.zeros((owner.size, world_size), dtype=bool)
+        holders[np.arange(owner.size), owner] = True
+        return cls(owner, holders)
+
+    def with_holders(self, extra_EW: np.ndarray) -> Placement:
+        """The same owners with additional materializations (e.g. shadowed experts)."""
+        return Placement(self.owner_E, self.holders_EW | np.asarray(extra_EW, dtype=bool))
+
+    def materialized_EW(self) -> np.ndarray:
+        """bool `[E, W]`: copies that are not the owner's, i.e. what `materialize` must send."""
+        extra = self.holders_EW.copy()
+        extra[np.arange(self.num_experts), self.owner_E] = False
+        return extra
+
+    def is_owners_only(self) -> bool:
+        return not self.materialized_EW().any()
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Placement)
+            and np.array_equal(self.owner_E, other.owner_E)
+            and np.array_equal(self.holders_EW, other.holders_EW)
+        )
+
+    def __repr__(self) -> str:
+        extra = int(self.materialized_EW().sum())
+        return f"Placement(E={self.num_experts}, W={self.world_size}, extra_copies={extra})"
+
+
+def dispatch_counts(
+    flow_WE: np.ndarray, placement: Placement, node_of: Sequence[int] | None = None
+) -> np.ndarray:
+    """Split every (source, expert) flow over the expert's holders → `plan_SED` int64 `[W, E, W]`.
+
+    Hecate §4.4 order: the source itself if it holds the expert; else the holders on the source's
+    node, spread evenly; only if there are none, every holder, spread evenly. The remainder of an
+    uneven split goes to the candidates that follow the source in ring order, so that remainders
+    from different sources land on different holders.
+    """
+    flow = np.asarray(flow_WE, dtype=np.int64)
+    world, num_experts = placement.world_size, placement.num_experts
+    if flow.shape != (world, num_experts):
+        raise ValueError(
+            f"flow_WE shape {tuple(flow.shape)} does not match the placement's (W, E) = "
+            f"({world}, {num_experts})"
+        )
+    holders_SED = np.broadcast_to(placement.holders_EW[None, :, :], (world, num_experts, world))
+    if placement.is_owners_only():
+        plan = np.zeros((world, num_experts, world), dtype=np.int64)
+        plan[:, np.arange(num_experts), placement.owner_E] = flow
+        return plan
+
+    node = np.zeros(world, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
+    if node.shape != (world,):
+        raise ValueError(f"node_of has {node.size} entries, expected one per rank ({world})")
+    eye_SD = np.eye(world, dtype=bool)
+    same_node_SD = node[:, None] == node[None, :]
+    local_SE = placement.holders_EW.T  # [W, E]: source s holds e itself
+    near_SED = holders_SED & same_node_SD[:, None, :]
+    any_near_SE = near_SED.any(-1)
+    cand_SED = np.where(
+        local_SE[:, :, None],
+        eye_SD[:, None, :],
+        np.where(any_near_SE[:, :, None], near_SED, holders_SED),
+    )
+
+    # Rotate destinations so that index j means rank (s + j) mod W, split evenly, un-rotate.
+    rot_SD = (np.arange(world)[:, None] + np.arange(world)[None, :]) % world
+    cand_rot = np.take_along_axis(cand_SED, rot_SD[:, None, :], axis=2)
+    n_cand = cand_rot.sum(-1)
+    base = flow // n_cand
+    rem = flow % n_cand
+    rank_among = np.cumsum(cand_rot, axis=-1) - 1
+    share_rot = cand_rot * (base[:, :, None] + (rank_among < rem[:, :, None]))
+    plan = np.zeros_like(share_rot)
+    np.put_along_axis(plan, rot_SD[:, None, :], share_rot, axis=2)
+    return plan.astype(np.int64)

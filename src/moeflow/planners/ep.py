@@ -1,0 +1,13 @@
+"""Plain expert parallelism: every expert only on its owner."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeflow.placement import Placement
+
+
+def plan_ep(flow_WE: np.ndarray, placement: Placement, cost_model: object = None) -> Placement:
+    """Owners only, whatever the load: the baseline every other strategy must match numerically."""
+    del flow_WE, cost_model  # EP ignores the load by definition
+    return Placement.owners_only(placement.owner_E, placement.world_size)

@@ -1,0 +1,167 @@
+"""The central invariant: expert parallelism over 2 and 4 gloo ranks gives the outputs, input
+gradients, parameter gradients, aux losses and stats of the single-process layer holding all
+experts (same weights) — for every gate, both expert kinds, dropless and with capacity."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moeflow import MoELayer
+from moeflow.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
+
+from .multirank import run_ranks
+
+D, H = 16, 32
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _inputs(world: int, tokens: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(tokens[r], D, generator=gen) for r in range(world)]
+    gs = [torch.randn(tokens[r], D, generator=gen) for r in range(world)]
+    return xs, gs
+
+
+def _forward_backward(layer, x, g, noise_seed):
+    torch.manual_seed(noise_seed)  # noisy_topk draws its noise here, identically in both runs
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    ((y * g).sum() + layer.aux_loss).backward()
+    return y.detach(), x.grad, layer.aux_loss.detach(), layer.stats
+
+
+def _check_config(rank, world, group, group_ranks, *, gate, expert, capacity, experts_per_rank, tokens, seed):
+    """EP over `group` (ranks `group_ranks`) against a local single-process reference."""
+    num_experts = experts_per_rank * len(group_ranks)
+    top_k = 1 if gate == "switch" else 2
+    torch.manual_seed(seed)
+    full = MoELayer(
+        D,
+        H,
+        num_experts,
+        top_k=top_k,
+        gate=gate,
+        expert=expert,
+        capacity_factor=capacity,
+        balance_weight=0.1,
+        z_loss_weight=0.01,
+    )
+    ref, ep = copy.deepcopy(full), copy.deepcopy(full).to_expert_parallel(group)
+    me = group_ranks.index(rank)
+    xs, gs = _inputs(len(group_ranks), tokens, seed + 1)
+
+    ref_out = [_forward_backward(ref, xs[r], gs[r], 100 + r) for r in range(len(group_ranks))]
+    y, x_grad, aux, stats = _forward_backward(ep, xs[me], gs[me], 100 + me)
+    what = f"gate={gate} expert={expert} capacity={capacity} E/rank={experts_per_rank} rank={rank}"
+    torch.testing.assert_close(y, ref_out[me][0], **TOL, msg=lambda m: f"output {what}: {m}")
+    torch.testing.assert_close(x_grad, ref_out[me][1], **TOL, msg=lambda m: f"input grad {what}: {m}")
+    torch.testing.assert_close(aux, ref_out[me][2], **TOL, msg=lambda m: f"aux loss {what}: {m}")
+    assert stats.dropped == ref_out[me][3].dropped, what
+    ref_flow = torch.cat([o[3].flow for o in ref_out])
+    assert torch.equal(stats.flow, ref_flow), f"flow {what}"
+    lo = me * experts_per_rank
+    assert torch.equal(stats.device_loads, ref_flow.view(len(group_ranks), -1, experts_per_rank).sum((0, 2)))
+    for name, p in ep.gate.named_parameters():  # dense: each rank holds its tokens' share
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        torch.testing.assert_close(
+            grad,
+            dict(ref.gate.named_parameters())[name].grad,
+            **TOL,
+            msg=lambda m, n=name: f"gate.{n} grad {what}: {m}",
+        )
+    for name, p in ep.experts.named_parameters():
+        ref_grad = dict(ref.experts.named_parameters())[name].grad[lo : lo + experts_per_rank]
+        torch.testing.assert_close(
+            p.grad, ref_grad, **TOL, msg=lambda m, n=name: f"experts.{n} grad {what}: {m}"
+        )
+
+
+def _equivalence_body(rank, world):
+    for ep_size in (world, 2, 1) if world == 4 else (world, 1):
+        _check_layout(rank, world, ep_size)
+    group = dist.group.WORLD
+    ranks = list(range(world))
+    uneven = [5, 0, 9, 3][:world] if world == 4 else [7, 0]  # a rank that sends nothing
+    configs = itertools.product(["topk", "switch", "noisy_topk"], ["ffn", "swiglu"], [None, 1.0], [1, 2])
+    for i, (gate, expert, capacity, per_rank) in enumerate(configs):
+        tokens = uneven if i % 4 == 0 else [6 + 3 * r for r in ranks]
+        _check_config(
+            rank,
+            world,
+            group,
+            ranks,
+            gate=gate,
+            expert=expert,
+            capacity=capacity,
+            experts_per_rank=per_rank,
+            tokens=tokens,
+            seed=10 * i,
+        )
+
+    # An expert that receives nothing: route everything to expert 0 by a huge gate bias.
+    torch.manual_seed(5)
+    full = MoELayer(D, H, 2 * world, top_k=1, gate="switch")
+    with torch.no_grad():
+        full.gate.weight.zero_()
+        full.gate.weight[0] = 10.0
+    ep = copy.deepcopy(full).to_expert_parallel(group)
+    x = torch.rand(4, D) + 0.1
+    y = ep(x)
+    assert ep.stats.expert_counts.tolist() == [4 * world] + [0] * (2 * world - 1)
+    torch.testing.assert_close(y, full(x), **TOL)
+    y.sum().backward()
+    if rank != 0:
+        assert all(float(p.grad.abs().sum()) == 0.0 for p in ep.experts.parameters())
+
+    # bf16 runs end to end and stays close to fp32.
+    torch.manual_seed(6)
+    full = MoELayer(D, H, 2 * world, top_k=2)
+    ep = copy.deepcopy(full).to_expert_parallel(group)
+    x = torch.randn(8, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y16 = ep(x)
+    assert y16.dtype == torch.float32
+    torch.testing.assert_close(y16, full(x), rtol=0.05, atol=0.05)
+
+
+def _check_layout(rank, world, ep_size):
+    """DP × EP: gradients after all_reduce_gradients equal the single-process gradients of the
+    mean loss over all ranks' tokens (each rank's loss is the mean over its own tokens)."""
+    layout = ParallelLayout(ep_size=ep_size)
+    dp_size = world // ep_size
+    assert (layout.dp_size, layout.ep_rank, layout.dp_rank) == (dp_size, rank % ep_size, rank // ep_size)
+    assert (layout.ep_group is None) == (ep_size == 1)
+    assert (layout.expert_dp_group is None) == (dp_size == 1)
+    per_rank = 2
+    torch.manual_seed(3)
+    full = MoELayer(D, H, per_rank * ep_size, top_k=2, balance_weight=0.0)
+    ref, ep = copy.deepcopy(full), copy.deepcopy(full).to_expert_parallel(layout.ep_group)
+    xs, _ = _inputs(world, [6, 4, 8, 5][:world], 9)
+    for r in range(world):
+        ref(xs[r]).square().mean().div(world).backward()
+    ep(xs[rank]).square().mean().backward()
+    all_reduce_gradients(ep, layout)
+    ref_params = dict(ref.named_parameters())
+    for name, p in dense_parameters(ep):
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL)
+    lo = layout.ep_rank * per_rank
+    for name, p in expert_parameters(ep):
+        torch.testing.assert_close(p.grad, ref_params[name].grad[lo : lo + per_rank], **TOL)
+    bad = 3 if ep_size > 1 else 0
+    with pytest.raises(
+        ValueError, match=f"num_experts={bad} must be a positive multiple of ep_size={ep_size}"
+    ):
+        layout.validate_experts(bad)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_single_process(world):
+    """Also: DP × EP layouts (all ep sizes dividing world) give the global-mean gradients."""
+    run_ranks(_equivalence_body, world)

@@ -1,0 +1,103 @@
+"""Placement, dispatch plan and permutations: pure functions, property-tested."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeflow.dispatch import assignment_destinations, inverse_permutation, source_major_to_expert_major
+from moeflow.placement import Placement, dispatch_counts
+from moeflow.planners import get_planner
+
+
+@st.composite
+def placements_and_flows(draw):
+    world = draw(st.integers(1, 6))
+    experts = world * draw(st.integers(1, 3))
+    base = Placement.expert_parallel(experts, world)
+    extra = np.array(draw(st.lists(st.booleans(), min_size=experts * world, max_size=experts * world)))
+    placement = base.with_holders(extra.reshape(experts, world))
+    flow = np.array(draw(st.lists(st.integers(0, 20), min_size=world * experts, max_size=world * experts)))
+    nodes = draw(st.integers(1, world))
+    node_of = [r * nodes // world for r in range(world)]
+    return placement, flow.reshape(world, experts), node_of
+
+
+@settings(max_examples=150, deadline=None)
+@given(placements_and_flows())
+def test_every_assignment_reaches_exactly_one_holder(case):
+    placement, flow, node_of = case
+    plan = dispatch_counts(flow, placement, node_of)
+    assert plan.shape == (*flow.shape, placement.world_size)
+    np.testing.assert_array_equal(plan.sum(-1), flow)  # nothing lost, nothing duplicated
+    assert (plan[:, ~placement.holders_EW] == 0).all() if plan.size else True
+    world = placement.world_size
+    node = np.asarray(node_of)
+    for s in range(world):
+        for e in range(placement.num_experts):
+            row, held = plan[s, e], placement.holders_EW[e]
+            if held[s]:
+                assert row[s] == flow[s, e]  # local first
+                continue
+            near = held & (node == node[s])
+            cand = near if near.any() else held
+            assert (row[~cand] == 0).all()
+            assert row[cand].max() - row[cand].min() <= 1  # spread evenly
+
+
+@settings(max_examples=100, deadline=None)
+@given(placements_and_flows(), st.integers(0, 10**6))
+def test_assignment_destinations_follow_the_plan(case, seed):
+    placement, flow, node_of = case
+    plan = dispatch_counts(flow, placement, node_of)
+    rng = np.random.default_rng(seed)
+    source = int(rng.integers(placement.world_size))
+    expert_A = torch.as_tensor(rng.permutation(np.repeat(np.arange(placement.num_experts), flow[source])))
+    dest = assignment_destinations(expert_A, plan[source])
+    got = np.zeros_like(plan[source])
+    np.add.at(got, (expert_A.numpy(), dest.numpy()), 1)
+    np.testing.assert_array_equal(got, plan[source])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 5), st.integers(0, 10**6))
+def test_regroup_is_a_permutation_to_expert_major_and_inverts(sources, experts, seed):
+    counts = np.random.default_rng(seed).integers(0, 4, size=(sources, experts))
+    labels = np.concatenate(
+        [np.full(counts[s, e], s * experts + e) for s in range(sources) for e in range(experts)]
+    )
+    perm = source_major_to_expert_major(counts)
+    assert sorted(perm.tolist()) == list(range(labels.size))
+    regrouped = labels[perm]
+    expected = np.concatenate(
+        [np.full(counts[s, e], s * experts + e) for e in range(experts) for s in range(sources)]
+    )
+    np.testing.assert_array_equal(regrouped, expected)
+    x = torch.randn(labels.size, 3)
+    t = torch.as_tensor(perm)
+    torch.testing.assert_close(x[t][inverse_permutation(t)], x)
+
+
+def test_expert_parallel_placement_and_validation():
+    p = Placement.expert_parallel(6, 3)
+    assert p.owner_E.tolist() == [0, 0, 1, 1, 2, 2] and p.is_owners_only()
+    plan = dispatch_counts(np.array([[1, 2, 3, 4, 5, 6]] * 3), p)
+    assert plan[:, :, 1].sum() == 3 * (3 + 4)
+    with pytest.raises(ValueError, match="num_experts=5"):
+        Placement.expert_parallel(5, 2)
+    with pytest.raises(ValueError, match=r"experts \[1\] are not held by their owner"):
+        Placement(np.array([0, 1]), np.array([[True, False], [True, False]]))
+    with pytest.raises(ValueError, match="outside"):
+        Placement(np.array([0, 3]), np.ones((2, 2), bool))
+    with pytest.raises(ValueError, match="flow_WE shape"):
+        dispatch_counts(np.zeros((2, 6)), p)
+
+
+def test_planner_registry():
+    p = Placement.expert_parallel(4, 2).with_holders(np.ones((4, 2), bool))
+    assert get_planner("ep")(np.ones((2, 4)), p) == Placement.expert_parallel(4, 2)
+    with pytest.raises(ValueError, match=r"strategy='magic'.*'ep'"):
+        get_planner("magic")
