@@ -7,12 +7,14 @@ from __future__ import annotations
 import copy
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
 from moeflow.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
+from moeflow.planners import get_planner
 
 from .multirank import run_ranks
 
@@ -35,7 +37,33 @@ def _forward_backward(layer, x, g, noise_seed):
     return y.detach(), x.grad, layer.aux_loss.detach(), layer.stats
 
 
-def _check_config(rank, world, group, group_ranks, *, gate, expert, capacity, experts_per_rank, tokens, seed):
+class ForcedCopies:
+    """A planner that materializes a fixed pseudo-random set of extra copies (the same on every
+    rank: seeded by the seed given, never by rank)."""
+
+    def __init__(self, seed: int, share: float):
+        self.seed, self.share = seed, share
+
+    def __call__(self, flow_WE, placement, cost_model=None):
+        rng = np.random.default_rng(self.seed)
+        return placement.with_holders(rng.random(placement.holders_EW.shape) < self.share)
+
+
+def _check_config(
+    rank,
+    world,
+    group,
+    group_ranks,
+    *,
+    gate,
+    expert,
+    capacity,
+    experts_per_rank,
+    tokens,
+    seed,
+    strategy="ep",
+    node_of=None,
+):
     """EP over `group` (ranks `group_ranks`) against a local single-process reference."""
     num_experts = experts_per_rank * len(group_ranks)
     top_k = 1 if gate == "switch" else 2
@@ -51,13 +79,18 @@ def _check_config(rank, world, group, group_ranks, *, gate, expert, capacity, ex
         balance_weight=0.1,
         z_loss_weight=0.01,
     )
-    ref, ep = copy.deepcopy(full), copy.deepcopy(full).to_expert_parallel(group)
+    ref, ep = copy.deepcopy(full), copy.deepcopy(full)
+    ep.planner, ep.node_of = get_planner(strategy), node_of
+    ep.to_expert_parallel(group)
     me = group_ranks.index(rank)
     xs, gs = _inputs(len(group_ranks), tokens, seed + 1)
 
     ref_out = [_forward_backward(ref, xs[r], gs[r], 100 + r) for r in range(len(group_ranks))]
     y, x_grad, aux, stats = _forward_backward(ep, xs[me], gs[me], 100 + me)
-    what = f"gate={gate} expert={expert} capacity={capacity} E/rank={experts_per_rank} rank={rank}"
+    what = (
+        f"gate={gate} expert={expert} capacity={capacity} E/rank={experts_per_rank} rank={rank} "
+        f"strategy={strategy} placement={stats.placement}"
+    )
     torch.testing.assert_close(y, ref_out[me][0], **TOL, msg=lambda m: f"output {what}: {m}")
     torch.testing.assert_close(x_grad, ref_out[me][1], **TOL, msg=lambda m: f"input grad {what}: {m}")
     torch.testing.assert_close(aux, ref_out[me][2], **TOL, msg=lambda m: f"aux loss {what}: {m}")
@@ -65,7 +98,10 @@ def _check_config(rank, world, group, group_ranks, *, gate, expert, capacity, ex
     ref_flow = torch.cat([o[3].flow for o in ref_out])
     assert torch.equal(stats.flow, ref_flow), f"flow {what}"
     lo = me * experts_per_rank
-    assert torch.equal(stats.device_loads, ref_flow.view(len(group_ranks), -1, experts_per_rank).sum((0, 2)))
+    if stats.placement.is_owners_only():
+        per_rank_loads = ref_flow.view(len(group_ranks), -1, experts_per_rank).sum((0, 2))
+        assert torch.equal(stats.device_loads, per_rank_loads)
+    assert int(stats.device_loads.sum()) == int(ref_flow.sum())
     for name, p in ep.gate.named_parameters():  # dense: each rank holds its tokens' share
         grad = p.grad.clone()
         dist.all_reduce(grad, group=group)
@@ -102,6 +138,27 @@ def _equivalence_body(rank, world):
             experts_per_rank=per_rank,
             tokens=tokens,
             seed=10 * i,
+        )
+
+    # Placements with copies (the shadowing / Pro-Prophet / Hecate execution path): forced sets,
+    # everything everywhere, with and without a node layout, dropless and with capacity.
+    node_of = [r // 2 for r in ranks]
+    strategies = [ForcedCopies(1, 0.3), ForcedCopies(2, 1.0), ForcedCopies(3, 0.5)]
+    cases = itertools.product(strategies, ["ffn", "swiglu"], [None, 1.0], [1, 2])
+    for i, (strategy, expert, capacity, per_rank) in enumerate(cases):
+        _check_config(
+            rank,
+            world,
+            group,
+            ranks,
+            gate="topk",
+            expert=expert,
+            capacity=capacity,
+            experts_per_rank=per_rank,
+            tokens=uneven if i % 3 == 0 else [8] * world,
+            seed=500 + i,
+            strategy=strategy,
+            node_of=node_of if i % 2 else None,
         )
 
     # An expert that receives nothing: route everything to expert 0 by a huge gate bias.

@@ -30,6 +30,7 @@ from moeflow.gates import Routing, build_gate
 from moeflow.hooks import HOOK_POINTS, MoEHook, run_hooks
 from moeflow.placement import Placement, dispatch_counts
 from moeflow.planners import get_planner
+from moeflow.sparse_collectives import materialize
 
 SCHEDULES = ("sync",)
 
@@ -218,7 +219,8 @@ class MoELayer(nn.Module):
         held_H = np.flatnonzero(placement.holders_EW[:, me])
         counts_SH = plan_SED[:, held_H, me]
         perm_R = torch.as_tensor(dispatch.source_major_to_expert_major(counts_SH), device=x.device)
-        y_grouped = self.experts(x_recv_RD[perm_R], counts_SH.sum(0).tolist(), self._held_weights(held_H))
+        weights_H = self._held_weights(placement, held_H)
+        y_grouped = self.experts(x_recv_RD[perm_R], counts_SH.sum(0).tolist(), weights_H)
         y_recv_RD = run_hooks(
             self.hooks, "before_combine", self, y_grouped[dispatch.inverse_permutation(perm_R)]
         )
@@ -244,15 +246,15 @@ class MoELayer(nn.Module):
             self.balance.observe(self.stats.expert_counts)
         return y_TD.reshape(x.shape)
 
-    def _held_weights(self, held_H: np.ndarray) -> dict[str, torch.Tensor] | None:
-        """Weights of the experts this rank computes, in `held_H` order (None: exactly its own)."""
-        first, local = self.experts.first_expert, self.experts.num_local
-        if np.array_equal(held_H, np.arange(first, first + local)):
+    def _held_weights(self, placement: Placement, held_H: np.ndarray) -> dict[str, torch.Tensor] | None:
+        """Weights of the experts this rank computes, in `held_H` order (None: exactly its own).
+
+        With copies anywhere in the group every rank joins the sparse all-gather, so that all ranks
+        build the same autograd graph and meet in the same order in backward.
+        """
+        if placement.is_owners_only():
             return None
-        raise NotImplementedError(
-            f"strategy={self.strategy!r} materializes experts {held_H.tolist()} outside this rank's "
-            f"[{first}, {first + local}); materialization lands with the shadowing strategies"
-        )
+        return materialize(self.experts.weights(), placement, self.group, self.experts.first_expert, held_H)
 
     def extra_repr(self) -> str:
         return (
