@@ -106,3 +106,23 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
+
+
+class _Permute(torch.autograd.Function):
+    """Row permutation whose backward is the inverse permutation: a gather both ways, where
+    `x[perm]` would back-propagate through a (much slower) accumulating scatter."""
+
+    @staticmethod
+    def forward(ctx, x_RD, perm_R, inverse_R):
+        ctx.save_for_backward(inverse_R)
+        return x_RD.index_select(0, perm_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (inverse_R,) = ctx.saved_tensors
+        return grad_RD.index_select(0, inverse_R), None, None
+
+
+def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inverse_R: torch.Tensor) -> torch.Tensor:
+    """`x_RD[perm_R]` for a bijective `perm_R` (with its precomputed inverse)."""
+    return _Permute.apply(x_RD, perm_R, inverse_R)

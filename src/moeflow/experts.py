@@ -31,25 +31,29 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _grouped_mm_supported(x_ND: torch.Tensor, w_LDH: torch.Tensor) -> bool:
-    # torch._grouped_mm needs 16-byte aligned rows for both operands and the output.
-    if not hasattr(torch, "_grouped_mm") or x_ND.dtype not in (torch.float32, torch.bfloat16):
+def _use_grouped_mm_kernel(x_ND: torch.Tensor, w_LDH: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` is the fastest path here (measured, torch 2.13, see
+    docs/benchmarks.md): on CPU it matches `bmm` for fp32 but is ~10x slower than per-expert `mm`
+    for bf16 (no AMX path); on CUDA it is the bf16 kernel. It needs 16-byte aligned rows."""
+    if not hasattr(torch, "_grouped_mm"):
         return False
-    if x_ND.device.type == "cuda" and x_ND.dtype != torch.bfloat16:
-        return False
+    wanted = torch.float32 if x_ND.device.type == "cpu" else torch.bfloat16
     item = x_ND.element_size()
-    return (w_LDH.shape[1] * item) % 16 == 0 and (w_LDH.shape[2] * item) % 16 == 0
+    aligned = (w_LDH.shape[1] * item) % 16 == 0 and (w_LDH.shape[2] * item) % 16 == 0
+    return x_ND.dtype == wanted and aligned
 
 
 def grouped_mm(x_ND: torch.Tensor, w_LDH: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
     """`out[rows of group l] = x[rows of group l] @ w[l]` for consecutive groups of `counts_L` rows."""
     w_LDH = w_LDH.to(x_ND.dtype)
-    if _grouped_mm_supported(x_ND, w_LDH):
+    if _use_grouped_mm_kernel(x_ND, w_LDH):
         offs_L = torch.tensor(counts_L, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_ND.device)
         out = torch._grouped_mm(x_ND.contiguous(), w_LDH.contiguous(), offs=offs_L)
         return _ContiguousGrad.apply(out)
-    chunks = torch.split(x_ND, counts_L)
-    return torch.cat([chunk @ w_LDH[i] for i, chunk in enumerate(chunks)], dim=0)
+    # One mm per expert (not per token). `unbind` gives views whose backward stacks the weight
+    # gradients once, where `w[i]` indexing would allocate a full-size zero gradient per expert.
+    w_list = w_LDH.unbind(0)
+    return torch.cat([torch.mm(chunk, w_list[i]) for i, chunk in enumerate(torch.split(x_ND, counts_L))])
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

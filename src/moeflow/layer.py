@@ -211,7 +211,8 @@ class MoELayer(nn.Module):
         order_A = torch.sort(dest_A * self.num_experts + expert_A, stable=True).indices
         send_splits = plan_SED[me].sum(0).tolist()
         recv_splits = plan_SED[:, :, me].sum(1).tolist()
-        x_sent_AD = run_hooks(self.hooks, "before_dispatch", self, x_TD[token_A[order_A]])
+        token_sorted_A = token_A[order_A]
+        x_sent_AD = run_hooks(self.hooks, "before_dispatch", self, x_TD.index_select(0, token_sorted_A))
         x_recv_RD = dispatch.all_to_all_v(x_sent_AD, send_splits, recv_splits, self.group)
         x_recv_RD = run_hooks(self.hooks, "after_dispatch", self, x_recv_RD)
 
@@ -219,11 +220,12 @@ class MoELayer(nn.Module):
         held_H = np.flatnonzero(placement.holders_EW[:, me])
         counts_SH = plan_SED[:, held_H, me]
         perm_R = torch.as_tensor(dispatch.source_major_to_expert_major(counts_SH), device=x.device)
+        inverse_R = dispatch.inverse_permutation(perm_R)
         weights_H = self._held_weights(placement, held_H)
-        y_grouped = self.experts(x_recv_RD[perm_R], counts_SH.sum(0).tolist(), weights_H)
-        y_recv_RD = run_hooks(
-            self.hooks, "before_combine", self, y_grouped[dispatch.inverse_permutation(perm_R)]
-        )
+        x_grouped = dispatch.permute_rows(x_recv_RD, perm_R, inverse_R)
+        y_grouped = self.experts(x_grouped, counts_SH.sum(0).tolist(), weights_H)
+        y_recv_RD = dispatch.permute_rows(y_grouped, inverse_R, perm_R)
+        y_recv_RD = run_hooks(self.hooks, "before_combine", self, y_recv_RD)
 
         y_back_AD = dispatch.all_to_all_v(y_recv_RD, recv_splits, send_splits, self.group)
         y_back_AD = run_hooks(self.hooks, "after_combine", self, y_back_AD)
@@ -231,7 +233,7 @@ class MoELayer(nn.Module):
         # Un-order: weighted sum of each token's expert outputs; dropped assignments add zero.
         weighted_AD = y_back_AD.float() * weight_A[order_A, None]
         y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x.device)
-        y_TD = y_TD.index_add(0, token_A[order_A], weighted_AD).to(x.dtype)
+        y_TD = y_TD.index_add(0, token_sorted_A, weighted_AD).to(x.dtype)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
 
         element_bytes = x_sent_AD.element_size() * self.d_model
