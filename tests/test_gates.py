@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moeflow.balance import AuxFreeBalance, GShardBalance, build_balance, router_z_loss
+from moeflow.balance import AuxFreeBalance, BalanceContext, GShardBalance, build_balance, router_z_loss
 from moeflow.gates import NoisyTopKGate, SwitchGate, TopKGate, build_gate
 
 
@@ -40,9 +40,7 @@ def test_ties_go_to_lower_expert_id():
 def test_unnormalised_and_switch_keep_raw_probabilities():
     p = torch.softmax(torch.tensor([0.0, 1.0, 3.0]), 0)
     raw = TopKGate(4, 3, 2, normalize=False)
-    torch.testing.assert_close(
-        raw(_gate_with_logits(raw, [0.0, 1.0, 3.0])).weight_A, torch.stack([p[2], p[1]])
-    )
+    torch.testing.assert_close(raw(_gate_with_logits(raw, [0.0, 1.0, 3.0])).weight_A, torch.stack([p[2], p[1]]))
     switch = SwitchGate(4, 3)
     r = switch(_gate_with_logits(switch, [0.0, 1.0, 3.0]))
     assert r.expert_A.tolist() == [2]
@@ -133,4 +131,4 @@ def test_aux_free_bias_moves_against_load_and_steers_selection():
     with pytest.raises(ValueError, match="update_rate=-1"):
         AuxFreeBalance(3, update_rate=-1)
     with pytest.raises(ValueError, match=r"balance='x'.*aux_free"):
-        build_balance("x", 3)
+        build_balance("x", BalanceContext(3, 1, 4))

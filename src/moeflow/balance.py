@@ -9,6 +9,10 @@ Shape suffixes: T tokens on this rank, E experts, A assignments.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -34,7 +38,8 @@ class GShardBalance(nn.Module):
     def selection_bias(self) -> torch.Tensor | None:
         return None
 
-    def loss(self, routing: Routing) -> torch.Tensor:
+    def loss(self, routing: Routing, rank: int = 0) -> torch.Tensor:
+        """This rank's term; `rank` (in the EP group) matters to topology-aware losses only."""
         if routing.num_tokens == 0:
             return routing.probs_TE.sum() * 0.0
         f_E = assignment_share_E(routing, self.num_experts)
@@ -48,7 +53,7 @@ class GShardBalance(nn.Module):
 class NoBalance(GShardBalance):
     """`balance="none"`: no auxiliary term."""
 
-    def loss(self, routing: Routing) -> torch.Tensor:
+    def loss(self, routing: Routing, rank: int = 0) -> torch.Tensor:
         return routing.probs_TE.sum() * 0.0
 
 
@@ -67,7 +72,7 @@ class AuxFreeBalance(GShardBalance):
     def selection_bias(self) -> torch.Tensor:
         return self.bias_E
 
-    def loss(self, routing: Routing) -> torch.Tensor:
+    def loss(self, routing: Routing, rank: int = 0) -> torch.Tensor:
         return routing.probs_TE.sum() * 0.0
 
     @torch.no_grad()
@@ -78,19 +83,30 @@ class AuxFreeBalance(GShardBalance):
         self.bias_E += self.update_rate * torch.sign(counts_E.mean() - counts_E)
 
 
-BALANCES: dict[str, type[GShardBalance]] = {
-    "gshard": GShardBalance,
-    "aux_free": AuxFreeBalance,
-    "none": NoBalance,
+@dataclass(frozen=True)
+class BalanceContext:
+    """What a balance objective may need from its layer to be built by name."""
+
+    num_experts: int
+    top_k: int
+    d_model: int
+    cost_model: Any = None
+    """The layer's `moeflow.perf.costmodel.CostModel` (topology-aware objectives need it), or None."""
+
+
+BALANCES: dict[str, Callable[[BalanceContext], nn.Module]] = {
+    "gshard": lambda ctx: GShardBalance(ctx.num_experts),
+    "aux_free": lambda ctx: AuxFreeBalance(ctx.num_experts),
+    "none": lambda ctx: NoBalance(ctx.num_experts),
 }
 
 
-def build_balance(balance: str | nn.Module, num_experts: int) -> nn.Module:
+def build_balance(balance: str | nn.Module, ctx: BalanceContext) -> nn.Module:
     if isinstance(balance, nn.Module):
         return balance
     if not isinstance(balance, str) or balance not in BALANCES:
         raise ValueError(f"unknown balance={balance!r}; valid: {sorted(BALANCES)}")
-    return BALANCES[balance](num_experts)
+    return BALANCES[balance](ctx)
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow import dispatch
-from moeflow.balance import build_balance, router_z_loss
+from moeflow.balance import BalanceContext, build_balance, router_z_loss
 from moeflow.experts import GroupedExperts
 from moeflow.gates import Routing, build_gate
 from moeflow.hooks import HOOK_POINTS, MoEHook, run_hooks
@@ -72,7 +72,26 @@ def _positive_int(name: str, value) -> int:
 
 
 class MoELayer(nn.Module):
-    """A Mixture-of-Experts FFN layer. See DESIGN.md §3.1 for the contract."""
+    """A Mixture-of-Experts FFN layer (contract: DESIGN.md §3.1).
+
+    Args:
+        d_model, d_hidden: model and expert hidden sizes.
+        num_experts, top_k: experts in the layer and experts chosen per token (1 <= k <= E).
+        gate: `topk`, `switch`, `noisy_topk`, or a gate module returning `Routing`.
+        expert: `ffn` (GELU, with biases) or `swiglu` (no biases).
+        capacity_factor: None = dropless; c > 0 keeps at most ceil(c·k·T/E) assignments per expert
+            and rank, first choices before second, then earlier tokens.
+        group: expert-parallel process group (None: single process); see `to_expert_parallel`.
+        strategy: planner name (`ep`) or a callable `(flow_WE, placement, cost_model) -> Placement`.
+        schedule: `sync`.
+        balance: `gshard`, `aux_free`, `none`, or a balance module; `balance_weight` scales it.
+        z_loss_weight: weight of the router z-loss (0 = off).
+        hooks: objects implementing any of FSMoE's six hook points (`moeflow.hooks`).
+        check_finite: raise on NaN/Inf in the input or the routing scores.
+        node_of: node index of every EP rank (dispatch prefers holders on the same node); defaults
+            to the cost model's topology.
+        cost_model: `moeflow.perf.costmodel.CostModel` for planners and topology-aware objectives.
+    """
 
     def __init__(
         self,
@@ -92,6 +111,7 @@ class MoELayer(nn.Module):
         hooks: Sequence[MoEHook] | None = None,
         check_finite: bool = False,
         node_of: Sequence[int] | None = None,
+        cost_model=None,
     ) -> None:
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -101,9 +121,7 @@ class MoELayer(nn.Module):
         if top_k > num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if capacity_factor is not None and not (
-            isinstance(capacity_factor, (int, float))
-            and math.isfinite(capacity_factor)
-            and capacity_factor > 0
+            isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0
         ):
             raise ValueError(f"capacity_factor={capacity_factor!r} must be None (dropless) or > 0")
         if schedule not in SCHEDULES:
@@ -118,12 +136,15 @@ class MoELayer(nn.Module):
         self.planner = get_planner(strategy)
         self.strategy = strategy if isinstance(strategy, str) else type(strategy).__name__
         self.gate = build_gate(gate, d_model, num_experts, top_k)
-        self.balance = build_balance(balance, num_experts)
+        self.cost_model = cost_model
+        self.balance = build_balance(balance, BalanceContext(num_experts, top_k, d_model, cost_model))
         self.experts = GroupedExperts(num_experts, d_model, d_hidden, kind=expert)
         self.hooks = list(hooks or [])
         for hook in self.hooks:
             if not any(hasattr(hook, point) for point in HOOK_POINTS):
                 raise TypeError(f"hooks entry {hook!r} implements none of {list(HOOK_POINTS)}")
+        if node_of is None and cost_model is not None:
+            node_of = cost_model.topology.node_of
         self.node_of = None if node_of is None else list(node_of)
         self.group: dist.ProcessGroup | None = None
         self.placement = Placement.expert_parallel(num_experts, 1)
@@ -159,9 +180,7 @@ class MoELayer(nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"MoELayer input dtype={x.dtype} must be floating point")
         if x.dim() == 0 or x.shape[-1] != self.d_model:
-            raise ValueError(
-                f"MoELayer input shape {tuple(x.shape)}: last dim must be d_model={self.d_model}"
-            )
+            raise ValueError(f"MoELayer input shape {tuple(x.shape)}: last dim must be d_model={self.d_model}")
         if self.check_finite and not torch.isfinite(x).all():
             raise ValueError("MoELayer input contains NaN or Inf (check_finite=True)")
 
@@ -176,9 +195,7 @@ class MoELayer(nn.Module):
         counts_E = torch.bincount(expert_A, minlength=self.num_experts)
         starts_E = torch.cumsum(counts_E, 0) - counts_E
         position = torch.empty_like(expert_A)
-        position[order_A] = (
-            torch.arange(expert_A.numel(), device=expert_A.device) - starts_E[expert_A[order_A]]
-        )
+        position[order_A] = torch.arange(expert_A.numel(), device=expert_A.device) - starts_E[expert_A[order_A]]
         return position < capacity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,7 +206,7 @@ class MoELayer(nn.Module):
         routing = self.gate(x_TD, self.balance.selection_bias())
         if self.check_finite and not torch.isfinite(routing.logits_TE).all():
             raise ValueError("MoELayer routing scores contain NaN or Inf (check_finite=True)")
-        aux = self.balance_weight * self.balance.loss(routing)
+        aux = self.balance_weight * self.balance.loss(routing, me)
         if self.z_loss_weight:
             aux = aux + self.z_loss_weight * router_z_loss(routing.logits_TE)
         self.aux_loss = aux
@@ -203,7 +220,7 @@ class MoELayer(nn.Module):
 
         # Count exchange → global flow → plan (every rank computes the same plan).
         flow_WE = dispatch.exchange_counts(torch.bincount(expert_A, minlength=self.num_experts), self.group)
-        placement = self.planner(flow_WE, self.placement)
+        placement = self.planner(flow_WE, self.placement, self.cost_model)
         plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
 
         # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
