@@ -83,7 +83,7 @@ def test_stats_and_aux_loss_single_process():
     s = layer.stats
     assert s.flow.shape == (1, 4) and int(s.expert_counts.sum()) == 12
     assert s.device_loads.tolist() == [12] and s.dropped == 0
-    assert s.bytes_sent.tolist() == [12 * 8 * 4]
+    assert s.bytes_sent.tolist() == [0]  # nothing leaves a single process
     assert s.load_imbalance >= 1.0
     assert layer.aux_loss.dim() == 0 and layer.aux_loss.requires_grad
 

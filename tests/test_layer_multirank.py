@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from moeflow import MoELayer
 from moeflow.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
-from moeflow.planners import get_planner
+from moeflow.perf.costmodel import CostModel
+from moeflow.planners import PlannerContext, get_planner
+from moeflow.topology import Topology
 
 from .multirank import run_ranks
 
@@ -95,6 +97,10 @@ def _check_config(
     torch.testing.assert_close(x_grad, ref_out[me][1], **TOL, msg=lambda m: f"input grad {what}: {m}")
     torch.testing.assert_close(aux, ref_out[me][2], **TOL, msg=lambda m: f"aux loss {what}: {m}")
     assert stats.dropped == ref_out[me][3].dropped, what
+    if stats.placement.is_owners_only():
+        owner_of = np.arange(num_experts) // experts_per_rank
+        expected = [int(ref_out[me][3].flow[0, owner_of == d].sum()) * D * 4 * (d != me) for d in range(world)]
+        assert stats.bytes_sent.tolist() == expected, what
     ref_flow = torch.cat([o[3].flow for o in ref_out])
     assert torch.equal(stats.flow, ref_flow), f"flow {what}"
     lo = me * experts_per_rank
@@ -113,9 +119,42 @@ def _check_config(
         )
     for name, p in ep.experts.named_parameters():
         ref_grad = dict(ref.experts.named_parameters())[name].grad[lo : lo + experts_per_rank]
-        torch.testing.assert_close(
-            p.grad, ref_grad, **TOL, msg=lambda m, n=name: f"experts.{n} grad {what}: {m}"
-        )
+        torch.testing.assert_close(p.grad, ref_grad, **TOL, msg=lambda m, n=name: f"experts.{n} grad {what}: {m}")
+
+
+def _check_shadow_strategy(rank, world):
+    """strategy="shadow" with a real cost model on skewed routing: the planner shadows the hot
+    expert, and outputs, gradients and the optimizer step equal plain EP's."""
+    cost_model = CostModel(Topology.homogeneous(world, 1e8), gemm_flops_per_s=1e8)
+    torch.manual_seed(11)
+    full = MoELayer(D, H, 2 * world, top_k=2, balance_weight=0.1)
+    with torch.no_grad():
+        full.gate.weight[3] += 2.0  # expert 3 becomes hot for inputs with positive features
+    ep = copy.deepcopy(full).to_expert_parallel(dist.group.WORLD)
+    shadow = copy.deepcopy(full)
+    shadow.planner, shadow.cost_model = get_planner("shadow", PlannerContext(2 * world, D, H, "ffn")), cost_model
+    shadow.to_expert_parallel(dist.group.WORLD)
+    x = torch.rand(64, D, generator=torch.Generator().manual_seed(rank)) + 0.5
+    g = torch.randn(64, D, generator=torch.Generator().manual_seed(100 + rank))
+    optimizers = [torch.optim.Adam(m.parameters(), lr=0.1) for m in (ep, shadow)]
+    for step in range(2):
+        outs = []
+        for layer, opt in zip((ep, shadow), optimizers):
+            opt.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            ((y * g).sum() + layer.aux_loss).backward()
+            outs.append((y.detach(), xi.grad))
+            opt.step()
+        torch.testing.assert_close(outs[1][0], outs[0][0], **TOL)
+        torch.testing.assert_close(outs[1][1], outs[0][1], **TOL)
+        assert 3 in shadow.planner.last.shadowed, shadow.planner.last
+        assert shadow.stats.placement.holders_EW[3].all()
+        sent = torch.stack([shadow.stats.bytes_sent.sum(), ep.stats.bytes_sent.sum()])
+        dist.all_reduce(sent)
+        assert sent[0] < sent[1], f"bytes on the network: shadow {sent[0]}, ep {sent[1]}"
+        for (name, p_ep), p_sh in zip(ep.named_parameters(), shadow.parameters()):
+            torch.testing.assert_close(p_sh, p_ep, **TOL, msg=lambda m, n=name, s=step: f"{n} after step {s}: {m}")
 
 
 def _equivalence_body(rank, world):
@@ -160,6 +199,8 @@ def _equivalence_body(rank, world):
             strategy=strategy,
             node_of=node_of if i % 2 else None,
         )
+
+    _check_shadow_strategy(rank, world)
 
     # An expert that receives nothing: route everything to expert 0 by a huge gate bias.
     torch.manual_seed(5)
@@ -211,9 +252,7 @@ def _check_layout(rank, world, ep_size):
     for name, p in expert_parameters(ep):
         torch.testing.assert_close(p.grad, ref_params[name].grad[lo : lo + per_rank], **TOL)
     bad = 3 if ep_size > 1 else 0
-    with pytest.raises(
-        ValueError, match=f"num_experts={bad} must be a positive multiple of ep_size={ep_size}"
-    ):
+    with pytest.raises(ValueError, match=f"num_experts={bad} must be a positive multiple of ep_size={ep_size}"):
         layout.validate_experts(bad)
 
 

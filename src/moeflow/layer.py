@@ -29,7 +29,7 @@ from moeflow.experts import GroupedExperts
 from moeflow.gates import Routing, build_gate
 from moeflow.hooks import HOOK_POINTS, MoEHook, run_hooks
 from moeflow.placement import Placement, dispatch_counts
-from moeflow.planners import get_planner
+from moeflow.planners import PlannerContext, get_planner
 from moeflow.sparse_collectives import materialize
 
 SCHEDULES = ("sync",)
@@ -46,7 +46,8 @@ class MoEStats:
     dropped: int
     """Assignments dropped by capacity on this rank."""
     bytes_sent: torch.Tensor
-    """int64 `[W]`: bytes this rank sent to each peer in the dispatch all-to-all."""
+    """int64 `[W]`: bytes this rank sent to each peer in the dispatch all-to-all (0 to itself:
+    local rows never touch the network; the combine sends the same amount back)."""
     placement: Placement
     """Where every expert was materialized."""
 
@@ -133,8 +134,10 @@ class MoELayer(nn.Module):
         self.schedule = schedule
         self.balance_weight, self.z_loss_weight = float(balance_weight), float(z_loss_weight)
         self.check_finite = check_finite
-        self.planner = get_planner(strategy)
+        self.planner = get_planner(strategy, PlannerContext(num_experts, d_model, d_hidden, expert))
         self.strategy = strategy if isinstance(strategy, str) else type(strategy).__name__
+        if getattr(self.planner, "needs_cost_model", False) and cost_model is None:
+            raise ValueError(f"strategy={self.strategy!r} needs cost_model= (a moeflow.perf.costmodel.CostModel)")
         self.gate = build_gate(gate, d_model, num_experts, top_k)
         self.cost_model = cost_model
         self.balance = build_balance(balance, BalanceContext(num_experts, top_k, d_model, cost_model))
@@ -258,7 +261,7 @@ class MoELayer(nn.Module):
             flow=torch.from_numpy(flow_WE),
             device_loads=torch.from_numpy(plan_SED.sum((0, 1))),
             dropped=dropped,
-            bytes_sent=torch.tensor(send_splits, dtype=torch.int64) * element_bytes,
+            bytes_sent=torch.tensor(send_splits, dtype=torch.int64).index_fill(0, torch.tensor(me), 0) * element_bytes,
             placement=placement,
         )
         if self.training:

@@ -4,13 +4,16 @@
 `reduce_to_owner`: every holder's gradient for a copy is sent back and summed into the owner's
 parameter gradient. Only parameters and gradients move — the optimizer state stays with the owner
 (FasterMoE §4.1, Pro-Prophet §IV-A). Implemented as batched point-to-point (`batch_isend_irecv`),
-one flat message per (expert, holder), so arbitrary subsets work without building subgroups.
+one flat message per (expert, holder), so arbitrary subsets work without building subgroups; experts
+held by every rank (FasterMoE shadowing) use one broadcast / reduce per owner instead.
 
 Shape suffixes: L experts owned by this rank, H experts held (computed) by this rank, P flattened
 parameters of one expert, M messages (copies received by this rank).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,17 +22,39 @@ import torch.distributed as dist
 from moeflow.placement import Placement
 
 
-def _transfers(placement: Placement, me: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(expert, peer) pairs this rank sends (as owner) and receives (as holder), in a global order
-    that both sides of every pair enumerate identically (expert, then holder rank)."""
+@dataclass
+class _Transfers:
+    """Who sends what to whom for one placement, enumerated identically on every rank."""
+
+    sends: list[tuple[int, int]]
+    """(expert, holder) pairs this rank sends point-to-point, as owner of a partial replica set."""
+    recvs: list[tuple[int, int]]
+    """(expert, owner) pairs this rank receives point-to-point."""
+    broadcasts: dict[int, list[int]]
+    """owner -> its experts held by *every* rank (FasterMoE shadowing): one broadcast per owner."""
+    received: list[int]
+    """Experts whose copies arrive here, in the row order of the received buffer."""
+
+
+def _transfers(placement: Placement, me: int) -> _Transfers:
+    """Experts replicated on every rank go through broadcast / reduce (a pipelined ring with NCCL:
+    each link carries the parameters once, FasterMoE Eq. 8); partial replica sets (Pro-Prophet,
+    Hecate) through batched point-to-point, which works for arbitrary subsets without subgroups."""
+    extra_EW = placement.materialized_EW()
+    everywhere_E = placement.holders_EW.all(1) & extra_EW.any(1)
     sends, recvs = [], []
-    for e, d in zip(*np.nonzero(placement.materialized_EW())):
+    for e, d in zip(*np.nonzero(extra_EW & ~everywhere_E[:, None])):
         owner = int(placement.owner_E[e])
         if owner == me:
             sends.append((int(e), int(d)))
         elif d == me:
             recvs.append((int(e), owner))
-    return sends, recvs
+    broadcasts: dict[int, list[int]] = {}
+    for e in np.flatnonzero(everywhere_E):
+        broadcasts.setdefault(int(placement.owner_E[e]), []).append(int(e))
+    broadcasts = dict(sorted(broadcasts.items()))
+    received = [e for e, _ in recvs] + [e for o, es in broadcasts.items() if o != me for e in es]
+    return _Transfers(sends, recvs, broadcasts, received)
 
 
 def _p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]], group) -> None:
@@ -46,37 +71,53 @@ class _Materialize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, placement, group, first_expert, *local_params):
         me = dist.get_rank(group)
-        sends, recvs = _transfers(placement, me)
-        ctx.sends, ctx.recvs, ctx.group, ctx.first = sends, recvs, group, first_expert
+        plan = _transfers(placement, me)
+        ctx.plan, ctx.group, ctx.first, ctx.me = plan, group, first_expert, me
         ctx.shapes = [p.shape for p in local_params]
-        ref = local_params[0]
         flat_LP = torch.cat([p.detach().reshape(p.shape[0], -1) for p in local_params], dim=1)
-        recv_MP = ref.new_empty((len(recvs), flat_LP.shape[1]))
+        recv_MP = flat_LP.new_empty((len(plan.received), flat_LP.shape[1]))
         _p2p(
-            [(peer, flat_LP[e - first_expert].contiguous()) for e, peer in sends],
-            [(peer, recv_MP[i]) for i, (_, peer) in enumerate(recvs)],
+            [(peer, flat_LP[e - first_expert].contiguous()) for e, peer in plan.sends],
+            [(peer, recv_MP[i]) for i, (_, peer) in enumerate(plan.recvs)],
             group,
         )
+        row = len(plan.recvs)
+        for owner, experts in plan.broadcasts.items():
+            if owner == me:
+                buf = flat_LP[[e - first_expert for e in experts]].contiguous()
+            else:
+                buf = recv_MP[row : row + len(experts)]
+                row += len(experts)
+            dist.broadcast(buf, src=dist.get_global_rank(group, owner), group=group)
         return recv_MP
 
     @staticmethod
     def backward(ctx, grad_MP):
+        plan, group, first, me = ctx.plan, ctx.group, ctx.first, ctx.me
         grad_MP = grad_MP.contiguous()
-        shapes = ctx.shapes
-        width = sum(int(np.prod(s[1:])) for s in shapes)
-        incoming = grad_MP.new_empty((len(ctx.sends), width))
+        width = grad_MP.shape[1]
+        grad_LP = grad_MP.new_zeros((ctx.shapes[0][0], width))
+        # reduce_to_owner: every holder's gradient for a copy is summed into the owner's row.
+        incoming = grad_MP.new_empty((len(plan.sends), width))
         _p2p(
-            [(peer, grad_MP[i]) for i, (_, peer) in enumerate(ctx.recvs)],
-            [(peer, incoming[i]) for i, (_, peer) in enumerate(ctx.sends)],
-            ctx.group,
+            [(peer, grad_MP[i]) for i, (_, peer) in enumerate(plan.recvs)],
+            [(peer, incoming[i]) for i, (_, peer) in enumerate(plan.sends)],
+            group,
         )
-        # Sum every holder's gradient into the owned expert's row (reduce_to_owner).
-        grad_LP = grad_MP.new_zeros((shapes[0][0], width))
-        if ctx.sends:
-            rows = torch.tensor([e - ctx.first for e, _ in ctx.sends], device=grad_LP.device)
-            grad_LP.index_add_(0, rows, incoming)
+        if plan.sends:
+            grad_LP.index_add_(0, torch.tensor([e - first for e, _ in plan.sends], device=grad_LP.device), incoming)
+        row = len(plan.recvs)
+        for owner, experts in plan.broadcasts.items():
+            if owner == me:
+                buf = grad_MP.new_zeros((len(experts), width))
+            else:
+                buf = grad_MP[row : row + len(experts)].clone()
+                row += len(experts)
+            dist.reduce(buf, dst=dist.get_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
+            if owner == me:
+                grad_LP[[e - first for e in experts]] += buf
         grads, offset = [], 0
-        for s in shapes:
+        for s in ctx.shapes:
             n = int(np.prod(s[1:]))
             grads.append(grad_LP[:, offset : offset + n].reshape(s))
             offset += n
@@ -96,8 +137,7 @@ def materialize(
     local = [weights[n] for n in names]
     me = dist.get_rank(group)
     recv_MP = _Materialize.apply(placement, group, first_expert, *local)
-    _, recvs = _transfers(placement, me)
-    received = {e: i for i, (e, _) in enumerate(recvs)}
+    received = {e: i for i, e in enumerate(_transfers(placement, me).received)}
     num_local = local[0].shape[0]
     owned = [int(e) for e in held_H if first_expert <= e < first_expert + num_local]
     owned_rows = torch.tensor([e - first_expert for e in owned], dtype=torch.long, device=local[0].device)

@@ -1,29 +1,49 @@
-"""Planners: pure functions `plan(flow_WE, placement, cost_model=None) -> Placement` (SPEC.md §6).
+"""Planners: callables `plan(flow_WE, placement, cost_model=None) -> Placement` (SPEC.md §6).
 
 A planner sees the global flow matrix of this iteration (or a prediction of it), the current
-placement (owners) and the cost model, and returns where every expert is materialized. Register a
-new strategy by adding it to `PLANNERS`; the layer and the simulator both look strategies up here.
+placement (owners) and the cost model, and returns where every expert is materialized. Strategies
+are registered by name in `PLANNERS` as factories of a `PlannerContext` (the layer's shapes); the
+layer and the simulator both look them up here, so a strategy added once runs in both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from moeflow.placement import Placement
 from moeflow.planners.ep import plan_ep
+from moeflow.planners.shadow import ShadowPlanner
 
 Planner = Callable[..., Placement]
 
-PLANNERS: dict[str, Planner] = {"ep": plan_ep}
+
+@dataclass(frozen=True)
+class PlannerContext:
+    """The layer shapes a planner prices its decisions with."""
+
+    num_experts: int
+    d_model: int
+    d_hidden: int
+    expert: str = "ffn"
 
 
-def get_planner(strategy: str | Planner) -> Planner:
+PLANNERS: dict[str, Callable[[PlannerContext | None], Planner]] = {
+    "ep": lambda ctx: plan_ep,
+    "shadow": lambda ctx: ShadowPlanner(ctx.d_model, ctx.d_hidden, ctx.expert),
+}
+NEEDS_CONTEXT = {"shadow"}
+
+
+def get_planner(strategy: str | Planner, ctx: PlannerContext | None = None) -> Planner:
     """The planner for a strategy name, or the callable itself (DESIGN.md §3.1: objects allowed)."""
     if callable(strategy):
         return strategy
     if not isinstance(strategy, str) or strategy not in PLANNERS:
         raise ValueError(f"unknown strategy={strategy!r}; valid: {sorted(PLANNERS)}")
-    return PLANNERS[strategy]
+    if ctx is None and strategy in NEEDS_CONTEXT:
+        raise ValueError(f"strategy={strategy!r} needs the layer shapes (a PlannerContext)")
+    return PLANNERS[strategy](ctx)
 
 
-__all__ = ["PLANNERS", "Planner", "get_planner", "plan_ep"]
+__all__ = ["PLANNERS", "Planner", "PlannerContext", "ShadowPlanner", "get_planner", "plan_ep"]

@@ -1,0 +1,82 @@
+"""FasterMoE shadowing planner (Algorithm 1, SPEC §1.2): a pure function, tested without processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeflow.perf.costmodel import CostModel
+from moeflow.placement import Placement
+from moeflow.planners import PlannerContext, get_planner
+from moeflow.planners.shadow import ShadowPlanner, expert_param_count
+from moeflow.topology import Topology
+
+D, H = 8, 16
+P = 1e9  # GEMM FLOP/s
+
+
+def _cost_model(bandwidth, world=4):
+    return CostModel(Topology.homogeneous(world, bandwidth), gemm_flops_per_s=P)
+
+
+def _hot_flow(m, n_hot=5):
+    """4 ranks, one expert each; every other rank sends m tokens to expert 1, rank 1 keeps n_hot."""
+    flow = np.zeros((4, 4))
+    flow[[0, 2, 3], 1] = m
+    flow[1, 1] = n_hot
+    return flow
+
+
+def test_flip_threshold_matches_hand_worked_eq7_eq8():
+    # EP: rank 1 computes 3m + n_hot; its downlink carries 3m tokens; no copies.
+    # Shadow {1}: every rank computes its own m (rank 1: n_hot); no tokens; one broadcast + one
+    # reduce of the expert (pipelined ring: every link carries the parameters once).
+    m, n_hot = 2, 1
+    param_bytes = expert_param_count(D, H, "ffn") * 4
+    comp_gain = 3 * 4 * D * H * ((3 * m + n_hot) - max(m, n_hot)) / P
+    comm_loss_bytes = 2 * param_bytes - 4 * 3 * m * D * 4  # copies (fwd + bwd) minus tokens (4 a2a)
+    assert comm_loss_bytes > 0  # Eq. 9 fails: the model is dearer to move than the tokens ...
+    threshold = comm_loss_bytes / comp_gain  # ... so Eq. 10 decides: shadow iff bandwidth > this
+    planner = ShadowPlanner(D, H, "ffn")
+    owners = Placement.expert_parallel(4, 4)
+    for factor, expect in ((0.5, []), (2.0, [1])):
+        cm = _cost_model(factor * threshold)
+        placement = planner(_hot_flow(m, n_hot), owners, cm)
+        assert planner.last.shadowed == expect, f"bandwidth = {factor} x threshold"
+        assert placement.holders_EW[1].all() == bool(expect)
+        ep_time = 3 * 4 * D * H * (3 * m + n_hot) / P + 4 * 3 * m * D * 4 / (factor * threshold)
+        assert planner.last.predicted_s[0] == pytest.approx(ep_time)
+
+
+def test_hot_expert_with_half_the_tokens_is_shadowed_and_balanced_load_is_not():
+    cm = CostModel.from_preset("johnny")  # 16 ranks, 2 nodes: FasterMoE's cluster
+    world, experts, d, h = 16, 32, 1024, 4096
+    planner = get_planner("shadow", PlannerContext(experts, d, h, "ffn"))
+    owners = Placement.expert_parallel(experts, world)
+    tokens = 2048  # per rank, top-1
+    uniform = np.full((world, experts), tokens / experts)
+    planner(uniform, owners, cm)
+    assert planner.last.shadowed == []
+    hot = np.full((world, experts), tokens / 2 / (experts - 1))
+    hot[:, 7] = tokens / 2  # expert 7 receives half of every rank's tokens
+    placement = planner(hot, owners, cm)
+    assert 7 in planner.last.shadowed and placement.holders_EW[7].all()
+    assert planner.last.predicted_s[-1] < planner.last.predicted_s[0]
+    # Greedy order is by tokens *received* (column sums): the hot expert comes first.
+    assert planner.last.shadowed[0] == 7
+
+
+def test_planner_contract_and_errors():
+    planner = ShadowPlanner(D, H, "swiglu", max_shadowed=0)
+    owners = Placement.expert_parallel(4, 4)
+    placement = planner(_hot_flow(1000), owners, _cost_model(1e12))
+    assert placement == owners and planner.last.shadowed == []
+    with pytest.raises(ValueError, match="needs cost_model"):
+        ShadowPlanner(D, H)(_hot_flow(1), owners, None)
+    with pytest.raises(ValueError, match="cost model has 2 devices"):
+        ShadowPlanner(D, H)(_hot_flow(1), owners, _cost_model(1e9, world=2))
+    with pytest.raises(ValueError, match="max_shadowed=-1"):
+        ShadowPlanner(D, H, max_shadowed=-1)
+    with pytest.raises(ValueError, match="needs the layer shapes"):
+        get_planner("shadow")
+    assert expert_param_count(4, 8, "swiglu") == 96
