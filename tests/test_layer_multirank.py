@@ -65,6 +65,8 @@ def _check_config(
     seed,
     strategy="ep",
     node_of=None,
+    schedule="sync",
+    group_size=None,
 ):
     """EP over `group` (ranks `group_ranks`) against a local single-process reference."""
     num_experts = experts_per_rank * len(group_ranks)
@@ -83,6 +85,7 @@ def _check_config(
     )
     ref, ep = copy.deepcopy(full), copy.deepcopy(full)
     ep.planner, ep.node_of = get_planner(strategy), node_of
+    ep.schedule, ep.group_size = schedule, group_size
     ep.to_expert_parallel(group)
     me = group_ranks.index(rank)
     xs, gs = _inputs(len(group_ranks), tokens, seed + 1)
@@ -91,7 +94,7 @@ def _check_config(
     y, x_grad, aux, stats = _forward_backward(ep, xs[me], gs[me], 100 + me)
     what = (
         f"gate={gate} expert={expert} capacity={capacity} E/rank={experts_per_rank} rank={rank} "
-        f"strategy={strategy} placement={stats.placement}"
+        f"strategy={strategy} placement={stats.placement} schedule={schedule} group_size={group_size}"
     )
     torch.testing.assert_close(y, ref_out[me][0], **TOL, msg=lambda m: f"output {what}: {m}")
     torch.testing.assert_close(x_grad, ref_out[me][1], **TOL, msg=lambda m: f"input grad {what}: {m}")
@@ -201,6 +204,28 @@ def _equivalence_body(rank, world):
         )
 
     _check_shadow_strategy(rank, world)
+
+    # FasterMoE smart schedule: every group size, alone and with copies, dropless and capacity,
+    # uneven tokens and a rank with none.
+    sizes = [g for g in (1, 2, 4) if world % g == 0]
+    cases = itertools.product(sizes, [None, ForcedCopies(7, 0.4), ForcedCopies(8, 1.0)], [None, 1.0])
+    for i, (group_size, strategy, capacity) in enumerate(cases):
+        _check_config(
+            rank,
+            world,
+            group,
+            ranks,
+            gate="topk",
+            expert="swiglu" if i % 2 else "ffn",
+            capacity=capacity,
+            experts_per_rank=1 + i % 2,
+            tokens=uneven if i % 3 == 0 else [9] * world,
+            seed=700 + i,
+            strategy=strategy or "ep",
+            node_of=node_of if i % 2 else None,
+            schedule="pairwise",
+            group_size=group_size if i % 4 else None,
+        )
 
     # An expert that receives nothing: route everything to expert 0 by a huge gate bias.
     torch.manual_seed(5)

@@ -30,9 +30,10 @@ from moeflow.gates import Routing, build_gate
 from moeflow.hooks import HOOK_POINTS, MoEHook, run_hooks
 from moeflow.placement import Placement, dispatch_counts
 from moeflow.planners import PlannerContext, get_planner
+from moeflow.schedule.pairwise import default_group_size, pairwise_block
 from moeflow.sparse_collectives import materialize
 
-SCHEDULES = ("sync",)
+SCHEDULES = ("sync", "pairwise")
 
 
 @dataclass
@@ -84,7 +85,8 @@ class MoELayer(nn.Module):
             and rank, first choices before second, then earlier tokens.
         group: expert-parallel process group (None: single process); see `to_expert_parallel`.
         strategy: planner name (`ep`) or a callable `(flow_WE, placement, cost_model) -> Placement`.
-        schedule: `sync`.
+        schedule: `sync` (one all-to-all each way) or `pairwise` (FasterMoE's smart schedule:
+            grouped pairwise exchange steps overlapping communication with expert computation).
         balance: `gshard`, `aux_free`, `none`, or a balance module; `balance_weight` scales it.
         z_loss_weight: weight of the router z-loss (0 = off).
         hooks: objects implementing any of FSMoE's six hook points (`moeflow.hooks`).
@@ -92,6 +94,7 @@ class MoELayer(nn.Module):
         node_of: node index of every EP rank (dispatch prefers holders on the same node); defaults
             to the cost model's topology.
         cost_model: `moeflow.perf.costmodel.CostModel` for planners and topology-aware objectives.
+        group_size: ranks per group of the pairwise schedule (None: the ranks of a node, else 1).
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class MoELayer(nn.Module):
         check_finite: bool = False,
         node_of: Sequence[int] | None = None,
         cost_model=None,
+        group_size: int | None = None,
     ) -> None:
         super().__init__()
         self.d_model = _positive_int("d_model", d_model)
@@ -132,6 +136,10 @@ class MoELayer(nn.Module):
                 raise ValueError(f"{name}={value} must be a finite number >= 0")
         self.capacity_factor = capacity_factor
         self.schedule = schedule
+        if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+            raise ValueError(f"group_size={group_size!r} must be a positive int or None (from the topology)")
+        self.group_size = group_size
+        self._calls = 0  # forward calls: part of the pairwise schedule's message tags
         self.balance_weight, self.z_loss_weight = float(balance_weight), float(z_loss_weight)
         self.check_finite = check_finite
         self.planner = get_planner(strategy, PlannerContext(num_experts, d_model, d_hidden, expert))
@@ -232,23 +240,39 @@ class MoELayer(nn.Module):
         send_splits = plan_SED[me].sum(0).tolist()
         recv_splits = plan_SED[:, :, me].sum(1).tolist()
         token_sorted_A = token_A[order_A]
-        x_sent_AD = run_hooks(self.hooks, "before_dispatch", self, x_TD.index_select(0, token_sorted_A))
-        x_recv_RD = dispatch.all_to_all_v(x_sent_AD, send_splits, recv_splits, self.group)
-        x_recv_RD = run_hooks(self.hooks, "after_dispatch", self, x_recv_RD)
-
-        # Experts: regroup rows (source, expert) → (expert, source), compute, restore the order.
+        x_sent_AD = x_TD.index_select(0, token_sorted_A)
         held_H = np.flatnonzero(placement.holders_EW[:, me])
         counts_SH = plan_SED[:, held_H, me]
-        perm_R = torch.as_tensor(dispatch.source_major_to_expert_major(counts_SH), device=x.device)
-        inverse_R = dispatch.inverse_permutation(perm_R)
         weights_H = self._held_weights(placement, held_H)
-        x_grouped = dispatch.permute_rows(x_recv_RD, perm_R, inverse_R)
-        y_grouped = self.experts(x_grouped, counts_SH.sum(0).tolist(), weights_H)
-        y_recv_RD = dispatch.permute_rows(y_grouped, inverse_R, perm_R)
-        y_recv_RD = run_hooks(self.hooks, "before_combine", self, y_recv_RD)
 
-        y_back_AD = dispatch.all_to_all_v(y_recv_RD, recv_splits, send_splits, self.group)
-        y_back_AD = run_hooks(self.hooks, "after_combine", self, y_back_AD)
+        def compute(x_recv_RD: torch.Tensor, counts_SH: np.ndarray) -> torch.Tensor:
+            # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
+            perm_R = torch.as_tensor(dispatch.source_major_to_expert_major(counts_SH), device=x.device)
+            inverse_R = dispatch.inverse_permutation(perm_R)
+            x_grouped = dispatch.permute_rows(x_recv_RD, perm_R, inverse_R)
+            y_grouped = self.experts(x_grouped, counts_SH.sum(0).tolist(), weights_H)
+            return dispatch.permute_rows(y_grouped, inverse_R, perm_R)
+
+        if self.schedule == "pairwise" and self.group is not None:
+            self._calls += 1
+            group_size = self.group_size or default_group_size(len(send_splits), self.node_of)
+            y_back_AD = pairwise_block(
+                x_sent_AD,
+                send_splits,
+                counts_SH,
+                compute,
+                self.group,
+                group_size,
+                self._calls,
+                hooks=lambda point, t: run_hooks(self.hooks, point, self, t),
+            )
+        else:
+            x_sent_AD = run_hooks(self.hooks, "before_dispatch", self, x_sent_AD)
+            x_recv_RD = dispatch.all_to_all_v(x_sent_AD, send_splits, recv_splits, self.group)
+            x_recv_RD = run_hooks(self.hooks, "after_dispatch", self, x_recv_RD)
+            y_recv_RD = run_hooks(self.hooks, "before_combine", self, compute(x_recv_RD, counts_SH))
+            y_back_AD = dispatch.all_to_all_v(y_recv_RD, recv_splits, send_splits, self.group)
+            y_back_AD = run_hooks(self.hooks, "after_combine", self, y_back_AD)
 
         # Un-order: weighted sum of each token's expert outputs; dropped assignments add zero.
         weighted_AD = y_back_AD.float() * weight_A[order_A, None]
