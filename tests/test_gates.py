@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeflow.balance import AuxFreeBalance, BalanceContext, GShardBalance, build_balance, router_z_loss
-from moeflow.gates import NoisyTopKGate, SwitchGate, TopKGate, build_gate
+from moeflow.gates import GateContext, NoisyTopKGate, SwitchGate, TopKGate, build_gate
 
 
 def _gate_with_logits(gate, logits_E):
@@ -83,7 +83,7 @@ def test_routing_math_is_fp32_for_bf16_input():
 
 def test_build_gate_errors_list_valid_names():
     with pytest.raises(ValueError, match=r"gate='nope'.*noisy_topk"):
-        build_gate("nope", 4, 2, 1)
+        build_gate("nope", GateContext(4, 2, 1))
 
 
 def test_gshard_loss_hand_worked():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -204,6 +205,20 @@ def _equivalence_body(rank, world):
         )
 
     _check_shadow_strategy(rank, world)
+
+    # Hierarchical gate: each rank's cross-node assignments never exceed L (all k choices).
+    spec = [[r for r in ranks if r // 2 == n] for n in range(max(1, world // 2))] if world > 2 else [[0], [1]]
+    cost_model = CostModel(Topology(spec, [1e9, 4e9]), gemm_flops_per_s=1e9)
+    torch.manual_seed(21)
+    layer = MoELayer(D, H, 2 * world, top_k=2, gate="hierarchical", cost_model=cost_model)
+    layer.to_expert_parallel(group)
+    tokens = 40
+    layer(torch.randn(tokens, D, generator=torch.Generator().manual_seed(rank)))
+    node_of = cost_model.topology.node_of
+    remote_E = torch.tensor([node_of[e // 2] != node_of[rank] for e in range(2 * world)])
+    limit = math.floor(layer.gate.cross_node_ratio * 2 * tokens)
+    assert int(layer.stats.flow[rank][remote_E].sum()) <= limit
+    assert layer.stats.redirected >= 0
 
     # FasterMoE smart schedule: every group size, alone and with copies, dropless and capacity,
     # uneven tokens and a rank with none.

@@ -26,7 +26,7 @@ from torch import nn
 from moeflow import dispatch
 from moeflow.balance import BalanceContext, build_balance, router_z_loss
 from moeflow.experts import GroupedExperts
-from moeflow.gates import Routing, build_gate
+from moeflow.gates import GateContext, Routing, RoutingLayout, build_gate
 from moeflow.hooks import HOOK_POINTS, MoEHook, run_hooks
 from moeflow.placement import Placement, dispatch_counts
 from moeflow.planners import PlannerContext, get_planner
@@ -51,6 +51,8 @@ class MoEStats:
     local rows never touch the network; the combine sends the same amount back)."""
     placement: Placement
     """Where every expert was materialized."""
+    redirected: int = 0
+    """Assignments a topology-aware gate redirected from a remote to a local expert (this rank)."""
 
     @property
     def expert_counts(self) -> torch.Tensor:
@@ -79,7 +81,8 @@ class MoELayer(nn.Module):
     Args:
         d_model, d_hidden: model and expert hidden sizes.
         num_experts, top_k: experts in the layer and experts chosen per token (1 <= k <= E).
-        gate: `topk`, `switch`, `noisy_topk`, or a gate module returning `Routing`.
+        gate: `topk`, `switch`, `noisy_topk`, `hierarchical` (FasterMoE's topology-aware gate; needs
+            `cost_model`), or a gate module returning `Routing`.
         expert: `ffn` (GELU, with biases) or `swiglu` (no biases).
         capacity_factor: None = dropless; c > 0 keeps at most ceil(c·k·T/E) assignments per expert
             and rank, first choices before second, then earlier tokens.
@@ -146,7 +149,7 @@ class MoELayer(nn.Module):
         self.strategy = strategy if isinstance(strategy, str) else type(strategy).__name__
         if getattr(self.planner, "needs_cost_model", False) and cost_model is None:
             raise ValueError(f"strategy={self.strategy!r} needs cost_model= (a moeflow.perf.costmodel.CostModel)")
-        self.gate = build_gate(gate, d_model, num_experts, top_k)
+        self.gate = build_gate(gate, GateContext(d_model, num_experts, top_k, cost_model))
         self.cost_model = cost_model
         self.balance = build_balance(balance, BalanceContext(num_experts, top_k, d_model, cost_model))
         self.experts = GroupedExperts(num_experts, d_model, d_hidden, kind=expert)
@@ -214,7 +217,7 @@ class MoELayer(nn.Module):
         x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
         me = dispatch.group_rank(self.group)
 
-        routing = self.gate(x_TD, self.balance.selection_bias())
+        routing = self.gate(x_TD, self.balance.selection_bias(), self._routing_layout(me))
         if self.check_finite and not torch.isfinite(routing.logits_TE).all():
             raise ValueError("MoELayer routing scores contain NaN or Inf (check_finite=True)")
         aux = self.balance_weight * self.balance.loss(routing, me)
@@ -287,10 +290,16 @@ class MoELayer(nn.Module):
             dropped=dropped,
             bytes_sent=torch.tensor(send_splits, dtype=torch.int64).index_fill(0, torch.tensor(me), 0) * element_bytes,
             placement=placement,
+            redirected=routing.redirected,
         )
         if self.training:
             self.balance.observe(self.stats.expert_counts)
         return y_TD.reshape(x.shape)
+
+    def _routing_layout(self, me: int) -> RoutingLayout:
+        world = self.placement.world_size
+        node_of = tuple(self.node_of) if self.node_of is not None else (0,) * world
+        return RoutingLayout(me, torch.from_numpy(self.placement.owner_E), node_of)
 
     def _held_weights(self, placement: Placement, held_H: np.ndarray) -> dict[str, torch.Tensor] | None:
         """Weights of the experts this rank computes, in `held_H` order (None: exactly its own).
