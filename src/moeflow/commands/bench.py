@@ -1,48 +1,151 @@
-"""`moeflow bench`: forward+backward time of one MoE layer next to its balanced lower bound and
-Hugging Face's Mixtral block (identical weights).
+"""`moeflow bench`: time MoE layers.
+
+One process: forward+backward of one layer against its balanced lower bound and Hugging Face's
+Mixtral block (identical weights). Several ranks (`--nproc N`, or under torchrun / the network
+testbed): one layer per (routing skew × strategy × schedule), identical weights and routing.
 
     moeflow bench --experts 32 --top-k 2 --dtype bfloat16 --json
+    moeflow bench --nproc 4 --cost-model results/profile.json --skews 0 1.2 \\
+        --variants ep:sync shadow:sync ep:pairwise shadow:pairwise
 """
 
 from __future__ import annotations
 
-HELP = "time one MoE layer (forward+backward) against its lower bound and Hugging Face's Mixtral block"
+HELP = "time MoE layers: one layer vs its bound and Hugging Face, or strategies on several ranks"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per forward (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per forward, per rank (default: %(default)s)")
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--d-hidden", type=int, default=1024)
-    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=8, help="experts in the layer (several ranks: per rank)")
     parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--expert", choices=("swiglu", "ffn"), default="swiglu")
+    parser.add_argument("--expert", choices=("swiglu", "ffn"), default=None, help="default: swiglu (1 process), ffn")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--min-run-time", type=float, default=2.0, help="seconds per measurement")
+    parser.add_argument("--min-run-time", type=float, default=2.0, help="seconds per measurement (1 process)")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
+    parser.add_argument("--nproc", type=int, default=None, help="local ranks for the strategy benchmark")
+    parser.add_argument("--cost-model", default=None, help="preset name or profile JSON (planners need one)")
+    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.8, 1.2, 1.6], help="Zipf exponents")
+    parser.add_argument("--trace", default=None, help="also replay this routing trace (.npz)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["ep:sync", "shadow:sync", "ep:pairwise", "shadow:pairwise"],
+        help="strategy:schedule pairs to time",
+    )
+    parser.add_argument("--group-size", type=int, default=None, help="pairwise group size (default: from topology)")
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--out", default=None, help="also write the result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _variants(items: list[str]) -> tuple[tuple[str, str], ...]:
+    out = []
+    for item in items:
+        strategy, _, schedule = item.partition(":")
+        if not schedule:
+            raise ValueError(f"--variants {item!r}: expected strategy:schedule, e.g. shadow:pairwise")
+        out.append((strategy, schedule))
+    return tuple(out)
+
+
+def _strategy_worker(cfg, cost_model_source):
+    import torch.distributed as dist
+
+    from moeflow.bench import run_strategy_bench
+    from moeflow.launch import init_distributed
+    from moeflow.perf.costmodel import CostModel
+
+    init_distributed("cpu")
+    try:
+        cost_model = CostModel.resolve(cost_model_source) if cost_model_source else None
+        if cost_model is not None and cost_model.topology.num_devices != dist.get_world_size():
+            raise ValueError(
+                f"--cost-model {cost_model_source!r} describes {cost_model.topology.num_devices} devices, "
+                f"but {dist.get_world_size()} ranks run"
+            )
+        return run_strategy_bench(cfg, cost_model)
+    finally:
+        dist.destroy_process_group()
+
+
+def _print_strategy_rows(rows: list[dict]) -> None:
+    header = f"{'routing':<14}{'strategy':<9}{'schedule':<10}{'ms':>9}{'speedup':>9}{'shadowed':>9}"
+    print(header + f"{'bound':>7}{'of bound':>9}")
+    for r in rows:
+        bound = f"{r['pairwise_bound']:7.2f}{r['share_of_bound']:9.0%}" if "pairwise_bound" in r else f"{'':7}{'':9}"
+        print(
+            f"{r['routing']:<14}{r['strategy']:<9}{r['schedule']:<10}{1e3 * r['median_s']:9.1f}"
+            f"{r.get('speedup_vs_ep', float('nan')):9.2f}{r['shadowed_mean']:9.1f}{bound}"
+        )
 
 
 def run(args) -> int:
     import json
+    import os
 
-    from moeflow.bench import LayerBenchConfig, run_layer_bench
+    from moeflow.launch import launch_local, resolve_world_size
 
-    cfg = LayerBenchConfig(
-        tokens=args.tokens,
-        d_model=args.d_model,
-        d_hidden=args.d_hidden,
-        num_experts=args.experts,
-        top_k=args.top_k,
-        dtype=args.dtype,
-        expert=args.expert,
-        min_run_time_s=args.min_run_time,
-    )
-    result = run_layer_bench(cfg, compare_hf=not args.no_hf)
+    world, outer = resolve_world_size(args.nproc)
+    if world > 1:
+        from moeflow.bench import StrategyBenchConfig
+
+        variants = _variants(args.variants)
+        if any(s != "ep" for s, _ in variants) and not args.cost_model:
+            raise ValueError("--cost-model is required for planners other than ep (a preset name or a profile JSON)")
+        cfg = StrategyBenchConfig(
+            tokens_per_rank=args.tokens,
+            d_model=args.d_model,
+            d_hidden=args.d_hidden,
+            experts_per_rank=args.experts,
+            top_k=args.top_k,
+            expert=args.expert or "ffn",
+            skews=tuple(args.skews),
+            trace=args.trace,
+            variants=variants,
+            group_size=args.group_size,
+            iterations=args.iterations,
+        )
+        if outer:
+            rows = _strategy_worker(cfg, args.cost_model)
+            if int(os.environ["RANK"]) != 0:
+                return 0
+        else:
+            rows = launch_local(_strategy_worker, world, cfg, args.cost_model, name="moeflow-bench")[0]
+        result = {
+            "config": cfg.__dict__ | {"variants": [list(v) for v in cfg.variants]},
+            "world_size": world,
+            "rows": rows,
+        }
+    else:
+        from moeflow.bench import LayerBenchConfig, run_layer_bench
+
+        cfg = LayerBenchConfig(
+            tokens=args.tokens,
+            d_model=args.d_model,
+            d_hidden=args.d_hidden,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            dtype=args.dtype,
+            expert=args.expert or "swiglu",
+            min_run_time_s=args.min_run_time,
+        )
+        result = run_layer_bench(cfg, compare_hf=not args.no_hf)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
-    print(f"moeflow   {1e3 * result['moeflow']['median_s']:9.1f} ms  (load imbalance {result['load_imbalance']:.2f})")
-    print(f"bound     {1e3 * result['bound']['median_s']:9.1f} ms  moeflow/bound = {result['moeflow_over_bound']:.2f}")
-    if result.get("hf"):
-        print(f"HF block  {1e3 * result['hf']['median_s']:9.1f} ms  HF/moeflow = {result['hf_over_moeflow']:.2f}")
+    elif world > 1:
+        _print_strategy_rows(result["rows"])
+    else:
+        print(
+            f"moeflow   {1e3 * result['moeflow']['median_s']:9.1f} ms  (load imbalance {result['load_imbalance']:.2f})"
+        )
+        print(
+            f"bound     {1e3 * result['bound']['median_s']:9.1f} ms  moeflow/bound = {result['moeflow_over_bound']:.2f}"
+        )
+        if result.get("hf"):
+            print(f"HF block  {1e3 * result['hf']['median_s']:9.1f} ms  HF/moeflow = {result['hf_over_moeflow']:.2f}")
     return 0

@@ -1,0 +1,81 @@
+"""Starting ranks: torch's own elastic launcher for `--nproc N`, or the ranks an outer `torchrun`
+(or the network testbed) started. Every command that runs on several processes goes through here.
+
+    moeflow train --nproc 4                       # launch_local(worker, 4, ...)
+    torchrun --nproc-per-node 4 -m moeflow.cli train   # resolve_world_size sees RANK/WORLD_SIZE
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def under_torchrun() -> bool:
+    """True when an outer launcher described this process's rank in the environment."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def resolve_world_size(nproc: int | None) -> tuple[int, bool]:
+    """(processes, already started by an outer torchrun: RANK and WORLD_SIZE are set)."""
+    if under_torchrun():
+        if nproc is not None and nproc != 1:
+            raise ValueError(
+                f"--nproc {nproc}: already running under torchrun (WORLD_SIZE={os.environ['WORLD_SIZE']}); "
+                f"leave --nproc out"
+            )
+        return int(os.environ["WORLD_SIZE"]), True
+    if nproc is not None and (not isinstance(nproc, int) or nproc < 1):
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    return nproc or 1, False
+
+
+def init_distributed(requested: str = "auto", deterministic: bool = False) -> torch.device:
+    """Pick this rank's device and join the process group that torchrun / the elastic launcher
+    described in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT): nccl on CUDA,
+    gloo on CPU. One process without that environment runs without a process group."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={requested!r} must be 'auto', 'cpu' or 'cuda'")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    use_cuda = requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        if deterministic:
+            # cuBLAS reads this at initialisation; deterministic GEMMs need it (torch docs,
+            # "Reproducibility"). Set only when the user has not chosen a value.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # N local ranks share the cores: without this each would start an all-core thread pool.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    return device
+
+
+def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, name: str = "moeflow") -> list[Any]:
+    """Run `fn(*args)` on `nproc` local processes with torch's elastic launcher (what
+    `torchrun --standalone` does); returns every rank's result, rank 0 first."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"{name}-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    results = elastic_launch(config, fn)(*args)
+    return [results[r] for r in sorted(results)]
