@@ -62,6 +62,17 @@ def all_to_all_v(x_AD: torch.Tensor, send_splits: list[int], recv_splits: list[i
     return _AllToAllV.apply(x_AD, list(send_splits), list(recv_splits), group)
 
 
+def position_in_expert(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """For each assignment, how many assignments to the same expert come before it (in `A` order):
+    the priority rank used by capacity dropping and by the split of an expert's rows over holders."""
+    order_A = torch.sort(expert_A, stable=True).indices
+    counts_E = torch.bincount(expert_A, minlength=num_experts)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    position_A = torch.empty_like(expert_A)
+    position_A[order_A] = torch.arange(expert_A.numel(), device=expert_A.device) - starts_E[expert_A[order_A]]
+    return position_A
+
+
 def assignment_destinations(expert_A: torch.Tensor, plan_ED: np.ndarray) -> torch.Tensor:
     """Destination rank of each assignment of this rank, following its row of the dispatch plan.
 
@@ -74,15 +85,9 @@ def assignment_destinations(expert_A: torch.Tensor, plan_ED: np.ndarray) -> torc
     single_dest_E = plan_ED.argmax(1)
     if ((plan_ED > 0).sum(1) <= 1).all():  # owners only (plain EP): one destination per expert
         return torch.as_tensor(single_dest_E, device=expert_A.device)[expert_A]
-    order_A = torch.sort(expert_A, stable=True).indices
-    counts_E = torch.bincount(expert_A, minlength=num_experts)
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
-    position_sorted = torch.arange(expert_A.numel(), device=expert_A.device) - starts_E[expert_A[order_A]]
+    position_A = position_in_expert(expert_A, num_experts)
     bounds_ED = torch.as_tensor(np.cumsum(plan_ED, axis=1), device=expert_A.device)
-    dest_sorted = (position_sorted[:, None] >= bounds_ED[expert_A[order_A]]).sum(1)
-    dest_A = torch.empty_like(expert_A)
-    dest_A[order_A] = dest_sorted
-    return dest_A
+    return (position_A[:, None] >= bounds_ED[expert_A]).sum(1)
 
 
 def source_major_to_expert_major(counts_SH: np.ndarray) -> np.ndarray:

@@ -204,13 +204,7 @@ class MoELayer(nn.Module):
         if self.capacity_factor is None:
             return None
         capacity = math.ceil(self.capacity_factor * self.top_k * routing.num_tokens / self.num_experts)
-        expert_A = routing.expert_A
-        order_A = torch.sort(expert_A, stable=True).indices
-        counts_E = torch.bincount(expert_A, minlength=self.num_experts)
-        starts_E = torch.cumsum(counts_E, 0) - counts_E
-        position = torch.empty_like(expert_A)
-        position[order_A] = torch.arange(expert_A.numel(), device=expert_A.device) - starts_E[expert_A[order_A]]
-        return position < capacity
+        return dispatch.position_in_expert(routing.expert_A, self.num_experts) < capacity
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._validate_input(x)
@@ -270,12 +264,7 @@ class MoELayer(nn.Module):
                 hooks=lambda point, t: run_hooks(self.hooks, point, self, t),
             )
         else:
-            x_sent_AD = run_hooks(self.hooks, "before_dispatch", self, x_sent_AD)
-            x_recv_RD = dispatch.all_to_all_v(x_sent_AD, send_splits, recv_splits, self.group)
-            x_recv_RD = run_hooks(self.hooks, "after_dispatch", self, x_recv_RD)
-            y_recv_RD = run_hooks(self.hooks, "before_combine", self, compute(x_recv_RD, counts_SH))
-            y_back_AD = dispatch.all_to_all_v(y_recv_RD, recv_splits, send_splits, self.group)
-            y_back_AD = run_hooks(self.hooks, "after_combine", self, y_back_AD)
+            y_back_AD = self._sync_block(x_sent_AD, send_splits, recv_splits, counts_SH, compute)
 
         # Un-order: weighted sum of each token's expert outputs; dropped assignments add zero.
         weighted_AD = y_back_AD.float() * weight_A[order_A, None]
@@ -295,6 +284,15 @@ class MoELayer(nn.Module):
         if self.training:
             self.balance.observe(self.stats.expert_counts)
         return y_TD.reshape(x.shape)
+
+    def _sync_block(self, x_sent_AD, send_splits, recv_splits, counts_SH, compute) -> torch.Tensor:
+        """schedule="sync": one all-to-all out, the experts, one all-to-all back."""
+        x_sent_AD = run_hooks(self.hooks, "before_dispatch", self, x_sent_AD)
+        x_recv_RD = dispatch.all_to_all_v(x_sent_AD, send_splits, recv_splits, self.group)
+        x_recv_RD = run_hooks(self.hooks, "after_dispatch", self, x_recv_RD)
+        y_recv_RD = run_hooks(self.hooks, "before_combine", self, compute(x_recv_RD, counts_SH))
+        y_back_AD = dispatch.all_to_all_v(y_recv_RD, recv_splits, send_splits, self.group)
+        return run_hooks(self.hooks, "after_combine", self, y_back_AD)
 
     def _routing_layout(self, me: int) -> RoutingLayout:
         world = self.placement.world_size
