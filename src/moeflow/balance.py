@@ -98,6 +98,7 @@ BALANCES: dict[str, Callable[[BalanceContext], nn.Module]] = {
     "gshard": lambda ctx: GShardBalance(ctx.num_experts),
     "aux_free": lambda ctx: AuxFreeBalance(ctx.num_experts),
     "none": lambda ctx: NoBalance(ctx.num_experts),
+    "ta_moe": lambda ctx: __import__("moeflow.ta_moe").ta_moe.balance_from_context(ctx),  # lazy: scipy
 }
 
 

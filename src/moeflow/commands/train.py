@@ -1,0 +1,65 @@
+"""`moeflow train`: train the MoE-GPT (by default on the embedded corpus) on one or more processes.
+
+moeflow train --config configs/tiny.toml --nproc 2 --out runs/default
+moeflow train --config configs/tiny.toml --set moe.top_k=1 --steps 50 --record-routing
+moeflow train --out runs/default --resume --steps 400          # continue (config.toml of the run)
+torchrun --nproc-per-node 8 -m moeflow.cli train --config configs/small.toml --out runs/small
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+HELP = "train the MoE-GPT on the embedded corpus (or --data) with expert parallelism"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML config (see configs/); default: built-in")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set moe.top_k=1 (repeatable)",
+    )
+    parser.add_argument(
+        "--nproc", type=int, metavar="N", help="local processes (expert-parallel ranks); default 1, or torchrun's ranks"
+    )
+    parser.add_argument("--steps", type=int, metavar="N", help="total optimizer steps (train.steps)")
+    parser.add_argument("--out", default="runs/default", metavar="DIR", help="run folder (default: %(default)s)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    parser.add_argument("--data", metavar="PATH", help="train on this text file or folder (data.path)")
+    parser.add_argument(
+        "--record-routing",
+        action="store_true",
+        help="write every step's routing flow matrices to DIR/routing.npz (docs/traces.md)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the final summary as JSON")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from moeflow import train
+    from moeflow.config import load_config
+
+    out = Path(args.out)
+    overrides = list(args.overrides)
+    overrides += [f"train.steps={args.steps}"] if args.steps is not None else []
+    overrides += [f"data.path={args.data}"] if args.data is not None else []
+    overrides += ["train.record_routing=true"] if args.record_routing else []
+    config_path = args.config
+    if args.resume and config_path is None and (out / "config.toml").is_file():
+        config_path = out / "config.toml"  # continue with the run's own resolved config
+    cfg = load_config(config_path, overrides)
+    summary = train.launch(cfg, out, args.resume, args.nproc)
+    if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
+    if "error" in summary:
+        # Found by the training processes (non-finite loss, checkpoint mismatch): one line, like bad input.
+        print(f"moeflow train: error: {summary['error']}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary) if args.json else train.format_summary(summary))
+    return 0

@@ -1,0 +1,362 @@
+"""Run configuration: one small dataclass per component, TOML files and `--set` overrides.
+
+    cfg = load_config("configs/tiny.toml", overrides=["moe.top_k=1", "train.steps=50"])
+    write_config(cfg, "runs/demo/config.toml")      # the resolved config, loadable again
+
+A TOML file has one table per component (`[model]`, `[moe]`, `[data]`, `[optim]`, `[train]`); every
+key is optional and falls back to the field's default. Unknown tables or keys are an error that
+names the dotted key. `--set` values are parsed by the type of the field they set (`int`, `float`,
+`bool`, `str`, optionally `None` with the value `none`). Runtime handles (process groups, devices)
+are never config fields: they are arguments of the functions that need them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+PRECISIONS = ("fp32", "bf16")
+NONFINITE_POLICIES = ("stop", "skip")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _positive(section: str, **values: float) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{section}.{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the MoE-GPT decoder (`moeflow.model.MoEGPT`)."""
+
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_heads: int = 4
+    """Attention heads; must divide `d_model`."""
+    seq_len: int = 128
+    """Context length in tokens (bytes); also the length of every training sequence."""
+    d_ff: int = 512
+    """Hidden width of the dense FFN in blocks that are not MoE blocks (see `moe_every`)."""
+    moe_every: int = 1
+    """Every n-th block has an MoE FFN (1 = all; 2 = blocks 1, 3, 5, ...); the others are dense."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 because tokens are raw bytes."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "model",
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            seq_len=self.seq_len,
+            d_ff=self.d_ff,
+            moe_every=self.moe_every,
+        )
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}")
+        if self.vocab_size != 256:
+            raise ValueError(f"model.vocab_size must be 256 (byte tokens), got {self.vocab_size!r}")
+
+
+@dataclass
+class MoEConfig:
+    """Arguments of every `moeflow.MoELayer` in the model (DESIGN.md §3.1)."""
+
+    num_experts: int = 4
+    """Experts per MoE layer (global); `--nproc` must divide it under expert parallelism."""
+    top_k: int = 2
+    """Experts chosen per token."""
+    d_hidden: int = 256
+    """Hidden width of each expert."""
+    gate: str = "topk"
+    """Router name, see DESIGN.md §3.1 (names are checked by `MoELayer`, the one list of them)."""
+    expert: str = "ffn"
+    """Expert kind: `ffn` (GELU, biases) or `swiglu`."""
+    capacity_factor: float | None = None
+    """Per-expert capacity factor; `None` is dropless."""
+    balance: str = "gshard"
+    """Balance loss / balancing method."""
+    balance_weight: float = 0.01
+    """Weight of the balance loss added to the training loss."""
+    z_loss_weight: float = 0.0
+    """Weight of the router z-loss (0 = off)."""
+    strategy: str = "ep"
+    """Expert placement strategy (`ep` = plain expert parallelism)."""
+    schedule: str = "sync"
+    """Communication schedule of the MoE layer."""
+
+    def __post_init__(self) -> None:
+        _positive("moe", num_experts=self.num_experts, top_k=self.top_k, d_hidden=self.d_hidden)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}")
+        if self.capacity_factor is not None:
+            _positive("moe", capacity_factor=self.capacity_factor)
+        if self.balance_weight < 0 or self.z_loss_weight < 0:
+            raise ValueError(
+                f"moe.balance_weight={self.balance_weight!r} and moe.z_loss_weight={self.z_loss_weight!r} must be >= 0"
+            )
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how it is split (`moeflow.data`)."""
+
+    path: str | None = None
+    """A text file or folder; `None` = the embedded corpus (this Python's stdlib `.py` sources)."""
+    max_bytes: int = 8_000_000
+    """Read at most this many bytes of text (files in sorted order until the cap)."""
+    val_fraction: float = 0.05
+    """Share of the bytes (the tail of the corpus) held out for validation."""
+
+    def __post_init__(self) -> None:
+        _positive("data", max_bytes=self.max_bytes)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction!r}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay, global-norm gradient clipping."""
+
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Steps of linear warmup from 0 to `lr`."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to biases, norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        _positive("optim", lr=self.lr, eps=self.eps)
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr!r} must be in [0, optim.lr={self.lr!r}]")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"optim.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)!r}")
+
+
+@dataclass
+class TrainConfig:
+    """The training run: length, batch, logging, evaluation, checkpoints, numerics."""
+
+    steps: int = 200
+    """Optimizer steps in total (a resumed run continues up to this step)."""
+    global_batch_size: int = 16
+    """Sequences per step summed over all ranks; each rank takes global_batch_size / world_size."""
+    seed: int = 0
+    """Seeds model initialisation (same on every rank) and the data order."""
+    log_every: int = 1
+    """Write a metrics.jsonl record every this many steps."""
+    eval_every: int = 50
+    """Compute the validation loss every this many steps (and at the last step); 0 = never."""
+    eval_batches: int = 4
+    """Global batches of held-out data per validation."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many steps (and at the last step); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Keep the newest this many complete checkpoints."""
+    precision: str = "fp32"
+    """`fp32`, or `bf16` for bfloat16 autocast of the forward pass."""
+    on_nonfinite: str = "stop"
+    """Non-finite loss: `stop` the run naming the step, or `skip` that step's update."""
+    device: str = "auto"
+    """`auto` (CUDA when available, else CPU), `cpu` or `cuda`."""
+    deterministic: bool = True
+    """Use torch's deterministic kernels so that a resumed run repeats the uninterrupted one bit
+    for bit (some multi-threaded CPU kernels otherwise sum in a thread-dependent order)."""
+    record_routing: bool = False
+    """Write every step's routing flow matrices to routing.npz (docs/traces.md)."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            "train",
+            steps=self.steps,
+            global_batch_size=self.global_batch_size,
+            log_every=self.log_every,
+            eval_batches=self.eval_batches,
+            keep_checkpoints=self.keep_checkpoints,
+        )
+        for name in ("eval_every", "checkpoint_every", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)!r}")
+        _choice("train", "precision", self.precision, PRECISIONS)
+        _choice("train", "on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        _choice("train", "device", self.device, DEVICES)
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; `config.toml` in a run folder is this, resolved."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate_world_size(self, world_size: int) -> None:
+        """Cross-field checks that depend on how many processes run (plain EP over all ranks)."""
+        if self.moe.num_experts % world_size:
+            raise ValueError(
+                f"{world_size} processes cannot share moe.num_experts={self.moe.num_experts} experts "
+                f"evenly (expert parallelism needs world size dividing num_experts)"
+            )
+        if self.train.global_batch_size % world_size:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} is not divisible by the {world_size} processes"
+            )
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def _section_types(section: str) -> dict[str, Any]:
+    cls = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}[section]
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, text: str, annotation: Any) -> Any:
+    """Parse the string `text` of `--set key=text` as the field type `annotation`."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        if text.strip().lower() in ("none", "null", ""):
+            return None
+        (annotation,) = [a for a in args if a is not type(None)]
+    if typing.get_origin(annotation) is Literal:
+        annotation = str
+    try:
+        if annotation is bool:
+            lowered = text.strip().lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if annotation is int:
+            return int(text)
+        if annotation is float:
+            return float(text)
+        if annotation is str:
+            return text
+    except ValueError:
+        raise ValueError(f"--set {key}={text!r}: not a valid {annotation.__name__}") from None
+    raise TypeError(f"--set {key}: unsupported field type {annotation!r}")
+
+
+def _check_value(key: str, value: Any, annotation: Any) -> Any:
+    """Type-check a value read from TOML against the field type (ints are accepted for floats)."""
+    allowed = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
+    if value is None and type(None) in allowed:
+        return None
+    for kind in allowed:
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind in (int, str) and isinstance(value, kind) and not isinstance(value, bool):
+            return value
+    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
+    raise TypeError(f"config key {key} must be {names}, got {value!r}")
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Build a validated RunConfig from nested tables; unknown tables/keys raise naming the key."""
+    sections: dict[str, Any] = {}
+    for section, table in raw.items():
+        if section not in SECTIONS:
+            raise ValueError(f"unknown config key {section!r} (sections: {', '.join(SECTIONS)})")
+        if not isinstance(table, dict):
+            raise TypeError(f"config key {section!r} must be a table, got {table!r}")
+        hints = _section_types(section)
+        values = {}
+        for key, value in table.items():
+            if key not in hints:
+                raise ValueError(f"unknown config key {section}.{key!r}")
+            values[key] = _check_value(f"{section}.{key}", value, hints[key])
+        sections[section] = values
+    cls_of = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
+    return RunConfig(**{name: cls_of[name](**sections.get(name, {})) for name in SECTIONS})
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` strings to nested tables `raw` (a new dict is returned)."""
+    merged = {section: dict(table) for section, table in raw.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        section, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise ValueError(f"--set expects section.key=value, got {item!r}")
+        if section not in SECTIONS:
+            raise ValueError(f"unknown config key {key!r} (sections: {', '.join(SECTIONS)})")
+        hints = _section_types(section)
+        if name not in hints:
+            raise ValueError(f"unknown config key {key!r}")
+        merged.setdefault(section, {})[name] = _coerce(key, text.strip(), hints[name])
+    return merged
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults, then the TOML file (if any), then the `--set` overrides, validated."""
+    raw = read_toml(path) if path is not None else {}
+    return config_from_dict(apply_overrides(raw, list(overrides or [])))
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Nested tables for TOML; `None` values are left out (TOML has no null, the default is None)."""
+    return {
+        section: {k: v for k, v in dataclasses.asdict(getattr(cfg, section)).items() if v is not None}
+        for section in SECTIONS
+    }
+
+
+def write_config(cfg: RunConfig, path: str | Path) -> None:
+    import tomli_w
+
+    Path(path).write_text(tomli_w.dumps(config_to_dict(cfg)))

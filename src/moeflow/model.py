@@ -1,0 +1,157 @@
+"""MoE-GPT: a byte-level GPT decoder whose FFNs are `moeflow.MoELayer`s (all, or every n-th block).
+
+Single-device code; expert parallelism is applied afterwards, the torchtitan way:
+
+    torch.manual_seed(seed)                    # the same seed on every rank: identical full model
+    model = MoEGPT(cfg.model, cfg.moe)
+    parallelize(model, layout)                 # each MoE layer keeps only this rank's experts
+    logits_BTV = model(x_BT)
+    loss = F.cross_entropy(logits_BTV.flatten(0, 1), y_BT.flatten()) + model.aux_loss()
+
+Pre-norm blocks (LayerNorm → causal self-attention → residual, LayerNorm → FFN → residual), learned
+absolute position embeddings, untied output head. Dense parameters are replicated on every rank
+and averaged by `moeflow.parallel.all_reduce_gradients`; expert parameters live on their owner.
+
+Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim, V vocabulary (256).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeflow import MoELayer
+from moeflow.config import ModelConfig, MoEConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        q_BTD, k_BTD, v_BTD = self.qkv(x_BTD).split(D, dim=-1)
+        # (B, T, D) -> (B, H, T, K): the layout scaled_dot_product_attention expects.
+        q_BHTK, k_BHTK, v_BHTK = (
+            t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q_BTD, k_BTD, v_BTD)
+        )
+        y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
+        return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, D))
+
+
+class DenseFFN(nn.Module):
+    """The FFN of blocks without experts (same GELU as the `ffn` expert)."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_ff)
+        self.proj = nn.Linear(d_ff, d_model)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x_BTD)))
+
+
+def build_moe_layer(d_model: int, moe: MoEConfig) -> MoELayer:
+    return MoELayer(
+        d_model,
+        moe.d_hidden,
+        moe.num_experts,
+        top_k=moe.top_k,
+        gate=moe.gate,
+        expert=moe.expert,
+        capacity_factor=moe.capacity_factor,
+        strategy=moe.strategy,
+        schedule=moe.schedule,
+        balance=moe.balance,
+        balance_weight=moe.balance_weight,
+        z_loss_weight=moe.z_loss_weight,
+    )
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        if moe is None:
+            self.ffn: nn.Module = DenseFFN(cfg.d_model, cfg.d_ff)
+        else:
+            self.ffn = build_moe_layer(cfg.d_model, moe)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
+        return x_BTD + self.ffn(self.ln2(x_BTD))
+
+
+def is_moe_block(index: int, moe_every: int) -> bool:
+    """Blocks moe_every-1, 2*moe_every-1, ... are MoE blocks (all of them when moe_every = 1)."""
+    return (index + 1) % moe_every == 0
+
+
+class MoEGPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
+        super().__init__()
+        if not any(is_moe_block(i, cfg.moe_every) for i in range(cfg.n_layers)):
+            raise ValueError(f"model.moe_every={cfg.moe_every} leaves no MoE block among model.n_layers={cfg.n_layers}")
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(
+            Block(cfg, moe if is_moe_block(i, cfg.moe_every) else None) for i in range(cfg.n_layers)
+        )
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self._init_dense()
+
+    def _init_dense(self) -> None:
+        # GPT-2 initialisation for the dense parts (normal, std 0.02); MoELayer initialises its own.
+        inside_moe = {id(m) for _, layer in self.moe_layers() for m in layer.modules()}
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and id(module) not in inside_moe:
+                nn.init.normal_(module.weight, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def moe_layers(self) -> list[tuple[int, MoELayer]]:
+        """(block index, layer) of every MoE layer, in depth order."""
+        return [(i, b.ffn) for i, b in enumerate(self.blocks) if isinstance(b.ffn, MoELayer)]
+
+    def aux_loss(self) -> torch.Tensor:
+        """Sum of the MoE layers' aux losses of the last forward (balance × weight, z-loss)."""
+        return torch.stack([layer.aux_loss.float() for _, layer in self.moe_layers()]).sum()
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        length = idx_BT.shape[1]
+        if length > self.cfg.seq_len:
+            raise ValueError(f"sequence length {length} exceeds model.seq_len={self.cfg.seq_len}")
+        pos_T = torch.arange(length, device=idx_BT.device)
+        x_BTD = self.tok_emb(idx_BT) + self.pos_emb(pos_T)
+        for block in self.blocks:
+            x_BTD = block(x_BTD)
+        return self.head(self.ln_f(x_BTD))
+
+
+def check_moe_config(moe: MoEConfig) -> None:
+    """Let MoELayer validate the names (gate, expert, balance, strategy, schedule) on a minimal
+    layer, so that a typo is reported before any process is started."""
+    build_moe_layer(8, dataclasses.replace(moe, d_hidden=8))
+
+
+def parallelize(model: MoEGPT, layout) -> MoEGPT:
+    """Apply expert parallelism in place: every MoE layer keeps this rank's experts.
+
+    The model must have been built with the same seed on every rank, so the kept slices are slices
+    of one and the same full model. Dense parameters stay replicated; their gradients are averaged
+    by `moeflow.parallel.all_reduce_gradients(model, layout)` after backward.
+    """
+    layout.validate_experts(model.moe_layers()[0][1].num_experts)
+    for _, layer in model.moe_layers():
+        layer.to_expert_parallel(layout.ep_group)  # group None (one rank): keeps every expert
+    return model

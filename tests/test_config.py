@@ -1,0 +1,106 @@
+"""Config dataclasses, TOML loading, --set overrides, round trip through the resolved config.toml."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeflow.config import (
+    ModelConfig,
+    MoEConfig,
+    RunConfig,
+    TrainConfig,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    write_config,
+)
+
+
+def test_defaults_and_repo_configs_load():
+    assert load_config() == RunConfig()
+    tiny = load_config("configs/tiny.toml")
+    assert tiny.moe.num_experts == 4 and tiny.train.steps == 200
+    small = load_config("configs/small.toml")
+    assert small.model.d_model > tiny.model.d_model
+
+
+def test_overrides_are_coerced_by_field_type():
+    cfg = load_config(
+        "configs/tiny.toml",
+        ["moe.top_k=1", "optim.lr=1e-3", "train.record_routing=true", "moe.capacity_factor=1.25", "data.path=some/dir"],
+    )
+    assert cfg.moe.top_k == 1 and isinstance(cfg.moe.top_k, int)
+    assert cfg.optim.lr == 1e-3
+    assert cfg.train.record_routing is True
+    assert cfg.moe.capacity_factor == 1.25
+    assert cfg.data.path == "some/dir"
+    assert load_config(None, ["moe.capacity_factor=none"]).moe.capacity_factor is None
+    assert load_config(None, ["train.record_routing=off"]).train.record_routing is False
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("moe.bogus=1", "moe.bogus"),
+        ("nosection.x=1", "nosection.x"),
+        ("train.steps=abc", "train.steps"),
+        ("train.record_routing=maybe", "train.record_routing"),
+        ("steps=5", "steps=5"),
+        ("model.n_heads=3", "n_heads"),
+        ("moe.top_k=9", "moe.top_k"),
+        ("train.precision=fp8", "train.precision"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+        ("optim.min_lr=1.0", "optim.min_lr"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, named):
+    with pytest.raises((ValueError, TypeError), match=named.replace(".", r"\.")):
+        load_config("configs/tiny.toml", [override])
+
+
+def test_unknown_toml_key_and_wrong_type_are_named(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[moe]\nnum_experts = 4\nexperts_per_token = 2\n")
+    with pytest.raises(ValueError, match="moe.'experts_per_token'"):
+        load_config(bad)
+    bad.write_text("[train]\nsteps = 'many'\n")
+    with pytest.raises(TypeError, match="train.steps"):
+        load_config(bad)
+    bad.write_text("[optimizer]\nlr = 1\n")
+    with pytest.raises(ValueError, match="optimizer"):
+        load_config(bad)
+    with pytest.raises(FileNotFoundError, match="missing.toml"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_ints_are_accepted_for_float_fields():
+    cfg = config_from_dict({"optim": {"lr": 1, "min_lr": 0}})
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config("configs/tiny.toml", ["moe.capacity_factor=2.0", "train.seed=7"])
+    write_config(cfg, tmp_path / "config.toml")
+    assert load_config(tmp_path / "config.toml") == cfg
+    # None is written by leaving the key out; it loads back as the default None.
+    write_config(RunConfig(), tmp_path / "default.toml")
+    assert load_config(tmp_path / "default.toml") == RunConfig()
+
+
+def test_cross_field_validation():
+    with pytest.raises(ValueError, match="n_heads=3"):
+        ModelConfig(d_model=64, n_heads=3)
+    with pytest.raises(ValueError, match="top_k=5"):
+        MoEConfig(num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="train.on_nonfinite"):
+        TrainConfig(on_nonfinite="ignore")
+    cfg = RunConfig()
+    cfg.validate_world_size(cfg.moe.num_experts)
+    with pytest.raises(ValueError, match="num_experts=4"):
+        cfg.validate_world_size(3)
+
+
+def test_apply_overrides_does_not_mutate_input():
+    raw = {"moe": {"top_k": 2}}
+    merged = apply_overrides(raw, ["moe.top_k=1"])
+    assert raw == {"moe": {"top_k": 2}} and merged == {"moe": {"top_k": 1}}
