@@ -1,4 +1,4 @@
-"""Load-balancing objectives: `balance="gshard" | "aux_free" | "none"` and the router z-loss.
+"""Load-balancing objectives: `balance="gshard" | "aux_free" | "none" | "ta_moe"` and the router z-loss.
 
 A balance module returns the auxiliary loss of one rank's routing (unweighted; the layer applies
 `balance_weight`), may bias expert *selection* (aux-free), and observes the global expert counts
@@ -94,11 +94,17 @@ class BalanceContext:
     """The layer's `moeflow.perf.costmodel.CostModel` (topology-aware objectives need it), or None."""
 
 
+def _ta_moe(ctx: BalanceContext) -> nn.Module:
+    from moeflow.ta_moe import balance_from_context  # scipy's LP solver: imported only when used
+
+    return balance_from_context(ctx)
+
+
 BALANCES: dict[str, Callable[[BalanceContext], nn.Module]] = {
     "gshard": lambda ctx: GShardBalance(ctx.num_experts),
     "aux_free": lambda ctx: AuxFreeBalance(ctx.num_experts),
     "none": lambda ctx: NoBalance(ctx.num_experts),
-    "ta_moe": lambda ctx: __import__("moeflow.ta_moe").ta_moe.balance_from_context(ctx),  # lazy: scipy
+    "ta_moe": _ta_moe,
 }
 
 

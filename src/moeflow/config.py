@@ -101,10 +101,21 @@ class MoEConfig:
     strategy: str = "ep"
     """Expert placement strategy (`ep` = plain expert parallelism)."""
     schedule: str = "sync"
-    """Communication schedule of the MoE layer."""
+    """Communication schedule of the MoE layer: `sync`, or `pairwise` (FasterMoE's smart schedule)."""
+    group_size: int | None = None
+    """Ranks per group of the pairwise schedule (None: the ranks of a node of the cost model's topology)."""
+    cost_model: str | None = None
+    """Topology preset name or profile JSON (`moeflow profile --out`) pricing the network and GEMMs; needed by
+    `strategy="shadow"`, `gate="hierarchical"` and `balance="ta_moe"`. Its device count must equal the EP size."""
+    ta_moe_smoothing: float = 0.1
+    """λ of TA-MoE's target pattern, smoothed towards uniform: ĉ ← (1−λ)·ĉ + λ·uniform (0 < λ <= 1)."""
 
     def __post_init__(self) -> None:
         _positive("moe", num_experts=self.num_experts, top_k=self.top_k, d_hidden=self.d_hidden)
+        if self.group_size is not None:
+            _positive("moe", group_size=self.group_size)
+        if not 0 < self.ta_moe_smoothing <= 1:
+            raise ValueError(f"moe.ta_moe_smoothing={self.ta_moe_smoothing!r} must be in (0, 1]")
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}")
         if self.capacity_factor is not None:

@@ -53,6 +53,8 @@ class MoEStats:
     """Where every expert was materialized."""
     redirected: int = 0
     """Assignments a topology-aware gate redirected from a remote to a local expert (this rank)."""
+    cross_node_share: float = 0.0
+    """Global share of assignments dispatched to a rank on another node (0 without a node layout)."""
 
     @property
     def expert_counts(self) -> torch.Tensor:
@@ -209,7 +211,12 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._validate_input(x)
         x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
-        me = dispatch.group_rank(self.group)
+        me, world = dispatch.group_rank(self.group), self.placement.world_size
+        if self.cost_model is not None and self.cost_model.topology.num_devices != world:
+            raise ValueError(
+                f"cost_model describes {self.cost_model.topology.num_devices} devices but the expert-parallel "
+                f"group has {world} (rank r of the group is device r of the topology)"
+            )
 
         routing = self.gate(x_TD, self.balance.selection_bias(), self._routing_layout(me))
         if self.check_finite and not torch.isfinite(routing.logits_TE).all():
@@ -280,6 +287,7 @@ class MoELayer(nn.Module):
             bytes_sent=torch.tensor(send_splits, dtype=torch.int64).index_fill(0, torch.tensor(me), 0) * element_bytes,
             placement=placement,
             redirected=routing.redirected,
+            cross_node_share=self._cross_node_share(plan_SED),
         )
         if self.training:
             self.balance.observe(self.stats.expert_counts)
@@ -293,6 +301,14 @@ class MoELayer(nn.Module):
         y_recv_RD = run_hooks(self.hooks, "before_combine", self, compute(x_recv_RD, counts_SH))
         y_back_AD = dispatch.all_to_all_v(y_recv_RD, recv_splits, send_splits, self.group)
         return run_hooks(self.hooks, "after_combine", self, y_back_AD)
+
+    def _cross_node_share(self, plan_SED: np.ndarray) -> float:
+        if self.node_of is None:
+            return 0.0
+        node_W = np.asarray(self.node_of)
+        total = plan_SED.sum()
+        crossing = plan_SED.sum(1)[node_W[:, None] != node_W[None, :]].sum()
+        return float(crossing / total) if total else 0.0
 
     def _routing_layout(self, me: int) -> RoutingLayout:
         world = self.placement.world_size

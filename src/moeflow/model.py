@@ -25,6 +25,7 @@ from torch import nn
 
 from moeflow import MoELayer
 from moeflow.config import ModelConfig, MoEConfig
+from moeflow.perf.costmodel import CostModel
 
 
 class CausalSelfAttention(nn.Module):
@@ -58,6 +59,14 @@ class DenseFFN(nn.Module):
 
 
 def build_moe_layer(d_model: int, moe: MoEConfig) -> MoELayer:
+    cost_model = CostModel.resolve(moe.cost_model) if moe.cost_model else None
+    balance = moe.balance
+    if balance == "ta_moe" and cost_model is not None:
+        from moeflow.ta_moe import TAMoEBalance  # scipy's LP: imported only when used
+
+        balance = TAMoEBalance(
+            moe.num_experts, moe.top_k, d_model, cost_model=cost_model, smoothing=moe.ta_moe_smoothing
+        )
     return MoELayer(
         d_model,
         moe.d_hidden,
@@ -68,9 +77,11 @@ def build_moe_layer(d_model: int, moe: MoEConfig) -> MoELayer:
         capacity_factor=moe.capacity_factor,
         strategy=moe.strategy,
         schedule=moe.schedule,
-        balance=moe.balance,
+        balance=balance,
         balance_weight=moe.balance_weight,
         z_loss_weight=moe.z_loss_weight,
+        cost_model=cost_model,
+        group_size=moe.group_size,
     )
 
 

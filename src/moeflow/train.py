@@ -191,6 +191,12 @@ class StepResult:
     imbalance_L: list[float]
     dropped: int
     flow_LWE: np.ndarray | None = None
+    cross_node_share_L: list[float] | None = None
+    """Per layer: global share of assignments dispatched across nodes (0 without a topology)."""
+    extra_copies_L: list[int] | None = None
+    """Per layer: expert copies materialized beyond their owners (shadowing)."""
+    redirected: int = 0
+    """Assignments the hierarchical gate moved to a local expert, on this rank."""
 
 
 class Trainer:
@@ -299,6 +305,9 @@ class Trainer:
             counts_LE=[s.expert_counts.tolist() for s in stats],
             imbalance_L=[s.load_imbalance for s in stats],
             dropped=sum(s.dropped for s in stats),
+            cross_node_share_L=[s.cross_node_share for s in stats],
+            extra_copies_L=[int(s.placement.materialized_EW().sum()) for s in stats],
+            redirected=sum(s.redirected for s in stats),
             flow_LWE=np.stack([s.flow.numpy() for s in stats]) if self.trace is not None else None,
         )
 
@@ -384,6 +393,9 @@ def metric_record(result: StepResult, tokens_per_s: float, val_loss: float | Non
         "load_imbalance_per_layer": result.imbalance_L,
         "expert_counts": result.counts_LE,
         "dropped": result.dropped,
+        "cross_node_share": float(np.mean(result.cross_node_share_L or [0.0])),
+        "extra_copies_per_layer": result.extra_copies_L,
+        "redirected": result.redirected,
     }
     if result.skipped:
         rec["skipped"] = True

@@ -32,6 +32,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     parser.add_argument("--data", metavar="PATH", help="train on this text file or folder (data.path)")
     parser.add_argument(
+        "--cost-model",
+        metavar="PRESET|PROFILE.json",
+        help="network/GEMM cost model (moe.cost_model), e.g. for "
+        "--set moe.strategy=shadow, moe.gate=hierarchical or moe.balance=ta_moe",
+    )
+    parser.add_argument(
         "--record-routing",
         action="store_true",
         help="write every step's routing flow matrices to DIR/routing.npz (docs/traces.md)",
@@ -49,6 +55,7 @@ def run(args) -> int:
     overrides = list(args.overrides)
     overrides += [f"train.steps={args.steps}"] if args.steps is not None else []
     overrides += [f"data.path={args.data}"] if args.data is not None else []
+    overrides += [f"moe.cost_model={args.cost_model}"] if args.cost_model is not None else []
     overrides += ["train.record_routing=true"] if args.record_routing else []
     config_path = args.config
     if args.resume and config_path is None and (out / "config.toml").is_file():
