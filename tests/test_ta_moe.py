@@ -254,6 +254,16 @@ def test_layer_with_ta_moe_balance():
     cm = CostModel(Topology.from_spec([[0, 1], [2, 3]], [1e8, 8e9]), 1e12)
     layer = MoELayer(16, 32, 8, top_k=2, balance="ta_moe", balance_weight=0.5, cost_model=cm)
     assert isinstance(layer.balance, TAMoEBalance)
+    # A 4-device cost model on one process would price the wrong rank: refused, naming both sizes.
+    with pytest.raises(ValueError, match="cost_model describes 4 devices but the expert-parallel group has 1"):
+        layer(torch.randn(3, 16))
+    # α = 0 here: one cached target serves every token count.
+    layer.balance.target(15)
+    layer.balance.target(7)
+    assert list(layer.balance._targets) == [None]
+    # The layer applies the loss of its own rank, scaled by balance_weight (explicit 1-rank target).
+    target = layer.balance.target(15)[:1] * 0 + np.linspace(0.1, 0.4, 8)[None, :]
+    layer = MoELayer(16, 32, 8, top_k=2, balance=TAMoEBalance(8, 2, 16, target_WE=target), balance_weight=0.5)
     x = torch.randn(3, 5, 16)
     y = layer(x)
     assert y.shape == x.shape
@@ -262,9 +272,6 @@ def test_layer_with_ta_moe_balance():
     assert layer.aux_loss.item() == pytest.approx(expect.item(), rel=1e-6)
     layer.aux_loss.backward()
     assert layer.gate.weight.grad is not None and layer.gate.weight.grad.abs().sum() > 0
-    # α = 0 here: one cached target serves every token count.
-    layer(torch.randn(7, 16))
-    assert list(layer.balance._targets) == [None]
 
 
 def test_targets_are_cached_per_token_count_when_alpha_matters():
