@@ -461,12 +461,15 @@ def run(cfg: RunConfig, out_dir: str | Path, resume: bool = False, device: torch
     bar = tqdm(total=cfg.train.steps, initial=first_step, disable=not rank0, unit="step", mininterval=0.5)
     # Throughput counts the training steps only, not evaluation and checkpoint time.
     step_time, steps_timed = 0.0, 0
+    train_time = 0.0  # cumulative step time of this launch, for loss-vs-wall-time comparisons
     summary: dict[str, Any] = {"first_step": first_step, "out": str(out), "corpus": trainer.corpus_source}
     with metrics_path.open("a") if rank0 else contextlib.nullcontext() as metrics:
         while trainer.step < cfg.train.steps:
             started = time.perf_counter()
             result = trainer.train_step()
-            step_time += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            step_time += elapsed
+            train_time += elapsed
             steps_timed += 1
             step = result.step
             if trainer.trace is not None and rank0:
@@ -479,6 +482,7 @@ def run(cfg: RunConfig, out_dir: str | Path, resume: bool = False, device: torch
                 tok_s = tokens_per_step * steps_timed / max(step_time, 1e-9)
                 step_time, steps_timed = 0.0, 0
                 rec = metric_record(result, tok_s, val_loss)
+                rec["train_time_s"] = train_time
                 if rank0:
                     metrics.write(json.dumps(rec) + "\n")
                     metrics.flush()
