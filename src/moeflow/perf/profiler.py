@@ -1,0 +1,331 @@
+"""Micro-benchmarks on the live torch.distributed backend -> α-β fits (``moeflow profile``).
+
+FSMoE §6.2 does it this way: sweep each operation over sizes on the real backend, average
+repeated runs, fit ``t = α + β·n`` by least squares (we use ``scipy.stats.linregress``) and keep
+r². Measured here: GEMM over sizes (square, or given shapes); a memory-bound kernel (exact GELU,
+``elementwise``); ``all_to_all_single``, ``all_gather_single``, ``reduce_scatter_single`` (the
+``*_into_tensor``/``*_tensor`` names on older torch), ``all_reduce``, ``broadcast``, ``reduce``
+over sizes; ``send``/``recv`` between two ranks of one node and two ranks of different nodes
+(when the job spans both). CPU ranks that all run on one machine record ``host_cores`` (the
+cores they share; ``CostModel.host_cores``).
+
+Nodes are discovered, not configured: ranks that share a host name *and* a network namespace
+are one node (so ranks placed in different namespaces by ``scripts/testbed.py`` count as
+different nodes). The link bandwidths of the resulting ``Topology`` come from the point-to-point
+fits, which makes the profile JSON a complete ``CostModel`` (``CostModel.load``).
+
+Conventions for n (bytes): all-to-all = bytes each rank sends in total (its input tensor);
+all-gather = output buffer; reduce-scatter = input buffer; all-reduce/broadcast/reduce = the
+buffer; p2p = message. Timing: barrier, then the op, then the slowest rank's elapsed time
+(``all_reduce(MAX)``), ``warmup`` untimed runs then ``repeats`` timed ones per size.
+
+    moeflow profile --nproc 2 --out results/profile.json
+    torchrun --nproc-per-node 4 -m moeflow.cli profile --out results/profile.json
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moeflow.perf.costmodel import OP_KINDS, AlphaBeta
+
+COMM_KINDS = (
+    "a2a",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "p2p_intra",
+    "p2p_inter",
+)
+
+
+@dataclass
+class ProfileConfig:
+    """What to measure."""
+
+    comm_sizes_bytes: Sequence[int] = (1 << 16, 1 << 18, 1 << 19, 1 << 20, 3 << 19, 1 << 21, 3 << 20, 1 << 22)
+    """Message sizes of the communication sweep (rounded to a multiple of 4·world_size bytes)."""
+    gemm_sizes: Sequence[int] = (64, 128, 192, 256, 384, 512)
+    """Square GEMM sizes m = k = n (FLOPs = 2·m³)."""
+    gemm_shapes: Sequence[tuple[int, int, int]] | None = None
+    """If set, ``(m, k, n)`` shapes to time instead of the squares (e.g. the expert GEMMs
+    ``[tokens, d] @ [d, h]`` of a workload), FLOPs = 2·m·k·n."""
+    warmup: int = 2
+    """Untimed runs before each size."""
+    repeats: int = 5
+    """Timed runs per size (FSMoE §6.2 averages five)."""
+    ops: Sequence[str] = OP_KINDS
+    """Operation kinds to measure (subset of ``OP_KINDS``)."""
+    dtype_bytes: int = 4
+    """Element size used for messages and GEMMs (4 = float32)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form labels copied into the output (e.g. testbed bandwidth)."""
+
+    def __post_init__(self) -> None:
+        unknown = [o for o in self.ops if o not in OP_KINDS]
+        if unknown:
+            raise ValueError(f"ops={list(self.ops)!r}: unknown {unknown}; known {list(OP_KINDS)}")
+        if not self.ops:
+            raise ValueError("ops=[]: nothing to measure")
+        if self.warmup < 0 or self.repeats < 2:
+            raise ValueError(f"warmup={self.warmup!r}, repeats={self.repeats!r}: need warmup >= 0, repeats >= 2")
+        for name in ("comm_sizes_bytes", "gemm_sizes"):
+            vals = list(getattr(self, name))
+            if len(set(vals)) < 2 or any(int(v) < 1 for v in vals):
+                raise ValueError(f"{name}={vals!r}: need >= 2 distinct positive sizes")
+        if self.dtype_bytes != 4:
+            raise ValueError(f"dtype_bytes={self.dtype_bytes!r}: only float32 (4) is measured")
+
+
+def _node_key() -> str:
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    return f"{socket.gethostname()}|{netns}"
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Any, device: Any, warmup: int, repeats: int, group: Any = None) -> np.ndarray:
+    """Times of ``repeats`` runs (slowest rank of each), after ``warmup`` runs."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for r in range(warmup + repeats):
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the op ends when the slowest rank ends
+        if r >= warmup:
+            out.append(float(dt.item()))
+    return np.asarray(out)
+
+
+def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
+    """Measure on the initialised default process group; every rank returns the same dict."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("run_profile needs an initialised torch.distributed process group")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    device = device or torch.device("cpu")
+    keys: list[Any] = [None] * W
+    dist.all_gather_object(keys, _node_key())
+    order = list(dict.fromkeys(keys))
+    node_of = [order.index(k) for k in keys]
+    nodes = [[r for r in range(W) if node_of[r] == n] for n in range(len(order))]
+    measurements: dict[str, Any] = {}
+
+    def record(kind: str, sizes: list[int], times: list[np.ndarray], unit: str) -> None:
+        mean = np.array([t.mean() for t in times])
+        std = np.array([t.std(ddof=1) for t in times])
+        # The fit uses the median of the repeats: on a shared CPU one descheduled run can double a
+        # mean; the noise (coefficient of variation) is still reported from mean and std.
+        median = np.array([np.median(t) for t in times])
+        measurements[kind] = {
+            "sizes": sizes,
+            "unit": unit,
+            "median_s": median.tolist(),
+            "mean_s": mean.tolist(),
+            "std_s": std.tolist(),
+            "noise_cv": float(np.mean(std / mean)),
+        }
+
+    if "gemm" in config.ops:
+        sizes, times = [], []
+        shapes = config.gemm_shapes or [(m, m, m) for m in config.gemm_sizes]
+        for m, k, n in shapes:
+            a = torch.randn(m, k, device=device)
+            b = torch.randn(k, n, device=device)
+            sizes.append(2 * m * k * n)
+            times.append(_timed(lambda a=a, b=b: torch.matmul(a, b), device, config.warmup, config.repeats))
+        record("gemm", sizes, times, "flop")
+
+    # torch >= 2.13 renamed the flat-tensor collectives; same operation either way.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if "elementwise" in config.ops:
+        # Memory-bound kernels (activation, bias, copies): exact GELU, n = bytes read + written.
+        sizes, times = [], []
+        for nbytes in config.comm_sizes_bytes:
+            x = torch.randn(max(1, int(nbytes) // 8), device=device)
+            sizes.append(2 * x.numel() * 4)
+            times.append(_timed(lambda x=x: torch.nn.functional.gelu(x), device, config.warmup, config.repeats))
+        record("elementwise", sizes, times, "byte")
+
+    quantum = 4 * W
+    comm_sizes = sorted({max(quantum, int(s) // quantum * quantum) for s in config.comm_sizes_bytes})
+    for kind in ("a2a", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce"):
+        if kind not in config.ops or W < 2:
+            continue
+        times = []
+        for nbytes in comm_sizes:
+            n = nbytes // 4
+            full = torch.randn(n, device=device)
+            part = torch.randn(n // W, device=device)
+            out_full = torch.empty(n, device=device)
+            out_part = torch.empty(n // W, device=device)
+            fn = {
+                "a2a": lambda full=full, out=out_full: dist.all_to_all_single(out, full),
+                "all_gather": lambda part=part, out=out_full: all_gather(out, part),
+                "reduce_scatter": lambda full=full, out=out_part: reduce_scatter(out, full),
+                "all_reduce": lambda full=full: dist.all_reduce(full),
+                "broadcast": lambda full=full: dist.broadcast(full, src=0),
+                "reduce": lambda full=full: dist.reduce(full, dst=0),
+            }[kind]
+            times.append(_timed(fn, device, config.warmup, config.repeats))
+        record(kind, comm_sizes, times, "byte")
+
+    pairs = {
+        "p2p_intra": next(([g[0], g[1]] for g in nodes if len(g) >= 2), None),
+        "p2p_inter": [nodes[0][0], nodes[1][0]] if len(nodes) >= 2 else None,
+    }
+    for kind, pair in pairs.items():
+        if kind not in config.ops or pair is None:
+            continue
+        src, dst = pair
+        times = []
+        for nbytes in comm_sizes:
+            buf = torch.randn(nbytes // 4, device=device)
+
+            def p2p(buf: Any = buf, src: int = src, dst: int = dst) -> None:
+                if rank == src:
+                    dist.send(buf, dst)
+                elif rank == dst:
+                    dist.recv(buf, src)
+
+            times.append(_timed(p2p, device, config.warmup, config.repeats))
+        record(kind, comm_sizes, times, "byte")
+
+    fits = {
+        k: AlphaBeta.fit(m["sizes"], m["median_s"], m["unit"], source="moeflow profile").to_dict()
+        for k, m in measurements.items()
+    }
+    topology = topology_from_fits(nodes, fits)
+    # CPU ranks that all live on one machine share its cores (CostModel.host_cores).
+    hosts = {k.split("|")[0] for k in keys}
+    host_cores = len(os.sched_getaffinity(0)) if device.type == "cpu" and len(hosts) == 1 else None
+    gemm = fits.get("gemm")
+    flops = 1.0 / gemm["beta_s_per_unit"] if gemm and gemm["beta_s_per_unit"] > 0 else float("nan")
+    return {
+        "version": 1,
+        "name": f"profile-{dist.get_backend()}-{W}ranks-{len(nodes)}nodes",
+        "backend": dist.get_backend(),
+        "device": str(device.type),
+        "world_size": W,
+        "nodes": nodes,
+        "torch": torch.__version__,
+        "config": {"warmup": config.warmup, "repeats": config.repeats, **config.extra},
+        "gemm_flops_per_s": flops,
+        "bytes_per_element": 4,
+        "host_cores": host_cores,
+        "topology": topology,
+        "fits": fits,
+        "measurements": measurements,
+    }
+
+
+def topology_from_fits(nodes: list[list[int]], fits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Links from point-to-point fits: an intra-node route is 2 hops of the device link, an
+    inter-node route 2 device hops + 2 network hops; the bottleneck sets 1/β."""
+
+    def bw(kind: str) -> float | None:
+        f = fits.get(kind)
+        return 1.0 / f["beta_s_per_unit"] if f and f["beta_s_per_unit"] > 0 else None
+
+    def lat(kind: str) -> float:
+        f = fits.get(kind)
+        return max(f["alpha_s"], 0.0) if f else 0.0
+
+    intra, inter = bw("p2p_intra"), bw("p2p_inter")
+    if len(nodes) == 1:
+        b = intra or 10e9
+        return {
+            "name": "profiled",
+            "spec": nodes[0],
+            "level_bandwidth_bytes_per_s": [b],
+            "level_latency_s": [lat("p2p_intra") / 2],
+            "source": "moeflow profile (p2p fits)",
+        }
+    intra = intra or inter or 10e9
+    inter = inter or intra
+    l_intra = lat("p2p_intra") / 2
+    l_inter = max((lat("p2p_inter") - 2 * l_intra) / 2, 0.0)
+    return {
+        "name": "profiled",
+        "spec": nodes,
+        "level_bandwidth_bytes_per_s": [inter, intra],
+        "level_latency_s": [l_inter, l_intra],
+        "source": "moeflow profile (p2p fits)",
+    }
+
+
+def _worker(config: ProfileConfig, backend: str) -> dict[str, Any]:
+    """Entry point of one rank (elastic launch or torchrun)."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+        # Same policy as torchrun: one intra-op thread per process when several share a host,
+        # unless the user set OMP_NUM_THREADS.
+        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend)
+    try:
+        return run_profile(config, device)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def launch(config: ProfileConfig, nproc: int | None, backend: str) -> dict[str, Any]:
+    """Run the profile: under torchrun (``RANK`` in the environment) on the given ranks, else on
+    ``nproc`` local processes started by torch's elastic launcher (the one torchrun uses)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _worker(config, backend)
+    if nproc is None or nproc < 1:
+        raise ValueError(f"--nproc={nproc!r}: give a positive number of processes (or run under torchrun)")
+    import uuid
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"moeflow-profile-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    results = elastic_launch(lc, _worker)(config, backend)
+    return results[0]

@@ -1,0 +1,571 @@
+"""Cluster topology: devices, switches, directed links, routes (SPEC §1.1 Eq. 2, §2; DESIGN.md §2).
+
+A topology is a tree of switches written as a nested list (TA-MoE §3.2): every list is a switch,
+every integer a device, e.g. ``[[0,1],[2,3]]`` (two nodes of two devices) or the asymmetric
+``[[[0,1],[2,3]],[[4,5]]]``. A duplex cable is two *directed* links, each with its own traffic
+(FasterMoE §3.2). Traffic between two devices goes up to their lowest common switch and down.
+
+Links are grouped by *level*: the depth of the switch they hang under (0 = the root switch, so
+for ``[[0,1],[2,3]]`` level 0 is the inter-node network, level 1 the device links inside a node).
+Bandwidth and latency are given per level, outermost first.
+
+The lowest-level groups ("nodes") may instead be *rings* (NVLink rings, FasterMoE §5.1 trevor):
+traffic between members of the same ring travels along the ring edges (shortest direction),
+traffic leaving the node goes through the node's switch as in a tree.
+
+Shape suffixes: W devices, L directed links, P = W·W ordered device pairs.
+
+    topo = Topology.from_spec([[0, 1], [2, 3]], level_bandwidth_bytes_per_s=[12.5e9, 16e9])
+    topo.path(0, 3)          # [d0->n0, n0->root, root->n1, n1->d3]
+    Topology.preset("johnny").num_devices   # 16
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GBIT = 1e9 / 8  # bytes per second in one Gb/s
+GBYTE = 1e9
+
+
+@dataclass(frozen=True)
+class Link:
+    """One directed link between two vertices (devices are ``d<i>``, switches ``s<path>``)."""
+
+    src: str
+    """Vertex the bytes leave."""
+    dst: str
+    """Vertex the bytes arrive at."""
+    bandwidth_bytes_per_s: float
+    """Sustained bandwidth of this direction."""
+    latency_s: float
+    """One-way latency added by this hop."""
+    level: int
+    """Depth of the switch this link hangs under (0 = root); ring edges carry the node's level."""
+    kind: str = "tree"
+    """``tree`` (device/switch to parent switch) or ``ring`` (edge between ring neighbours)."""
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+
+def _parse(spec: Any, where: str = "spec") -> Any:
+    """Validate the nested list; return it with ints and lists only. Errors name the element."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, list, tuple)):
+        raise ValueError(f"topology {where}={spec!r}: expected a device id (int) or a list")
+    if isinstance(spec, int):
+        if spec < 0:
+            raise ValueError(f"topology {where}={spec!r}: device ids must be >= 0")
+        return spec
+    if len(spec) == 0:
+        raise ValueError(f"topology {where}=[]: an empty group has no devices")
+    return [_parse(child, f"{where}[{i}]") for i, child in enumerate(spec)]
+
+
+def _leaves(spec: Any) -> list[int]:
+    return [spec] if isinstance(spec, int) else [d for c in spec for d in _leaves(c)]
+
+
+def _depth(spec: Any) -> int:
+    """Number of switch levels above the deepest device."""
+    return 0 if isinstance(spec, int) else 1 + max(_depth(c) for c in spec)
+
+
+def _as_levels(value: float | Sequence[float], depth: int, name: str) -> tuple[float, ...]:
+    if isinstance(value, (int, float)):
+        return (float(value),) * depth
+    values = tuple(float(v) for v in value)
+    if len(values) != depth:
+        raise ValueError(f"{name}={list(value)!r}: expected {depth} values (one per level, root first)")
+    return values
+
+
+@dataclass
+class Topology:
+    """Devices, switches and directed links of a cluster; see the module docstring."""
+
+    spec: Any
+    """Nested list of device ids (lists are switches), e.g. ``[[0,1],[2,3]]``."""
+    level_bandwidth_bytes_per_s: float | Sequence[float]
+    """Bandwidth of one direction of a link under a switch of each depth, root first (a scalar = all)."""
+    level_latency_s: float | Sequence[float] = 0.0
+    """One-way latency of one hop at each level, root first (a scalar = all)."""
+    ring_edge_bandwidth_bytes_per_s: Sequence[float] | None = None
+    """If set, every node (lowest-level group) is a ring: edge i joins member i and i+1 (mod m);
+    one value per edge (m values; 1 for a node of 2). ``None``: nodes are switches."""
+    name: str = "custom"
+    """Label shown in reports (preset name or ``custom``)."""
+    source: str = ""
+    """Where the numbers come from (paper, section, datasheet)."""
+    links: list[Link] = field(init=False, repr=False)
+    node_of: list[int] = field(init=False, repr=False)
+    """Device -> index of its node (the lowest-level group containing it)."""
+
+    def __post_init__(self) -> None:
+        self.spec = _parse(self.spec)
+        if isinstance(self.spec, int):
+            self.spec = [self.spec]
+        devices = _leaves(self.spec)
+        if sorted(devices) != list(range(len(devices))):
+            dup = sorted({d for d in devices if devices.count(d) > 1})
+            missing = sorted(set(range(len(devices))) - set(devices))
+            raise ValueError(
+                f"topology spec={self.spec!r}: device ids must be 0..{len(devices) - 1} exactly once "
+                f"(duplicated {dup}, missing {missing})"
+            )
+        self.num_devices = len(devices)
+        self.depth = _depth(self.spec)
+        self._bw = _as_levels(self.level_bandwidth_bytes_per_s, self.depth, "level_bandwidth_bytes_per_s")
+        self._lat = _as_levels(self.level_latency_s, self.depth, "level_latency_s")
+        for i, b in enumerate(self._bw):
+            if not (b > 0 and math.isfinite(b)):
+                raise ValueError(f"level_bandwidth_bytes_per_s[{i}]={b!r}: must be a positive finite number")
+        for i, a in enumerate(self._lat):
+            if not (a >= 0 and math.isfinite(a)):
+                raise ValueError(f"level_latency_s[{i}]={a!r}: must be >= 0 and finite")
+        self._build()
+
+    # ---- construction -------------------------------------------------------------------------
+    def _build(self) -> None:
+        links: list[Link] = []
+        index: dict[tuple[str, str], int] = {}
+        parent_chain: dict[int, list[str]] = {}  # device -> switches from its parent up to the root
+        node_groups: list[list[int]] = []
+        node_switch: list[str] = []
+
+        def add(src: str, dst: str, level: int, kind: str, bw: float, lat: float) -> None:
+            index[(src, dst)] = len(links)
+            links.append(Link(src, dst, bw, lat, level, kind))
+
+        def walk(group: list, name: str, depth: int, chain: list[str]) -> None:
+            chain = [name, *chain]
+            if all(isinstance(c, int) for c in group):
+                node_groups.append(list(group))
+                node_switch.append(name)
+            elif any(isinstance(c, int) for c in group) and self.ring_edge_bandwidth_bytes_per_s is not None:
+                raise ValueError(f"topology spec={self.spec!r}: ring nodes need groups of devices only")
+            for i, child in enumerate(group):
+                if isinstance(child, int):
+                    dev = f"d{child}"
+                    add(dev, name, depth, "tree", self._bw[depth], self._lat[depth])
+                    add(name, dev, depth, "tree", self._bw[depth], self._lat[depth])
+                    parent_chain[child] = chain
+                else:
+                    sub = f"{name}.{i}" if name != "s" else f"s{i}"
+                    add(sub, name, depth, "tree", self._bw[depth], self._lat[depth])
+                    add(name, sub, depth, "tree", self._bw[depth], self._lat[depth])
+                    walk(child, sub, depth + 1, chain)
+
+        walk(self.spec, "s", 0, [])
+        ring_pos: dict[int, tuple[int, int]] = {}  # device -> (node, position in ring)
+        if self.ring_edge_bandwidth_bytes_per_s is not None:
+            edges = [float(b) for b in self.ring_edge_bandwidth_bytes_per_s]
+            for n, members in enumerate(node_groups):
+                m = len(members)
+                want = 1 if m == 2 else m
+                if m < 2 or len(edges) != want:
+                    raise ValueError(
+                        f"ring_edge_bandwidth_bytes_per_s={edges!r}: node {members} of {m} devices "
+                        f"needs {want} edge bandwidths"
+                    )
+                level = len(parent_chain[members[0]]) - 1
+                for e in range(want):
+                    a, b = f"d{members[e]}", f"d{members[(e + 1) % m]}"
+                    add(a, b, level, "ring", edges[e], self._lat[level])
+                    add(b, a, level, "ring", edges[e], self._lat[level])
+                for pos, d in enumerate(members):
+                    ring_pos[d] = (n, pos)
+        self.links = links
+        self._index = index
+        self._chain = parent_chain
+        self._ring_pos = ring_pos
+        self._node_groups = node_groups
+        self.node_of = [0] * self.num_devices
+        for n, members in enumerate(node_groups):
+            for d in members:
+                self.node_of[d] = n
+        # Incidence of every ordered pair's route on every link: routes_PL[i*W+j, l] = 1 if the
+        # bytes i->j cross link l. Built once so that link traffic of any flow is one matmul.
+        W = self.num_devices
+        routes = np.zeros((W * W, len(links)), dtype=np.float64)
+        for i in range(W):
+            for j in range(W):
+                for li in self._route(i, j):
+                    routes[i * W + j, li] = 1.0
+        self.routes_PL = routes
+        self.bandwidth_L = np.array([lk.bandwidth_bytes_per_s for lk in links])
+        self.latency_L = np.array([lk.latency_s for lk in links])
+        self.path_latency_WW = (routes @ self.latency_L).reshape(W, W)
+
+    def _route(self, i: int, j: int) -> list[int]:
+        if i == j:
+            return []
+        if self._ring_pos and i in self._ring_pos and self._ring_pos[i][0] == self._ring_pos[j][0]:
+            members = self._node_groups[self._ring_pos[i][0]]
+            m, a, b = len(members), self._ring_pos[i][1], self._ring_pos[j][1]
+            fwd, bwd = (b - a) % m, (a - b) % m
+            step = 1 if fwd <= bwd else -1  # shortest way round; ties go forward
+            out, pos = [], a
+            while pos != b:
+                nxt = (pos + step) % m
+                out.append(self._index[(f"d{members[pos]}", f"d{members[nxt]}")])
+                pos = nxt
+            return out
+        up, down = self._chain[i], self._chain[j]
+        common = next(s for s in up if s in set(down))  # lowest common switch
+        hops_up = [f"d{i}", *up[: up.index(common) + 1]]
+        hops_down = [*down[: down.index(common) + 1][::-1], f"d{j}"]
+        out = [self._index[(a, b)] for a, b in zip(hops_up, hops_up[1:])]
+        out += [self._index[(a, b)] for a, b in zip(hops_down, hops_down[1:])]
+        return out
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return len(self._node_groups)
+
+    @property
+    def nodes(self) -> list[list[int]]:
+        """Devices of every node, in node order."""
+        return [list(g) for g in self._node_groups]
+
+    def path(self, i: int, j: int) -> list[Link]:
+        """Directed links the bytes from device i to device j cross (empty for i == j)."""
+        for name, v in (("i", i), ("j", j)):
+            if not (isinstance(v, (int, np.integer)) and 0 <= v < self.num_devices):
+                raise ValueError(f"path {name}={v!r}: not a device of this {self.num_devices}-device topology")
+        return [self.links[li] for li in self._route(int(i), int(j))]
+
+    def path_bandwidth(self, i: int, j: int) -> float:
+        """Bottleneck bandwidth of the route i -> j (inf for i == j)."""
+        return min((lk.bandwidth_bytes_per_s for lk in self.path(i, j)), default=math.inf)
+
+    def link_traffic(self, bytes_WW: np.ndarray) -> np.ndarray:
+        """Bytes on every directed link for flows ``[..., W, W]`` -> ``[..., L]`` (FasterMoE Eq. 2)."""
+        bytes_WW = np.asarray(bytes_WW, dtype=np.float64)
+        W = self.num_devices
+        if bytes_WW.shape[-2:] != (W, W):
+            raise ValueError(f"flow shape {bytes_WW.shape}: last two dims must be ({W}, {W})")
+        return bytes_WW.reshape(*bytes_WW.shape[:-2], W * W) @ self.routes_PL
+
+    def level_bandwidth(self) -> tuple[float, ...]:
+        return self._bw
+
+    def level_latency(self) -> tuple[float, ...]:
+        return self._lat
+
+    # ---- families -----------------------------------------------------------------------------
+    @classmethod
+    def from_spec(
+        cls,
+        spec: Any,
+        level_bandwidth_bytes_per_s: float | Sequence[float] = 10 * GBYTE,
+        level_latency_s: float | Sequence[float] = 0.0,
+        **kwargs: Any,
+    ) -> Topology:
+        """Tree from a nested list or its JSON text (``"[[0,1],[2,3]]"``)."""
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"topology spec={spec!r}: not a JSON nested list ({exc.msg})") from None
+        return cls(spec, level_bandwidth_bytes_per_s, level_latency_s, **kwargs)
+
+    @classmethod
+    def homogeneous(cls, num_devices: int, bandwidth_bytes_per_s: float, latency_s: float = 0.0) -> Topology:
+        """All devices under one switch (NVSwitch; TA-MoE Fig. 2a)."""
+        if num_devices < 1:
+            raise ValueError(f"num_devices={num_devices!r}: must be >= 1")
+        return cls(list(range(num_devices)), bandwidth_bytes_per_s, latency_s, name="homogeneous")
+
+    @classmethod
+    def ring(
+        cls,
+        edge_bandwidth_bytes_per_s: Sequence[float],
+        uplink_bandwidth_bytes_per_s: float,
+        latency_s: float = 0.0,
+    ) -> Topology:
+        """One node whose devices form a ring (NVLink ring; TA-MoE Fig. 2b), one edge bandwidth per edge."""
+        m = len(edge_bandwidth_bytes_per_s)
+        m = 2 if m == 1 else m
+        return cls(
+            list(range(m)),
+            uplink_bandwidth_bytes_per_s,
+            latency_s,
+            ring_edge_bandwidth_bytes_per_s=list(edge_bandwidth_bytes_per_s),
+            name="ring",
+        )
+
+    @classmethod
+    def symmetric_tree(
+        cls,
+        fanout: Sequence[int],
+        level_bandwidth_bytes_per_s: float | Sequence[float],
+        level_latency_s: float | Sequence[float] = 0.0,
+    ) -> Topology:
+        """Symmetric tree ``[L0, L1, ...]`` (TA-MoE §3.2): L0 children of the root, each with L1, ..."""
+        if not fanout or any(not isinstance(f, int) or f < 1 for f in fanout):
+            raise ValueError(f"fanout={list(fanout)!r}: expected a non-empty list of positive ints")
+        counter = iter(range(math.prod(fanout)))
+
+        def build(level: int) -> Any:
+            if level == len(fanout) - 1:
+                return [next(counter) for _ in range(fanout[level])]
+            return [build(level + 1) for _ in range(fanout[level])]
+
+        return cls(build(0), level_bandwidth_bytes_per_s, level_latency_s, name=f"tree{list(fanout)}")
+
+    @classmethod
+    def nodes_of(
+        cls,
+        num_nodes: int,
+        devices_per_node: int,
+        inter_bandwidth_bytes_per_s: float,
+        intra_bandwidth_bytes_per_s: float,
+        inter_latency_s: float = 0.0,
+        intra_latency_s: float = 0.0,
+    ) -> Topology:
+        """``num_nodes`` × ``devices_per_node``; a single node is a flat switch."""
+        if num_nodes == 1:
+            return cls(list(range(devices_per_node)), intra_bandwidth_bytes_per_s, intra_latency_s)
+        return cls.symmetric_tree(
+            [num_nodes, devices_per_node],
+            [inter_bandwidth_bytes_per_s, intra_bandwidth_bytes_per_s],
+            [inter_latency_s, intra_latency_s],
+        )
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "spec": self.spec,
+            "level_bandwidth_bytes_per_s": list(self._bw),
+            "level_latency_s": list(self._lat),
+            "ring_edge_bandwidth_bytes_per_s": (
+                None
+                if self.ring_edge_bandwidth_bytes_per_s is None
+                else [float(b) for b in self.ring_edge_bandwidth_bytes_per_s]
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Topology:
+        unknown = set(data) - {
+            "name",
+            "source",
+            "spec",
+            "level_bandwidth_bytes_per_s",
+            "level_latency_s",
+            "ring_edge_bandwidth_bytes_per_s",
+        }
+        if unknown:
+            raise ValueError(f"topology JSON: unknown keys {sorted(unknown)}")
+        if "spec" not in data or "level_bandwidth_bytes_per_s" not in data:
+            raise ValueError("topology JSON: needs 'spec' and 'level_bandwidth_bytes_per_s'")
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Topology:
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def preset(cls, name: str) -> Topology:
+        """A published cluster (see ``PRESETS``); ``name`` is case-insensitive."""
+        key = name.lower().replace("-", "_")
+        if key not in PRESETS:
+            raise ValueError(f"topology preset={name!r}: unknown; choose from {sorted(PRESETS)}")
+        p = PRESETS[key]
+        return cls(
+            p.spec(),
+            p.level_bandwidth_bytes_per_s,
+            p.level_latency_s,
+            ring_edge_bandwidth_bytes_per_s=p.ring_edge_bandwidth_bytes_per_s,
+            name=key,
+            source=p.source,
+        )
+
+    @classmethod
+    def resolve(cls, value: str) -> Topology:
+        """CLI helper: a preset name, a JSON file, or inline JSON (a topology object)."""
+        if value.lower().replace("-", "_") in PRESETS:
+            return cls.preset(value)
+        if value.lstrip().startswith("{") or Path(value).is_file():
+            return cls.from_json(value)
+        raise ValueError(f"--topology={value!r}: not a preset ({sorted(PRESETS)}), a JSON file or inline JSON")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A published cluster; every number cites its source."""
+
+    nodes: int
+    """Number of nodes (servers)."""
+    devices_per_node: int | Sequence[Any]
+    """Devices per node, or the nested spec of one node (e.g. two sockets of two GPUs)."""
+    level_bandwidth_bytes_per_s: Sequence[float]
+    """Per-level link bandwidth, root (inter-node network) first."""
+    level_latency_s: Sequence[float]
+    """Per-level one-way latency, root first."""
+    peak_flops_per_s: float
+    """Dense fp32 (or tensor-core fp16 where stated) peak of one device, for GEMM-time defaults."""
+    source: str
+    """Citation of every number above."""
+    ring_edge_bandwidth_bytes_per_s: Sequence[float] | None = None
+    """Ring edges inside a node (NVLink rings), see ``Topology.ring_edge_bandwidth_bytes_per_s``."""
+
+    def spec(self) -> list:
+        out, nxt = [], 0
+        for _ in range(self.nodes):
+            shape = self.devices_per_node
+            if isinstance(shape, int):
+                out.append(list(range(nxt, nxt + shape)))
+                nxt += shape
+            else:  # nested node layout: renumber devices consecutively
+
+                def renum(s: Any) -> Any:
+                    nonlocal nxt
+                    if isinstance(s, int):
+                        nxt += 1
+                        return nxt - 1
+                    return [renum(c) for c in s]
+
+                out.append(renum(shape))
+        return out
+
+
+# PCIe 3.0 x16: 15.75 GB/s per direction (PCI-SIG spec, 8 GT/s × 16 lanes × 128/130);
+# PCIe 4.0 x16: 31.5 GB/s. NVLink 2.0: 25 GB/s per direction per link (NVIDIA V100 whitepaper).
+_PCIE3 = 15.75 * GBYTE
+_PCIE4 = 31.5 * GBYTE
+# Latencies are not published in the papers; ~5 µs for an InfiniBand/RoCE hop and ~1 µs inside a
+# node are the usual figures (IB EDR switch port-to-port + NIC), documented as assumptions.
+_NET_LAT, _NODE_LAT = 5e-6, 1e-6
+
+PRESETS: dict[str, Preset] = {
+    # FasterMoE §5.1: "johnny ... 16 GPUs on 2 worker nodes. Each worker node has 8 NVIDIA Tesla
+    # V100-PCIE GPUs connected to 2 CPU sockets via PCIe switches. Although equipped with Infiniband
+    # EDR, the bandwidth degrades to 50Gb/s". Intra-node: PCIe 3.0 x16. Peak: V100-PCIe 14 TFLOP/s
+    # fp32 (NVIDIA datasheet); FasterMoE §3.1 uses 90% of peak as the GEMM throughput.
+    "johnny": Preset(
+        2,
+        8,
+        [50 * GBIT, _PCIE3],
+        [_NET_LAT, _NODE_LAT],
+        14e12,
+        "FasterMoE §5.1 (johnny: 2x8 V100-PCIe, IB degraded to 50 Gb/s); PCIe 3.0 x16 spec",
+    ),
+    # FasterMoE §5.1: "trevor ... 4 NVIDIA V100-SXM2 GPUs in each node with NVLink interconnecting
+    # them to form a heterogeneous ring, where half of the edges have double bandwidth via a bond of
+    # two links. Infiniband EDR at 100Gb/s ... 64 GPUs in 16 nodes". Ring edges alternate 2 and 1
+    # NVLink-2 links (50 / 25 GB/s); GPUs reach the NIC over PCIe 3.0 x16. V100-SXM2 15.7 TFLOP/s fp32.
+    "trevor": Preset(
+        16,
+        4,
+        [100 * GBIT, _PCIE3],
+        [_NET_LAT, _NODE_LAT],
+        15.7e12,
+        "FasterMoE §5.1 (trevor: 16x4 V100-SXM2, NVLink ring with doubled edges, IB EDR 100 Gb/s)",
+        ring_edge_bandwidth_bytes_per_s=[50 * GBYTE, 25 * GBYTE, 50 * GBYTE, 25 * GBYTE],
+    ),
+    # FSMoE §6 Table 3 and "Testbeds": testbed A = 6 nodes of Nvidia RTX A6000 (48 GPUs; Table 3
+    # lists 8 GPUs per node, the prose says four, 48/6 = 8 agrees with Table 3), NVLink 112.5 GB/s,
+    # PCIe 4.0 x16, Mellanox 200 Gb/s. We model the node as a switch at the NVLink figure. A6000 peak
+    # 38.7 TFLOP/s fp32 (datasheet); FSMoE Fig. 5a fits beta_gemm = 2.29e-11 ms/FLOP (43.7 TFLOP/s).
+    "fsmoe_a": Preset(
+        6,
+        8,
+        [200 * GBIT, 112.5 * GBYTE],
+        [_NET_LAT, _NODE_LAT],
+        38.7e12,
+        "FSMoE §6 Table 3 (testbed A: 6x8 RTX A6000, NVLink 112.5 GB/s, 200 Gb/s network)",
+    ),
+    # FSMoE §6 Table 3: testbed B = 8 nodes x 4 RTX 2080Ti, no NVLink, PCIe 3.0 x16, 100 Gb/s.
+    # 2080Ti 13.4 TFLOP/s fp32 (datasheet).
+    "fsmoe_b": Preset(
+        8,
+        4,
+        [100 * GBIT, _PCIE3],
+        [_NET_LAT, _NODE_LAT],
+        13.4e12,
+        "FSMoE §6 Table 3 (testbed B: 8x4 RTX 2080Ti, PCIe 3.0 x16, 100 Gb/s network)",
+    ),
+    # Hecate §6 "Testbeds": cluster A = 4 AWS p3dn.24xlarge, 8 V100-32G each, 300 GB/s NVLink,
+    # 100 Gbps network. 300 GB/s is the aggregate bidirectional NVLink figure per GPU -> 150 GB/s
+    # per direction. V100 15.7 TFLOP/s fp32.
+    "hecate_a": Preset(
+        4,
+        8,
+        [100 * GBIT, 150 * GBYTE],
+        [_NET_LAT, _NODE_LAT],
+        15.7e12,
+        "Hecate §6 (cluster A: 4x p3dn.24xlarge, 8 V100 per node, NVLink 300 GB/s, 100 Gbps)",
+    ),
+    # Hecate §6: cluster B = 4 AWS p4d.24xlarge, 8 A100-40G each, 600 GB/s NVSwitch (300 GB/s per
+    # direction), 400 Gbps network. A100 19.5 TFLOP/s fp32 (156 TF32; datasheet).
+    "hecate_b": Preset(
+        4,
+        8,
+        [400 * GBIT, 300 * GBYTE],
+        [_NET_LAT, _NODE_LAT],
+        19.5e12,
+        "Hecate §6 (cluster B: 4x p4d.24xlarge, 8 A100 per node, NVSwitch 600 GB/s, 400 Gbps)",
+    ),
+    # Pro-Prophet §VI "Testbed": HPWNV node = 2 Xeon CPUs, 4 RTX 3090, each CPU connected to two
+    # GPUs through PCIe 3.0, 100 Gb/s InfiniBand between nodes; evaluated with 4 and 8 nodes. The
+    # socket-to-socket hop (UPI, ~20.8 GB/s per link, Intel datasheet) is an assumption: the paper
+    # does not give it. 3090 35.6 TFLOP/s fp32 (datasheet).
+    "prophet_hpwnv": Preset(
+        4,
+        [[0, 1], [2, 3]],
+        [100 * GBIT, 20.8 * GBYTE, _PCIE3],
+        [_NET_LAT, _NODE_LAT, _NODE_LAT],
+        35.6e12,
+        "Pro-Prophet §VI (HPWNV: 4x RTX 3090 on 2 sockets via PCIe 3.0, 100 Gb/s IB)",
+    ),
+    # Pro-Prophet §VI: HPNV = HPWNV plus one NVLink-3 bridge inside each pair of GPUs (3090 NVLink
+    # bridge: 112.5 GB/s bidirectional -> 56.25 GB/s per direction, NVIDIA datasheet). Each pair is a
+    # 2-member ring; the pair's uplink stays PCIe 3.0.
+    "prophet_hpnv": Preset(
+        4,
+        [[0, 1], [2, 3]],
+        [100 * GBIT, 20.8 * GBYTE, _PCIE3],
+        [_NET_LAT, _NODE_LAT, _NODE_LAT],
+        35.6e12,
+        "Pro-Prophet §VI (HPNV: HPWNV + NVLink-3 between the GPUs of a pair, 4 nodes)",
+        ring_edge_bandwidth_bytes_per_s=[56.25 * GBYTE],
+    ),
+    # Pro-Prophet §VI: LPWNV = HPWNV with RTX 2080Ti; Table V uses 2 nodes. 13.4 TFLOP/s fp32.
+    "prophet_lpwnv": Preset(
+        2,
+        [[0, 1], [2, 3]],
+        [100 * GBIT, 20.8 * GBYTE, _PCIE3],
+        [_NET_LAT, _NODE_LAT, _NODE_LAT],
+        13.4e12,
+        "Pro-Prophet §VI (LPWNV: 4x RTX 2080Ti on 2 sockets via PCIe 3.0, 100 Gb/s IB, 2 nodes)",
+    ),
+}
+
+
+def preset_peak_flops(name: str) -> float:
+    """Device peak FLOP/s of a preset (for CostModel defaults)."""
+    key = name.lower().replace("-", "_")
+    if key not in PRESETS:
+        raise ValueError(f"topology preset={name!r}: unknown; choose from {sorted(PRESETS)}")
+    return PRESETS[key].peak_flops_per_s

@@ -1,0 +1,214 @@
+"""CostModel: α-β fits, FasterMoE link model by hand, paper formulas, JSON, TA-MoE Table 1."""
+
+import numpy as np
+import pytest
+
+from moeflow.perf.costmodel import AlphaBeta, CostModel
+from moeflow.topology import Topology
+
+
+def two_nodes(inter=1e9, intra=1e10):
+    return CostModel(Topology.from_spec([[0, 1], [2, 3]], [inter, intra]), gemm_flops_per_s=1e12)
+
+
+def test_fit_recovers_fsmoe_published_constants():
+    # FSMoE §6.2 sweep: 2^18 .. 24·2^18 float32 elements; all-to-all α = 0.2352 ms,
+    # β = 1.854e-6 ms per element (SPEC §3.2).
+    elems = np.arange(1, 25) * 2**18
+    nbytes = 4 * elems
+    alpha, beta = 0.2352e-3, 1.854e-6 * 1e-3 / 4
+    exact = AlphaBeta.fit(nbytes, alpha + beta * nbytes)
+    assert exact.alpha_s == pytest.approx(alpha, rel=1e-9) and exact.beta_s_per_unit == pytest.approx(beta, rel=1e-9)
+    assert exact.r2 == pytest.approx(1.0)
+    rng = np.random.default_rng(0)
+    noisy = AlphaBeta.fit(nbytes, (alpha + beta * nbytes) * (1 + 0.01 * rng.standard_normal(24)))
+    assert noisy.beta_s_per_unit == pytest.approx(beta, rel=0.02)
+    assert noisy.alpha_s == pytest.approx(alpha, abs=0.2 * alpha)
+    assert 0.99 < noisy.r2 < 1.0
+    with pytest.raises(ValueError, match="distinct sizes"):
+        AlphaBeta.fit([1, 1], [2, 3])
+
+
+def test_fit_never_goes_negative():
+    # decreasing times at small sizes would give α < 0 unconstrained
+    fit = AlphaBeta.fit([1, 2, 3, 4], [0.0, 0.0, 1.0, 2.0])
+    assert fit.alpha_s >= 0 and fit.beta_s_per_unit >= 0
+    assert np.all(fit([0, 1, 2]) >= 0)
+
+
+def test_uniform_a2a_by_hand():
+    # Each of 4 ranks sends S/4 to every rank. Node uplink s0->s carries 4·S/4 = S at 1 GB/s;
+    # a device uplink carries 3·S/4 at 10 GB/s. Busiest link: S / 1e9.
+    m = two_nodes()
+    S = 8e6
+    assert float(m.a2a_time(np.full((4, 4), S / 4))) == pytest.approx(S / 1e9)
+    # an exchange inside node 0 only never touches the network: 2 MB on d0->s0 at 10 GB/s
+    flow = np.zeros((4, 4))
+    flow[0, 1] = 2e6
+    assert float(m.a2a_time(flow)) == pytest.approx(2e6 / 1e10)
+    assert float(m.a2a_time(np.zeros((4, 4)))) == 0.0
+    # vectorised over leading dims
+    assert m.a2a_time(np.stack([flow, 2 * flow])).shape == (2,)
+
+
+def test_collectives_by_hand():
+    m = CostModel(Topology.homogeneous(4, 1e9), gemm_flops_per_s=1e12)
+    S = 4e6
+    # ring all-reduce: each rank sends 2·(n−1)/n·S to its neighbour; hop i->i+1 uses d_i->s, s->d_i+1
+    assert m.collective_time("all_reduce", S) == pytest.approx(1.5 * S / 1e9)
+    assert m.collective_time("all_gather", S) == pytest.approx(0.75 * S / 1e9)
+    assert m.collective_time("broadcast", S) == pytest.approx(S / 1e9)
+    assert m.collective_time("reduce", S, ranks=[0, 2]) == pytest.approx(S / 1e9)
+    assert m.collective_time("all_reduce", S, ranks=[3]) == 0.0
+    with pytest.raises(ValueError, match="kind='gather'"):
+        m.collective_time("gather", S)
+    with pytest.raises(ValueError, match="ranks="):
+        m.collective_time("all_reduce", S, ranks=[0, 0])
+    assert float(m.p2p_time(1e6, 0, 3)) == pytest.approx(1e6 / 1e9)
+
+
+def test_compute_eq1_and_gemm_fit():
+    m = two_nodes()
+    # FasterMoE Eq. 1: forward of a 2-layer expert is 4·B·h·d FLOPs; the slowest device counts.
+    B = np.array([100, 400, 0, 50])
+    assert float(m.layer_compute_time(B, 64, 256)) == pytest.approx(4 * 400 * 64 * 256 / 1e12)
+    assert float(m.layer_compute_time(B, 64, 256, expert="swiglu")) == pytest.approx(6 * 400 * 64 * 256 / 1e12)
+    fitted = CostModel(m.topology, 1e12, {"gemm": AlphaBeta(1e-5, 2e-12, "flop")})
+    # α paid per GEMM launch (2 per ffn expert), not by an idle device
+    t = fitted.expert_forward_time(B, 64, 256)
+    assert t[2] == 0.0 and t[1] == pytest.approx(2e-5 + 2e-12 * 4 * 400 * 64 * 256)
+
+
+def test_a2a_fit_calibrates_link_model():
+    topo = Topology.from_spec([[0, 1], [2, 3]], [1e9, 1e10])
+    fit = AlphaBeta(2e-4, 3e-9)
+    m = CostModel(topo, 1e12, {"a2a": fit})
+    for n in (1e5, 1e6, 4e6):
+        assert float(m.a2a_time(np.full((4, 4), n / 4))) == pytest.approx(fit(n))  # uniform = the fit
+    skew = np.full((4, 4), 1e5)
+    skew[:, 3] = 1e6  # everyone floods device 3: busier links than uniform of the same total
+    uniform = np.full((4, 4), skew.sum() / 16)
+    assert float(m.a2a_time(skew)) > float(m.a2a_time(uniform))
+
+
+def test_ta_moe_table1_ordering():
+    # TA-MoE §3.3 Table 1 on [[0,1],[0̂,1̂]], 128 MB per device: uneven (1/4 self, 1/2 neighbour,
+    # 1/8 each remote) beats even (1/4 each) when the inter-node link is the bottleneck.
+    even = np.full((4, 4), 1 / 4)
+    uneven = np.array(
+        [
+            [1 / 4, 1 / 2, 1 / 8, 1 / 8],
+            [1 / 2, 1 / 4, 1 / 8, 1 / 8],
+            [1 / 8, 1 / 8, 1 / 4, 1 / 2],
+            [1 / 8, 1 / 8, 1 / 2, 1 / 4],
+        ]
+    )
+    S = 128 * 2**20
+    for inter in (2e9, 6.25e9, 12.5e9):
+        m = two_nodes(inter=inter, intra=12e9)
+        assert float(m.a2a_time(uneven * S)) < float(m.a2a_time(even * S))
+    m = two_nodes(inter=12.5e9, intra=12e9)  # 100 Gb/s IB behind ~12 GB/s PCIe 3.0 devices
+    assert float(m.a2a_time(even * S)) / float(m.a2a_time(uneven * S)) == pytest.approx(1.28, abs=0.02)
+    m = two_nodes(inter=1e9, intra=12e9)  # very slow network: the speedup reaches 2 (node uplink halves)
+    assert float(m.a2a_time(even * S)) / float(m.a2a_time(uneven * S)) == pytest.approx(2.0)
+
+
+def test_fastermoe_and_prophet_formulas():
+    m = two_nodes(inter=1e9, intra=1e10)
+    d, h = 64, 256
+    B = np.array([4000, 1000, 1000, 1000])
+    # Eq. 7 by hand for the hottest device
+    comp = 3 * 4 * 4000 * h * d / 1e12
+    comm = 4 * 4000 * d * 4 / m.net_bandwidth_bytes_per_s
+    assert float(m.fastermoe_imbalance_time(B, d, h)) == pytest.approx(comp + comm)
+    # Eq. 8 with one expert shadowed and balanced load: broadcast + reduce of 2·h·d params
+    balanced = np.full(4, 1750)
+    expect = 3 * 4 * 1750 * h * d / 1e12 + 2 * 1 * (2 * h * d * 4) / 1e9
+    assert float(m.fastermoe_shadow_time(balanced, 1, d, h)) == pytest.approx(expect)
+    # Pro-Prophet Eq. 1-8
+    t = m.prophet_times(
+        recv_tokens_W=[10, 20, 30, 40],
+        compute_tokens_W=B,
+        num_transferred=2,
+        num_not_transferred=1,
+        d_model=d,
+        d_hidden=h,
+        nonmoe_forward_s=0.0,
+    )
+    bbar = m.mean_bandwidth_bytes_per_s
+    assert float(t["a2a"]) == pytest.approx(40 * d * 4 / bbar)
+    assert float(t["trans"]) == pytest.approx(2 * 3 * (2 * d * h * 4) / (4 * bbar))
+    assert float(t["total"]) == pytest.approx(4 * t["a2a"] + 3 * t["fec"] + 2 * t["trans"])
+    assert float(t["overlapped"]) <= float(t["total"])
+    # B̄ on [[0,1],[2,3]]: of the 12 ordered pairs, 4 are intra (10 GB/s) and 8 inter (1 GB/s)
+    assert bbar == pytest.approx((4 * 1e10 + 8 * 1e9) / 12)
+
+
+def test_fsmoe_chunk_time_and_op_time():
+    m = CostModel.from_preset("fsmoe_a")
+    fit = m.fits["a2a"]
+    assert fit.alpha_s == pytest.approx(2.87e-4) and fit.beta_s_per_unit == pytest.approx(2.21e-10 / 4)
+    assert float(m.chunk_time("a2a", 8e6, 4)) == pytest.approx(fit.alpha_s + 2e6 * fit.beta_s_per_unit)
+    with pytest.raises(ValueError, match="degree"):
+        m.chunk_time("a2a", 1e6, 0)
+    plain = CostModel.from_preset("johnny")
+    assert plain.fits == {} and plain.gemm_flops_per_s == pytest.approx(0.9 * 14e12)
+    assert float(plain.op_time("gemm", 1e12)) == pytest.approx(1e12 / plain.gemm_flops_per_s)
+    assert np.all(np.diff(plain.op_time("all_reduce", [1e6, 2e6, 4e6])) > 0)
+
+
+def test_json_roundtrip_and_errors(tmp_path):
+    m = CostModel(
+        Topology.from_spec([[0, 1], [2, 3]], [1e9, 1e10]),
+        2e12,
+        {"a2a": AlphaBeta(1e-4, 1e-9, r2=0.99), "gemm": AlphaBeta(1e-5, 1e-12, "flop")},
+    )
+    m.save(tmp_path / "cm.json")
+    again = CostModel.load(tmp_path / "cm.json")
+    assert again.to_dict() == m.to_dict()
+    flow = np.random.default_rng(0).integers(0, 1000, (4, 4)) * 1e3
+    assert float(again.a2a_time(flow)) == pytest.approx(float(m.a2a_time(flow)))
+    with pytest.raises(ValueError, match="unknown operation kinds"):
+        CostModel(m.topology, 1e12, {"allreduce": AlphaBeta(0, 1)})
+    with pytest.raises(ValueError, match="gemm_flops_per_s=0"):
+        CostModel(m.topology, 0)
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        CostModel.load(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match="--cluster='mars'"):
+        CostModel.resolve("mars")
+
+
+def test_materialize_traffic():
+    m = two_nodes(inter=1e9, intra=1e10)
+    owner = np.array([0, 1, 2, 3])
+    holders = np.eye(4, dtype=bool)
+    assert float(m.materialize_time(1e6, holders, owner)) == 0.0
+    holders[0, :] = True  # expert 0 copied from rank 0 to 1, 2, 3: node uplink carries 2 copies
+    assert float(m.materialize_time(1e6, holders, owner)) == pytest.approx(2e6 / 1e9)
+
+
+def test_uncalibrated_a2a_is_fastermoe_eq2():
+    topo = Topology.from_spec([[0, 1], [2, 3]], [1e9, 1e10])
+    m = CostModel(topo, 1e12, {"a2a": AlphaBeta(2e-4, 3e-9)}, a2a_calibration=False)
+    S = 8e6
+    assert float(m.a2a_time(np.full((4, 4), S / 4))) == pytest.approx(S / 1e9)  # busiest link only
+    again = CostModel.from_dict(m.to_dict())
+    assert again.a2a_calibration is False
+
+
+def test_processor_sharing_on_a_shared_host():
+    # 4 CPU ranks on 2 cores, profiled "all busy" times [1, 1, 1, 3] s: all four share the cores
+    # for 1 s (three finish), then the hot rank runs alone at full speed: 1.0 s of full-core
+    # work left (1.5 total - 0.5 done). Makespan 2 s instead of the dedicated-device max of 3 s.
+    topo = Topology.homogeneous(4, 1e9)
+    flops_per_s = 4 * 8 * 8 * 1.0  # 1 token = 1 s
+    shared = CostModel(topo, flops_per_s, host_cores=2)
+    dedicated = CostModel(topo, flops_per_s)
+    B = np.array([1, 1, 1, 3])
+    assert float(dedicated.layer_compute_time(B, 8, 8)) == pytest.approx(3.0)
+    assert float(shared.layer_compute_time(B, 8, 8)) == pytest.approx(2.0)
+    assert float(shared.layer_compute_time(np.full(4, 2), 8, 8)) == pytest.approx(2.0)  # balanced: unchanged
+    assert shared.layer_compute_time(np.stack([B, 2 * B]), 8, 8).tolist() == pytest.approx([2.0, 4.0])
+    assert CostModel.from_dict(shared.to_dict()).host_cores == 2
+    with pytest.raises(ValueError, match="host_cores=0"):
+        CostModel(topo, 1.0, host_cores=0)

@@ -1,0 +1,148 @@
+"""Topology: parsing, routes, link traffic by hand, presets, JSON."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeflow.topology import PRESETS, Topology
+
+
+def names(links):
+    return [str(lk) for lk in links]
+
+
+def test_two_nodes_routes_and_node_of():
+    t = Topology.from_spec([[0, 1], [2, 3]], level_bandwidth_bytes_per_s=[1e9, 1e10])
+    assert t.num_devices == 4 and t.num_nodes == 2 and t.node_of == [0, 0, 1, 1]
+    assert names(t.path(0, 1)) == ["d0->s0", "s0->d1"]
+    assert names(t.path(0, 3)) == ["d0->s0", "s0->s", "s->s1", "s1->d3"]
+    assert names(t.path(3, 0)) == ["d3->s1", "s1->s", "s->s0", "s0->d0"]  # the other direction
+    assert t.path(2, 2) == []
+    assert [lk.bandwidth_bytes_per_s for lk in t.path(0, 3)] == [1e10, 1e9, 1e9, 1e10]
+    assert t.path_bandwidth(0, 3) == 1e9 and t.path_bandwidth(0, 1) == 1e10
+
+
+def test_link_traffic_hand_worked():
+    # 0 -> 3: 100 bytes, 1 -> 2: 50 bytes, 2 -> 0: 7 bytes, 0 -> 1: 5 bytes.
+    t = Topology.from_spec("[[0,1],[2,3]]", 1.0)
+    flow = np.zeros((4, 4))
+    flow[0, 3], flow[1, 2], flow[2, 0], flow[0, 1] = 100, 50, 7, 5
+    traffic = dict(zip(names(t.links), t.link_traffic(flow)))
+    expect = {
+        "d0->s0": 105,
+        "s0->d1": 5,
+        "d1->s0": 50,
+        "s0->s": 150,
+        "s->s1": 150,
+        "s1->d3": 100,
+        "s1->d2": 50,
+        "d2->s1": 7,
+        "s1->s": 7,
+        "s->s0": 7,
+        "s0->d0": 7,
+    }
+    for link, v in traffic.items():
+        assert v == expect.get(link, 0), link
+    # vectorised over leading dims
+    batch = t.link_traffic(np.stack([flow, 2 * flow]))
+    assert batch.shape == (2, len(t.links)) and np.allclose(batch[1], 2 * batch[0])
+
+
+def test_asymmetric_tree_routes_through_lowest_common_switch():
+    t = Topology.from_spec([[[0, 1], [2, 3]], [[4, 5]]], [1.0, 2.0, 3.0])
+    assert t.node_of == [0, 0, 1, 1, 2, 2]
+    assert names(t.path(0, 2)) == ["d0->s0.0", "s0.0->s0", "s0->s0.1", "s0.1->d2"]
+    assert names(t.path(1, 5)) == ["d1->s0.0", "s0.0->s0", "s0->s", "s->s1", "s1->s1.0", "s1.0->d5"]
+    assert [lk.level for lk in t.path(1, 5)] == [2, 1, 0, 0, 1, 2]
+
+
+def test_families_and_ring_routing():
+    h = Topology.homogeneous(4, 5e9)
+    assert h.num_nodes == 1 and names(h.path(0, 3)) == ["d0->s", "s->d3"]
+    r = Topology.ring([50e9, 25e9, 50e9, 25e9], uplink_bandwidth_bytes_per_s=10e9)
+    assert names(r.path(0, 1)) == ["d0->d1"]
+    assert names(r.path(0, 3)) == ["d0->d3"]  # shorter way round
+    assert names(r.path(0, 2)) == ["d0->d1", "d1->d2"]  # tie: forward
+    assert r.path_bandwidth(0, 2) == 25e9
+    s = Topology.symmetric_tree([2, 3], [1e9, 1e10])
+    assert s.spec == [[0, 1, 2], [3, 4, 5]]
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("[[0,1],[2,2]]", "duplicated [2]"),
+        ("[[0,1],[]]", "spec[1]=[]"),
+        ('[[0,"a"]]', "spec[0][1]='a'"),
+        ("[[0,1],[2,-1]]", "spec[1][1]=-1"),
+        ("[[0,1],[3]]", "missing [2]"),
+        ("[[0,1]", "not a JSON nested list"),
+        ("[[0,true]]", "spec[0][1]=True"),
+    ],
+)
+def test_parse_errors_name_the_element(spec, needle):
+    with pytest.raises(ValueError, match="topology") as exc:
+        Topology.from_spec(spec)
+    assert needle in str(exc.value)
+
+
+def test_bad_levels_and_paths():
+    with pytest.raises(ValueError, match="level_bandwidth_bytes_per_s"):
+        Topology.from_spec([[0, 1], [2, 3]], [1e9])
+    with pytest.raises(ValueError, match=r"level_bandwidth_bytes_per_s\[0\]=-1.0"):
+        Topology.from_spec([[0, 1], [2, 3]], [-1, 1])
+    with pytest.raises(ValueError, match="j=9"):
+        Topology.homogeneous(2, 1.0).path(0, 9)
+    with pytest.raises(ValueError, match="preset='nope'"):
+        Topology.preset("nope")
+
+
+def test_presets_cite_sources_and_roundtrip_json(tmp_path):
+    for name in PRESETS:
+        t = Topology.preset(name)
+        assert t.source and t.name == name
+        again = Topology.from_json(t.to_json(tmp_path / f"{name}.json"))
+        assert again.to_dict() == t.to_dict()
+        assert np.array_equal(again.routes_PL, t.routes_PL)
+    assert Topology.preset("johnny").num_devices == 16 and Topology.preset("johnny").num_nodes == 2
+    assert Topology.preset("johnny").level_bandwidth()[0] == 50e9 / 8  # 50 Gb/s IB (FasterMoE §5.1)
+    trevor = Topology.preset("trevor")
+    assert trevor.num_devices == 64 and trevor.num_nodes == 16
+    assert trevor.path_bandwidth(0, 1) == 50e9 and trevor.path_bandwidth(1, 2) == 25e9  # doubled NVLink edges
+    assert trevor.path_bandwidth(0, 4) == 100e9 / 8
+
+
+@st.composite
+def trees(draw):
+    """Random nested-list specs (1-3 levels, groups of 1-3) with their device count."""
+    counter = iter(range(10_000))
+
+    def group(depth):
+        n = draw(st.integers(1, 3))
+        if depth == 0:
+            return [next(counter) for _ in range(n)]
+        return [group(depth - 1) for _ in range(n)]
+
+    return group(draw(st.integers(0, 2)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=trees(), seed=st.integers(0, 2**31 - 1))
+def test_traffic_conservation_property(spec, seed):
+    # Every byte leaves its source on the source's uplink and enters its destination on the
+    # destination's downlink exactly once; routes are mirror images of each other.
+    t = Topology.from_spec(spec, 1.0)
+    W = t.num_devices
+    flow = np.random.default_rng(seed).integers(0, 100, (W, W)).astype(float)
+    traffic = t.link_traffic(flow)
+    off = flow - np.diag(np.diag(flow))
+    for d in range(W):
+        up = [i for i, lk in enumerate(t.links) if lk.src == f"d{d}"]
+        down = [i for i, lk in enumerate(t.links) if lk.dst == f"d{d}"]
+        assert traffic[up].sum() == off[d].sum() and traffic[down].sum() == off[:, d].sum()
+    for i in range(W):
+        for j in range(W):
+            there = [(lk.src, lk.dst) for lk in t.path(i, j)]
+            back = [(lk.dst, lk.src) for lk in t.path(j, i)][::-1]
+            assert there == back
