@@ -51,13 +51,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--bandwidth-mbit", type=float, default=800.0)
-    parser.add_argument("--profile", default="results/profile-testbed.json")
+    parser.add_argument("--profile", default=None, help="default: results/profile-testbed-<bandwidth>mbit.json")
+    parser.add_argument("--balance-weight", type=float, default=0.1, help="aux-loss weight, the same for every variant")
     parser.add_argument("--out", default="results/topology_training.json")
     args = parser.parse_args()
-    profile = ensure_profile(ROOT / args.profile, args.bandwidth_mbit)
+    profile_path = args.profile or f"results/profile-testbed-{args.bandwidth_mbit:g}mbit.json"
+    profile = ensure_profile(ROOT / profile_path, args.bandwidth_mbit)
     runs = ROOT / "results" / "topology_training"
     d_model, layers, top_k, tokens_per_step = 128, 4, 2, 16 * 128  # configs/tiny.toml
-    result = {"steps": args.steps, "bandwidth_mbit": args.bandwidth_mbit, "variants": {}}
+    result = {
+        "steps": args.steps,
+        "bandwidth_mbit": args.bandwidth_mbit,
+        "balance_weight": args.balance_weight,
+        "variants": {},
+    }
     for name, sets in VARIANTS.items():
         out = runs / name
         argv = [

@@ -160,7 +160,9 @@ def test_cli_simulate_and_roofline(capsys, tmp_path):
     )
     assert rc == 0 and (tmp_path / "rl" / "roofline.png").stat().st_size > 0
     data = json.loads((tmp_path / "rl" / "roofline.json").read_text())
-    assert {p["label"] for p in data["points"]} == {"ep/sync", "ep/pairwise"}
+    assert {p["label"] for p in data["points"]} == {
+        f"{s}/{sch}" for s in sim.STRATEGIES for sch in ("sync", "pairwise")
+    }
     capsys.readouterr()
     assert main(["simulate", "--strategy", "magic", "--iterations", "1"]) == 2
     assert "--strategy='magic'" in capsys.readouterr().err

@@ -90,13 +90,16 @@ def assignment_destinations(expert_A: torch.Tensor, plan_ED: np.ndarray) -> torc
     return (position_A[:, None] >= bounds_ED[expert_A]).sum(1)
 
 
-def source_major_to_expert_major(counts_SH: np.ndarray) -> np.ndarray:
+def source_major_to_expert_major(counts_SH: np.ndarray) -> np.ndarray | None:
     """Permutation that regroups received rows from (source, expert) blocks to (expert, source).
 
     Received rows arrive source by source, each source's rows ordered by expert; the experts want
-    their rows contiguous. Returns `perm_R` with `expert_major = received[perm_R]`.
+    their rows contiguous. Returns `perm_R` with `expert_major = received[perm_R]`, or None when
+    the rows are already in that order (at most one source sent anything).
     """
     counts = np.asarray(counts_SH, dtype=np.int64)
+    if np.count_nonzero(counts.sum(1)) <= 1:
+        return None
     starts_SH = (np.cumsum(counts.ravel()) - counts.ravel()).reshape(counts.shape)
     lengths = counts.T.ravel()  # expert-major block order
     block_starts = starts_SH.T.ravel()

@@ -251,7 +251,10 @@ class MoELayer(nn.Module):
 
         def compute(x_recv_RD: torch.Tensor, counts_SH: np.ndarray) -> torch.Tensor:
             # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
-            perm_R = torch.as_tensor(dispatch.source_major_to_expert_major(counts_SH), device=x.device)
+            perm = dispatch.source_major_to_expert_major(counts_SH)
+            if perm is None:  # one source: already grouped by expert
+                return self.experts(x_recv_RD, counts_SH.sum(0).tolist(), weights_H)
+            perm_R = torch.as_tensor(perm, device=x.device)
             inverse_R = dispatch.inverse_permutation(perm_R)
             x_grouped = dispatch.permute_rows(x_recv_RD, perm_R, inverse_R)
             y_grouped = self.experts(x_grouped, counts_SH.sum(0).tolist(), weights_H)
@@ -273,10 +276,11 @@ class MoELayer(nn.Module):
         else:
             y_back_AD = self._sync_block(x_sent_AD, send_splits, recv_splits, counts_SH, compute)
 
-        # Un-order: weighted sum of each token's expert outputs; dropped assignments add zero.
-        weighted_AD = y_back_AD.float() * weight_A[order_A, None]
-        y_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x.device)
-        y_TD = y_TD.index_add(0, token_sorted_A, weighted_AD).to(x.dtype)
+        # Un-order: weighted sum of each token's expert outputs; dropped assignments add zero. It
+        # accumulates in the input's dtype (fp32 under autocast; a bf16 model sums k bf16 terms, as
+        # Hugging Face's and MegaBlocks' combines do).
+        weighted_AD = y_back_AD.to(x.dtype) * weight_A[order_A, None].to(x.dtype)
+        y_TD = torch.zeros(x_TD.shape, dtype=x.dtype, device=x.device).index_add(0, token_sorted_A, weighted_AD)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
 
         element_bytes = x_sent_AD.element_size() * self.d_model

@@ -40,6 +40,7 @@ from moeflow.data import BatchSampler, load_corpus, validation_batches
 from moeflow.launch import init_distributed, launch_local, resolve_world_size
 from moeflow.model import MoEGPT, check_moe_config, parallelize
 from moeflow.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
+from moeflow.perf.traces import Trace, load_trace
 
 METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "routing.npz"
@@ -143,26 +144,17 @@ class RoutingTrace:
         self.flows.append(flow_LWE.astype(np.int32))
 
     def write(self, path: Path) -> None:
-        """Atomically replace `path` (a reader never sees a half-written file)."""
+        """Atomically replace `path` with the trace so far (`moeflow.perf.traces` format)."""
         L, W, E = len(self.meta["layers"]), self.meta["world_size"], self.meta["num_experts"]
         flow = np.stack(self.flows) if self.flows else np.zeros((0, L, W, E), np.int32)
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("wb") as fh:
-            np.savez_compressed(
-                fh,
-                flow=flow,
-                steps=np.asarray(self.steps, np.int64),
-                meta=np.asarray(json.dumps(self.meta, sort_keys=True)),
-            )
-        os.replace(tmp, path)
+        Trace(flow, np.asarray(self.steps, np.int64), dict(self.meta)).save(path)
 
     def load_until(self, path: Path, last_step: int) -> None:
         """On resume: keep the recorded steps up to the checkpoint's. A trace recorded with other
         dimensions (a different world size) is kept aside as routing.until_step<N>.npz."""
         if not path.exists():
             return
-        with np.load(path) as f:
-            meta, steps, flow = json.loads(str(f["meta"])), f["steps"], f["flow"]
+        flow, steps, meta = read_routing_trace(path)
         if meta != self.meta:
             os.replace(path, path.with_name(f"{path.stem}.until_step{last_step}{path.suffix}"))
             return
@@ -173,8 +165,8 @@ class RoutingTrace:
 
 def read_routing_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """(flow int32 [S, L, W, E], steps int64 [S], meta) of a routing.npz written by training."""
-    with np.load(path) as f:
-        return f["flow"], f["steps"], json.loads(str(f["meta"]))
+    trace = load_trace(path)
+    return trace.flow_ILWE.astype(np.int32), trace.steps_I, trace.meta
 
 
 @dataclass

@@ -394,6 +394,27 @@ class CostModel:
         t = self.link_time(flow_WW) + self._latency(flow_WW)
         return np.where(extra.any(axis=(-2, -1)), t, 0.0)
 
+    def copies_time(
+        self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray, direction: str = "materialize"
+    ) -> float:
+        """The sparse collectives as ``moeflow.sparse_collectives`` runs them, one direction: experts
+        held by *every* device go through one broadcast (``direction="materialize"``, forward) or one
+        reduce (``"reduce"``, backward) per owner of all its such experts (FasterMoE Eq. 8: a pipelined
+        ring carries the parameters once per link); partial replica sets through point-to-point
+        copies (``materialize_time``; the gradients retrace the same routes reversed)."""
+        if direction not in ("materialize", "reduce"):
+            raise ValueError(f"direction={direction!r}: expected 'materialize' or 'reduce'")
+        holders = np.asarray(holders_EW, dtype=bool)
+        owner = np.asarray(owner_E, dtype=np.int64)
+        W = holders.shape[1]
+        owner_onehot_EW = np.eye(W, dtype=bool)[owner]
+        everywhere_E = holders.all(axis=1) & (holders & ~owner_onehot_EW).any(axis=1)
+        kind = "broadcast" if direction == "materialize" else "reduce"
+        per_owner = np.bincount(owner[everywhere_E], minlength=W)
+        t = sum(self.collective_time(kind, int(n) * param_bytes) for n in per_owner[per_owner > 0])
+        partial_EW = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
+        return float(t + self.materialize_time(param_bytes, partial_EW, owner))
+
     # ---- paper formulas for planners ------------------------------------------------------------
     def fastermoe_imbalance_time(self, tokens_W: Any, d_model: int, d_hidden: int) -> np.ndarray:
         """FasterMoE Eq. 7: ``max_w (3·4·B_w·h·d/P + 4·B_w·d·bytes/W_net)``."""

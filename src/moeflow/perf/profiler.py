@@ -282,50 +282,26 @@ def topology_from_fits(nodes: list[list[int]], fits: dict[str, dict[str, Any]]) 
 
 def _worker(config: ProfileConfig, backend: str) -> dict[str, Any]:
     """Entry point of one rank (elastic launch or torchrun)."""
-    import torch
     import torch.distributed as dist
 
-    if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-        # Same policy as torchrun: one intra-op thread per process when several share a host,
-        # unless the user set OMP_NUM_THREADS.
-        if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)
+    from moeflow.launch import init_distributed
+
     created = not dist.is_initialized()
-    if created:
-        dist.init_process_group(backend)
+    device = init_distributed({"nccl": "cuda", "gloo": "cpu"}.get(backend, "auto"))
     try:
         return run_profile(config, device)
     finally:
-        if created:
+        if created and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def launch(config: ProfileConfig, nproc: int | None, backend: str) -> dict[str, Any]:
     """Run the profile: under torchrun (``RANK`` in the environment) on the given ranks, else on
     ``nproc`` local processes started by torch's elastic launcher (the one torchrun uses)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    from moeflow.launch import launch_local, under_torchrun
+
+    if under_torchrun():
         return _worker(config, backend)
     if nproc is None or nproc < 1:
         raise ValueError(f"--nproc={nproc!r}: give a positive number of processes (or run under torchrun)")
-    import uuid
-
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    lc = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"moeflow-profile-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    results = elastic_launch(lc, _worker)(config, backend)
-    return results[0]
+    return launch_local(_worker, nproc, config, backend, name="moeflow-profile")[0]

@@ -35,6 +35,7 @@ import numpy as np
 
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.traces import Trace
+from moeflow.planners.shadow import expert_param_count
 
 SCHEDULES = ("sync", "pairwise")
 """How communication and computation are ordered (DESIGN.md §2 'schedule')."""
@@ -83,12 +84,36 @@ class Strategy:
     """Vectorised flow [I,L,W,E] -> send [I,L,W,W] for strategies with a fixed owner-only placement."""
     description: str = ""
     """One line for ``--help`` and reports."""
+    routing: Callable[[np.ndarray, CostModel, ModelConfig, int], np.ndarray] | None = None
+    """For strategies that change routing (TA-MoE): the flow they would produce from the trace's
+    (flow [I,L,W,E], cost model, model, top_k) -> flow [I,L,W,E]."""
+
+
+def _ta_moe_routing(flow_ILWE: np.ndarray, cost_model: CostModel, model: ModelConfig, top_k: int) -> np.ndarray:
+    """TA-MoE (SPEC §2): every rank sends its S tokens' k choices in the target pattern ĉ that the
+    loss steers the gate to (the best case of the loss: dispatch exactly on target)."""
+    from moeflow.ta_moe import flow_from_target, target_dispatch_pattern
+
+    I, L, W, E = flow_ILWE.shape
+    out = np.empty_like(flow_ILWE)
+    targets: dict[int, np.ndarray] = {}
+    for i in range(I):
+        for layer in range(L):
+            tokens = int(flow_ILWE[i, layer].sum() // (W * top_k))  # S: tokens per rank
+            if tokens not in targets:
+                targets[tokens] = target_dispatch_pattern(cost_model, E, top_k, max(tokens, 1), model.d_model)
+            out[i, layer] = flow_from_target(targets[tokens], tokens)
+    return out
 
 
 STRATEGIES: dict[str, Strategy] = {
     "ep": Strategy("ep", "ep", _ep_fast_send, "synchronous expert parallelism, owners only"),
+    "shadow": Strategy("shadow", "shadow", None, "FasterMoE dynamic shadowing (planner per iteration and layer)"),
+    "ta_moe": Strategy(
+        "ta_moe", "ep", _ep_fast_send, "TA-MoE: routing on the topology's target pattern", _ta_moe_routing
+    ),
 }
-"""Registry: later issues add ``shadow``, ``prophet``, ``fssdp`` here (one entry each)."""
+"""Registry: one entry per strategy (Pro-Prophet, Hecate add theirs here)."""
 
 
 @dataclass
@@ -128,15 +153,16 @@ def _plan_generic(
     strategy: Strategy,
     flow_ILWE: np.ndarray,
     cost_model: CostModel,
+    model: ModelConfig,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Loop over (iteration, layer) through the planner interface; returns send [I,L,W,W],
     expert-local token counts [I,L,W,E] (tokens device w computes for expert e), holders [I,L,E,W]
     and owners [E]."""
     from moeflow.placement import Placement, dispatch_counts
-    from moeflow.planners import get_planner
+    from moeflow.planners import PlannerContext, get_planner
 
     I, L, W, E = flow_ILWE.shape
-    planner = get_planner(strategy.planner)
+    planner = get_planner(strategy.planner, PlannerContext(E, model.d_model, model.d_hidden, model.expert))
     base = Placement.expert_parallel(E, W)
     node_of = cost_model.topology.node_of
     send = np.zeros((I, L, W, W), dtype=np.int64)
@@ -195,8 +221,8 @@ def simulate(
     pairwise_group_size: int = 1,
 ) -> list[Breakdown]:
     """Replay ``trace``; one ``Breakdown`` per (strategy, schedule). See the module docstring."""
-    flow = trace.flow_ILWE
-    I, L, W, E = flow.shape
+    traced = trace.flow_ILWE
+    I, L, W, E = traced.shape
     if cost_model.topology.num_devices != W:
         raise ValueError(f"trace world_size={W}: the cluster has {cost_model.topology.num_devices} devices")
     if E % W:
@@ -215,12 +241,17 @@ def simulate(
     count_bytes_WW = np.full((W, W), 8.0 * E / W)
     np.fill_diagonal(count_bytes_WW, 0.0)
     t_counts = float(cost_model.a2a_time(count_bytes_WW))
-    param_bytes = (3 if model.expert == "swiglu" else 2) * model.d_model * model.d_hidden * cost_model.bytes_per_element
+    param_bytes = expert_param_count(model.d_model, model.d_hidden, model.expert) * cost_model.bytes_per_element
     nonmoe_IL = np.full((I, L), 3.0 * model.nonmoe_forward_s)
 
     results = []
     for name in strategies:
         strat = STRATEGIES[name]
+        flow = (
+            traced
+            if strat.routing is None
+            else strat.routing(traced, cost_model, model, int(trace.meta.get("top_k", 2)))
+        )
         if strat.fast_send is not None:
             send = strat.fast_send(flow, W)
             tokens_W = send.sum(axis=-2)
@@ -232,11 +263,21 @@ def simulate(
             replicated_IL = np.zeros((I, L))
             computed_t = send  # each destination computes exactly what it receives
         else:
-            send, computed_WE, holders, owner = _plan_generic(strat, flow, cost_model)
+            send, computed_WE, holders, owner = _plan_generic(strat, flow, cost_model, model)
             tokens_W = computed_WE.sum(axis=-1)
             calls_ILW = (computed_WE > 0).sum(-1) * gemms
-            mat = cost_model.materialize_time(param_bytes, holders, owner)
-            other_IL = t_counts + 2 * mat  # materialize in forward, reduce-to-owner in backward
+            # Materialize in forward and reduce-to-owner in backward, as the sparse collectives run them.
+            copies_IL = np.array(
+                [
+                    [
+                        cost_model.copies_time(param_bytes, holders[i, layer], owner, "materialize")
+                        + cost_model.copies_time(param_bytes, holders[i, layer], owner, "reduce")
+                        for layer in range(L)
+                    ]
+                    for i in range(I)
+                ]
+            )
+            other_IL = t_counts + copies_IL
             replicated_IL = holders.sum(axis=(-2, -1)) - E
             computed_t = send.astype(np.float64)
             # tokens a rank computes locally for a replicated expert are on the diagonal already

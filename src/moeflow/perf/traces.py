@@ -16,6 +16,7 @@ Shape suffixes: I iterations, L layers, W ranks, E experts.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,13 +76,18 @@ class Trace:
         return load_ILE.max(-1) / np.maximum(load_ILE.mean(-1), 1e-12)
 
     def save(self, path: str | Path) -> None:
-        """Write the format ``moeflow train --record-routing`` writes."""
-        np.savez_compressed(
-            path,
-            flow=self.flow_ILWE.astype(np.int32),
-            steps=self.steps_I,
-            meta=np.array(json.dumps(self.meta)),
-        )
+        """Write the format ``moeflow train --record-routing`` writes, atomically (a reader, or a
+        resume after a kill, never sees a half-written file)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("wb") as fh:
+            np.savez_compressed(
+                fh,
+                flow=self.flow_ILWE.astype(np.int32),
+                steps=self.steps_I,
+                meta=np.array(json.dumps(self.meta, sort_keys=True)),
+            )
+        os.replace(tmp, path)
 
 
 def load_trace(path: str | Path) -> Trace:

@@ -13,7 +13,7 @@ present):
   in forward and backward), with B'_w the tokens rank w computes once S is shadowed.
 - `copy(S)`: Eq. 8's parameter term `2·r·(2αH²)/W_net`: a broadcast of the shadowed parameters in
   forward and a reduce of their gradients in backward, one of each per owner, as the sparse
-  collectives run them (`CostModel.collective_time`, pipelined ring: each link carries them once).
+  collectives run them (`CostModel.copies_time`: pipelined ring, each link carries them once).
 - Eq. 8 as printed drops the token all-to-all altogether, which would make shadowing look free
   under a uniform load; the public FastMoE policy keeps the token term at the new maximum load, as
   we do here. Eq. 9 / 10 are this comparison solved for one expert.
@@ -88,14 +88,10 @@ class ShadowPlanner:
         param_bytes = self.param_count * cost_model.bytes_per_element
         comp = cost_model.layer_compute_time(computed_W, self.d_model, self.d_hidden, self.expert)
         comm = cost_model.a2a_time(sent_WW * token_bytes)
-        # One broadcast (forward) and one reduce (backward) per owner of shadowed experts, as the
-        # sparse collectives run them for experts held everywhere.
-        per_owner = np.bincount(owner_E[shadowed_E], minlength=world)
-        copies = sum(
-            cost_model.collective_time("broadcast", n * param_bytes)
-            + cost_model.collective_time("reduce", n * param_bytes)
-            for n in per_owner[per_owner > 0]
-        )
+        # Parameters out in forward, gradients back in backward, as the sparse collectives run them.
+        holders_EW = owner_onehot_EW | shadowed_E[:, None]
+        copies = cost_model.copies_time(param_bytes, holders_EW, owner_E, "materialize")
+        copies += cost_model.copies_time(param_bytes, holders_EW, owner_E, "reduce")
         return float(3 * comp + 4 * comm + copies)
 
     def decide(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> ShadowDecision:
