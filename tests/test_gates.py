@@ -115,11 +115,11 @@ def test_router_z_loss_value():
 
 def test_aux_free_bias_moves_against_load_and_steers_selection():
     bal = AuxFreeBalance(3, update_rate=0.1)
-    bal.observe(torch.tensor([10, 1, 1]))
+    bal.observe(torch.tensor([[6, 1, 0], [4, 0, 1]]))  # expert counts [10, 1, 1]
     assert bal.bias_E[0] < 0 < bal.bias_E[1] and bal.bias_E[1] == bal.bias_E[2]
     bal.eval()
     before = bal.bias_E.clone()
-    bal.observe(torch.tensor([10, 1, 1]))
+    bal.observe(torch.tensor([[6, 1, 0], [4, 0, 1]]))  # expert counts [10, 1, 1]
     assert torch.equal(bal.bias_E, before), "no update outside training"
     gate = TopKGate(4, 3, 1)
     x = _gate_with_logits(gate, [0.1, 0.0, -1.0])

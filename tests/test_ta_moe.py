@@ -322,3 +322,49 @@ def test_bad_inputs_name_argument_and_value():
         cross_node_share(np.ones((4, 4)), np.arange(4), [0, 1])
     with pytest.raises(ValueError, match=r"alpha_WW"):
         solve_dispatch_lp(-np.ones((2, 2)), np.ones((2, 2)), np.arange(2), 1, 10.0)
+
+
+def _dispatch_after_training(steer_rate: float, steps: int = 300) -> tuple[np.ndarray, np.ndarray]:
+    """Two 'ranks' share one gate and see i.i.d. tokens but want opposite experts (as two nodes do
+    on [[0],[1]]): returns (dispatch share per rank [2, 4], target share [2, 4])."""
+    torch.manual_seed(0)
+    target = np.array([[0.8, 0.8, 0.2, 0.2], [0.2, 0.2, 0.8, 0.8]])  # per token, rows sum to k = 2
+    bal = TAMoEBalance(4, 2, 8, target_WE=target, steer_rate=steer_rate)
+    gate = TopKGate(8, 4, 2)
+    opt = torch.optim.SGD(gate.parameters(), lr=0.1)
+    for _ in range(steps):
+        flow, loss = torch.zeros(2, 4, dtype=torch.long), 0.0
+        for rank in range(2):
+            r = gate(torch.randn(64, 8), bal.selection_bias(rank))
+            flow[rank] = torch.bincount(r.expert_A, minlength=4)
+            loss = loss + bal.loss(r, rank)
+        opt.zero_grad()
+        loss.backward()  # the shared gate gets both ranks' gradients, as all_reduce would give it
+        opt.step()
+        bal.observe(flow)
+    share = flow.double().numpy() / 64
+    return share, target
+
+
+def test_shared_gate_alone_cannot_reach_a_rank_dependent_target_but_steering_does():
+    loss_only, target = _dispatch_after_training(steer_rate=0.0)
+    steered, _ = _dispatch_after_training(steer_rate=0.01)
+    gap_loss_only = np.abs(loss_only - target).sum()
+    gap_steered = np.abs(steered - target).sum()
+    assert gap_loss_only > 1.5  # the two ranks' pulls cancel: the dispatch stays near uniform
+    assert gap_steered < 0.5 * gap_loss_only
+    # The global load stays balanced (the target's columns are equal).
+    assert np.abs(steered.sum(0) - 1.0).max() < 0.3
+
+
+def test_steering_bias_moves_against_the_target_gap():
+    bal = TAMoEBalance(4, 1, 8, target_WE=np.full((2, 4), 0.25), steer_rate=0.1)
+    bal.observe(torch.tensor([[4, 0, 0, 0], [1, 1, 1, 1]]))  # rank 0 over-serves expert 0
+    assert bal.selection_bias(0)[0] < 0 < bal.selection_bias(0)[1]
+    assert torch.all(bal.selection_bias(1) == 0)
+    bal.eval()
+    bal.observe(torch.tensor([[4, 0, 0, 0], [1, 1, 1, 1]]))
+    assert bal.selection_bias(0)[0] == pytest.approx(-0.1)  # no update outside training
+    assert TAMoEBalance(4, 1, 8, target_WE=np.full((2, 4), 0.25), steer_rate=0).selection_bias(0) is None
+    with pytest.raises(ValueError, match="steer_rate=-1"):
+        TAMoEBalance(4, 1, 8, target_WE=np.full((2, 4), 0.25), steer_rate=-1)

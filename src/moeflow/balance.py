@@ -1,8 +1,9 @@
 """Load-balancing objectives: `balance="gshard" | "aux_free" | "none" | "ta_moe"` and the router z-loss.
 
 A balance module returns the auxiliary loss of one rank's routing (unweighted; the layer applies
-`balance_weight`), may bias expert *selection* (aux-free), and observes the global expert counts
-after the count exchange (identical on every rank, so replicated state stays identical).
+`balance_weight`), may bias expert *selection* of a rank (aux-free, TA-MoE steering), and observes
+the global flow matrix after the count exchange (identical on every rank, so replicated state —
+even a per-rank table — stays identical everywhere and checkpoints like any replicated buffer).
 
 Shape suffixes: T tokens on this rank, E experts, A assignments.
 """
@@ -35,7 +36,8 @@ class GShardBalance(nn.Module):
         super().__init__()
         self.num_experts = num_experts
 
-    def selection_bias(self) -> torch.Tensor | None:
+    def selection_bias(self, rank: int = 0) -> torch.Tensor | None:
+        """`[E]` added to rank `rank`'s routing scores for top-k selection only (None: no bias)."""
         return None
 
     def loss(self, routing: Routing, rank: int = 0) -> torch.Tensor:
@@ -46,8 +48,9 @@ class GShardBalance(nn.Module):
         p_E = routing.probs_TE.mean(0)
         return self.num_experts * (f_E * p_E).sum()
 
-    def observe(self, expert_counts_E: torch.Tensor) -> None:
-        del expert_counts_E
+    def observe(self, flow_WE: torch.Tensor) -> None:
+        """After a training forward: the global flow `[W, E]` (assignments rank w sent to expert e)."""
+        del flow_WE
 
 
 class NoBalance(GShardBalance):
@@ -69,17 +72,17 @@ class AuxFreeBalance(GShardBalance):
         self.update_rate = update_rate
         self.register_buffer("bias_E", torch.zeros(num_experts))
 
-    def selection_bias(self) -> torch.Tensor:
+    def selection_bias(self, rank: int = 0) -> torch.Tensor:
         return self.bias_E
 
     def loss(self, routing: Routing, rank: int = 0) -> torch.Tensor:
         return routing.probs_TE.sum() * 0.0
 
     @torch.no_grad()
-    def observe(self, expert_counts_E: torch.Tensor) -> None:
+    def observe(self, flow_WE: torch.Tensor) -> None:
         if not self.training or self.update_rate == 0:
             return
-        counts_E = expert_counts_E.to(self.bias_E.device, torch.float32)
+        counts_E = flow_WE.to(self.bias_E.device, torch.float32).sum(0)
         self.bias_E += self.update_rate * torch.sign(counts_E.mean() - counts_E)
 
 

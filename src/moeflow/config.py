@@ -109,11 +109,15 @@ class MoEConfig:
     `strategy="shadow"`, `gate="hierarchical"` and `balance="ta_moe"`. Its device count must equal the EP size."""
     ta_moe_smoothing: float = 0.1
     """λ of TA-MoE's target pattern, smoothed towards uniform: ĉ ← (1−λ)·ĉ + λ·uniform (0 < λ <= 1)."""
+    ta_moe_steer_rate: float = 1e-3
+    """Step of TA-MoE's per-rank selection bias towards the target (0: the loss alone; docs/strategies.md)."""
 
     def __post_init__(self) -> None:
         _positive("moe", num_experts=self.num_experts, top_k=self.top_k, d_hidden=self.d_hidden)
         if self.group_size is not None:
             _positive("moe", group_size=self.group_size)
+        if not self.ta_moe_steer_rate >= 0:
+            raise ValueError(f"moe.ta_moe_steer_rate={self.ta_moe_steer_rate!r} must be >= 0")
         if not 0 < self.ta_moe_smoothing <= 1:
             raise ValueError(f"moe.ta_moe_smoothing={self.ta_moe_smoothing!r} must be in (0, 1]")
         if self.top_k > self.num_experts:

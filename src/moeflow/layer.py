@@ -218,7 +218,7 @@ class MoELayer(nn.Module):
                 f"group has {world} (rank r of the group is device r of the topology)"
             )
 
-        routing = self.gate(x_TD, self.balance.selection_bias(), self._routing_layout(me))
+        routing = self.gate(x_TD, self.balance.selection_bias(me), self._routing_layout(me))
         if self.check_finite and not torch.isfinite(routing.logits_TE).all():
             raise ValueError("MoELayer routing scores contain NaN or Inf (check_finite=True)")
         aux = self.balance_weight * self.balance.loss(routing, me)
@@ -294,7 +294,7 @@ class MoELayer(nn.Module):
             cross_node_share=self._cross_node_share(plan_SED),
         )
         if self.training:
-            self.balance.observe(self.stats.expert_counts)
+            self.balance.observe(self.stats.flow)
         return y_TD.reshape(x.shape)
 
     def _sync_block(self, x_sent_AD, send_splits, recv_splits, counts_SH, compute) -> torch.Tensor:

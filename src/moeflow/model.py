@@ -65,7 +65,12 @@ def build_moe_layer(d_model: int, moe: MoEConfig) -> MoELayer:
         from moeflow.ta_moe import TAMoEBalance  # scipy's LP: imported only when used
 
         balance = TAMoEBalance(
-            moe.num_experts, moe.top_k, d_model, cost_model=cost_model, smoothing=moe.ta_moe_smoothing
+            moe.num_experts,
+            moe.top_k,
+            d_model,
+            cost_model=cost_model,
+            smoothing=moe.ta_moe_smoothing,
+            steer_rate=moe.ta_moe_steer_rate,
         )
     return MoELayer(
         d_model,

@@ -49,6 +49,8 @@ from moeflow.gates import Routing
 _HIGHS_OPTIONS = {"primal_feasibility_tolerance": 1e-10, "dual_feasibility_tolerance": 1e-10}
 
 DEFAULT_SMOOTHING = 0.1
+DEFAULT_STEER_RATE = 1e-3
+"""Step of the per-rank selection bias towards the target (0 = the loss alone)."""
 """λ of `ĉ ← (1−λ)·ĉ + λ·uniform` (SPEC §2: "a small λ, configurable")."""
 
 
@@ -333,12 +335,22 @@ class TAMoEBalance(nn.Module):
     are computed lazily and cached per token count. When every α is 0, scaling the bytes scales
     all pair costs alike and the argmin does not move: one target serves every S.
 
+    Steering (our addition, measured in docs/strategies.md): the gate is a dense parameter averaged
+    over all ranks and every rank sees i.i.d. tokens, so the loss's rank-dependent pulls cancel on a
+    symmetric topology (rank 0 pulls towards its node's experts, rank 2 towards its own) and the
+    dispatch does not move. A per-rank selection bias, updated like DeepSeek-V3's aux-free bias
+    but towards the target (`b_ie += u · sign(ĉ_ie · S_i − c_ie)`), makes the target reachable:
+    it changes which experts are *selected*, never the combine weights, and keeps every expert's
+    global load balanced because ĉ is (TA-MoE constraint 4). The `[W, E]` table is updated from the
+    global flow on every rank alike, so it is replicated state. `steer_rate=0` is the loss alone.
+
     Args:
         num_experts, top_k, d_model: the layer's shapes.
         cost_model: `CostModel` whose topology has the EP group's W devices (rank r = device r).
         owner_E: rank computing each expert (default plain EP).
         smoothing: λ in (0, 1] (λ = 0 could leave ĉ_ie = 0 and the loss undefined).
         target_WE: a fixed target (assignments per token) instead of the cost model's.
+        steer_rate: u of the per-rank selection bias (0: the loss alone).
     """
 
     def __init__(
@@ -350,6 +362,7 @@ class TAMoEBalance(nn.Module):
         owner_E: Sequence[int] | np.ndarray | None = None,
         smoothing: float = DEFAULT_SMOOTHING,
         target_WE: Any = None,
+        steer_rate: float = DEFAULT_STEER_RATE,
     ) -> None:
         super().__init__()
         self.num_experts = _check_int("num_experts", num_experts)
@@ -376,6 +389,11 @@ class TAMoEBalance(nn.Module):
             self.world_size = alpha_WW.shape[0]
             self.owner_E = _check_owner(owner_E, num_experts, self.world_size)
             self._alpha_free = bool(np.all(alpha_WW == 0))
+        if not (steer_rate >= 0 and np.isfinite(steer_rate)):
+            raise ValueError(f"steer_rate={steer_rate!r} must be a finite number >= 0")
+        self.steer_rate = float(steer_rate)
+        # One row per rank, identical on every rank (updated from the global flow): replicated state.
+        self.register_buffer("bias_WE", torch.zeros(self.world_size, num_experts))
 
     def target(self, tokens_per_rank: int) -> np.ndarray:
         """ĉ `[W, E]` (assignments per token) for S = `tokens_per_rank`; cached."""
@@ -394,8 +412,9 @@ class TAMoEBalance(nn.Module):
             )
         return self._targets[key]
 
-    def selection_bias(self) -> torch.Tensor | None:
-        return None
+    def selection_bias(self, rank: int = 0) -> torch.Tensor | None:
+        """Rank `rank`'s steering bias `[E]` (selection only; see the class docstring)."""
+        return self.bias_WE[rank] if self.steer_rate > 0 else None
 
     def loss(self, routing: Routing, rank: int = 0) -> torch.Tensor:
         """This rank's `Σ_e (c_ie / ĉ_ie) · m_ie` (unweighted; the layer applies `balance_weight`)."""
@@ -410,8 +429,18 @@ class TAMoEBalance(nn.Module):
         m_E = probs_TE.mean(0)
         return ((c_E / target_E) * m_E).sum()
 
-    def observe(self, expert_counts_E: torch.Tensor) -> None:
-        del expert_counts_E
+    @torch.no_grad()
+    def observe(self, flow_WE: torch.Tensor) -> None:
+        """After a training forward: move every rank's bias towards its target row,
+        `b_ie += u · sign(ĉ_ie · S_i − c_ie)` (DeepSeek-V3's aux-free rule, per rank)."""
+        if not self.training or self.steer_rate == 0:
+            return
+        flow = flow_WE.to(self.bias_WE.device, torch.float32)
+        if flow.shape != self.bias_WE.shape:
+            raise ValueError(f"flow_WE shape {tuple(flow.shape)}: expected {tuple(self.bias_WE.shape)}")
+        tokens_W = flow.sum(1) / self.top_k
+        target = torch.as_tensor(self.target(int(tokens_W.mean().round())), dtype=torch.float32)
+        self.bias_WE += self.steer_rate * torch.sign(target.to(flow.device) * tokens_W[:, None] - flow)
 
     def extra_repr(self) -> str:
         return (
