@@ -194,3 +194,15 @@ def test_experts_module_sharding_and_errors():
     torch.testing.assert_close(e.w1.detach(), full_w1[2:4])
     with pytest.raises(ValueError, match="expert='moe'"):
         GroupedExperts(2, 4, 8, kind="moe")
+
+
+def test_per_expert_mm_fallback_gradients_match_plain_matmuls():
+    from moeflow.experts import _PerExpertMM
+
+    torch.manual_seed(7)
+    x = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 16, 8, dtype=torch.float64, requires_grad=True)
+    counts = [2, 0, 7, 0]
+    assert torch.autograd.gradcheck(lambda a, b: _PerExpertMM.apply(a, b, counts), (x, w))
+    out = _PerExpertMM.apply(x, w, counts)
+    torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[2]]))

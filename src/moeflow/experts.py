@@ -43,6 +43,41 @@ def _use_grouped_mm_kernel(x_ND: torch.Tensor, w_LDH: torch.Tensor) -> bool:
     return x_ND.dtype == wanted and aligned
 
 
+class _PerExpertMM(torch.autograd.Function):
+    """One `mm` per expert written straight into its rows of one output (and, in backward, of the
+    input and weight gradients): no per-expert autograd nodes, no concatenation, no stacking of
+    weight-gradient slices. The fallback where `torch._grouped_mm` is not the fastest kernel."""
+
+    @staticmethod
+    def forward(ctx, x_ND, w_LDH, counts_L):
+        ctx.save_for_backward(x_ND, w_LDH)
+        ctx.counts = counts_L
+        out_NH = x_ND.new_empty((x_ND.shape[0], w_LDH.shape[2]))
+        start = 0
+        for i, n in enumerate(counts_L):
+            if n:
+                torch.mm(x_ND[start : start + n], w_LDH[i], out=out_NH[start : start + n])
+            start += n
+        return out_NH
+
+    @staticmethod
+    def backward(ctx, grad_NH):
+        x_ND, w_LDH = ctx.saved_tensors
+        grad_NH = grad_NH.contiguous()
+        grad_x = torch.empty_like(x_ND) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(w_LDH) if ctx.needs_input_grad[1] else None  # experts without rows: 0
+        start = 0
+        for i, n in enumerate(ctx.counts):
+            if n:
+                rows = slice(start, start + n)
+                if grad_x is not None:
+                    torch.mm(grad_NH[rows], w_LDH[i].t(), out=grad_x[rows])
+                if grad_w is not None:
+                    torch.mm(x_ND[rows].t(), grad_NH[rows], out=grad_w[i])
+            start += n
+        return grad_x, grad_w, None
+
+
 def grouped_mm(x_ND: torch.Tensor, w_LDH: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
     """`out[rows of group l] = x[rows of group l] @ w[l]` for consecutive groups of `counts_L` rows."""
     w_LDH = w_LDH.to(x_ND.dtype)
@@ -50,10 +85,7 @@ def grouped_mm(x_ND: torch.Tensor, w_LDH: torch.Tensor, counts_L: list[int]) -> 
         offs_L = torch.tensor(counts_L, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_ND.device)
         out = torch._grouped_mm(x_ND.contiguous(), w_LDH.contiguous(), offs=offs_L)
         return _ContiguousGrad.apply(out)
-    # One mm per expert (not per token). `unbind` gives views whose backward stacks the weight
-    # gradients once, where `w[i]` indexing would allocate a full-size zero gradient per expert.
-    w_list = w_LDH.unbind(0)
-    return torch.cat([torch.mm(chunk, w_list[i]) for i, chunk in enumerate(torch.split(x_ND, counts_L))])
+    return _PerExpertMM.apply(x_ND.contiguous(), w_LDH.contiguous(), list(counts_L))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
