@@ -178,6 +178,23 @@ def _plan_generic(
     return send, computed, holders, np.asarray(base.owner_E)
 
 
+def _copies_time_IL(
+    cost_model: CostModel, param_bytes: float, holders_ILEW: np.ndarray, owner_E: np.ndarray
+) -> np.ndarray:
+    """Materialize in forward plus reduce-to-owner in backward, as the sparse collectives run them,
+    per (iteration, layer); placements repeat across iterations, so each distinct one is priced once."""
+    memo: dict[bytes, float] = {}
+    out = np.zeros(holders_ILEW.shape[:2])
+    for index in np.ndindex(*out.shape):
+        holders_EW = holders_ILEW[index]
+        key = holders_EW.tobytes()
+        if key not in memo:
+            memo[key] = cost_model.copies_time(param_bytes, holders_EW, owner_E, "materialize")
+            memo[key] += cost_model.copies_time(param_bytes, holders_EW, owner_E, "reduce")
+        out[index] = memo[key]
+    return out
+
+
 def _pairwise_steps(
     cost_model: CostModel, send_b: np.ndarray, computed_t: np.ndarray, group_size: int
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
@@ -266,17 +283,7 @@ def simulate(
             send, computed_WE, holders, owner = _plan_generic(strat, flow, cost_model, model)
             tokens_W = computed_WE.sum(axis=-1)
             calls_ILW = (computed_WE > 0).sum(-1) * gemms
-            # Materialize in forward and reduce-to-owner in backward, as the sparse collectives run them.
-            copies_IL = np.array(
-                [
-                    [
-                        cost_model.copies_time(param_bytes, holders[i, layer], owner, "materialize")
-                        + cost_model.copies_time(param_bytes, holders[i, layer], owner, "reduce")
-                        for layer in range(L)
-                    ]
-                    for i in range(I)
-                ]
-            )
+            copies_IL = _copies_time_IL(cost_model, param_bytes, holders, owner)
             other_IL = t_counts + copies_IL
             replicated_IL = holders.sum(axis=(-2, -1)) - E
             computed_t = send.astype(np.float64)

@@ -65,6 +65,7 @@ class ShadowPlanner:
             raise ValueError(f"max_shadowed={max_shadowed} must be >= 0 or None")
         self.max_shadowed = max_shadowed
         self.last: ShadowDecision | None = None
+        self._copies_memo: dict[tuple, float] = {}
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
         if cost_model is None:
@@ -88,11 +89,22 @@ class ShadowPlanner:
         param_bytes = self.param_count * cost_model.bytes_per_element
         comp = cost_model.layer_compute_time(computed_W, self.d_model, self.d_hidden, self.expert)
         comm = cost_model.a2a_time(sent_WW * token_bytes)
-        # Parameters out in forward, gradients back in backward, as the sparse collectives run them.
-        holders_EW = owner_onehot_EW | shadowed_E[:, None]
-        copies = cost_model.copies_time(param_bytes, holders_EW, owner_E, "materialize")
-        copies += cost_model.copies_time(param_bytes, holders_EW, owner_E, "reduce")
-        return float(3 * comp + 4 * comm + copies)
+        return float(3 * comp + 4 * comm + self._copies(owner_E, shadowed_E, owner_onehot_EW, param_bytes, cost_model))
+
+    def _copies(self, owner_E, shadowed_E, owner_onehot_EW, param_bytes, cost_model) -> float:
+        """Parameters out in forward, gradients back in backward, as the sparse collectives run
+        them. It depends only on how many experts each owner shadows: memoised per cost model."""
+        key = (
+            id(cost_model),
+            param_bytes,
+            np.bincount(owner_E[shadowed_E], minlength=len(owner_onehot_EW[0])).tobytes(),
+        )
+        if key not in self._copies_memo:
+            holders_EW = owner_onehot_EW | shadowed_E[:, None]
+            self._copies_memo[key] = cost_model.copies_time(
+                param_bytes, holders_EW, owner_E, "materialize"
+            ) + cost_model.copies_time(param_bytes, holders_EW, owner_E, "reduce")
+        return self._copies_memo[key]
 
     def decide(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> ShadowDecision:
         owner_E = placement.owner_E
