@@ -80,3 +80,16 @@ def test_planner_contract_and_errors():
     with pytest.raises(ValueError, match="needs the layer shapes"):
         get_planner("shadow")
     assert expert_param_count(4, 8, "swiglu") == 96
+
+
+def test_literal_eq8_would_shadow_a_uniform_load_and_the_planner_does_not():
+    """Why the planner keeps the token all-to-all in its shadow cost (module docstring): Eq. 8 as
+    printed drops it, so under a perfectly uniform load it already predicts a gain."""
+    cm = CostModel.from_preset("johnny")
+    d, h, world = 1024, 4096, 16
+    loads_W = np.full(world, 8192.0)  # balanced, and B > h: Eq. 9 holds, so literal Eq. 8 "gains"
+    literal_gain = cm.fastermoe_imbalance_time(loads_W, d, h) - cm.fastermoe_shadow_time(loads_W, 1, d, h)
+    assert literal_gain > 0
+    planner = ShadowPlanner(d, h, "ffn")
+    planner(np.full((world, 32), 8192.0 / 32), Placement.expert_parallel(32, world), cm)
+    assert planner.last.shadowed == []

@@ -36,16 +36,7 @@ import numpy as np
 
 from moeflow.perf.costmodel import OP_KINDS, AlphaBeta
 
-COMM_KINDS = (
-    "a2a",
-    "all_gather",
-    "reduce_scatter",
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "p2p_intra",
-    "p2p_inter",
-)
+COMM_KINDS = tuple(kind for kind in OP_KINDS if kind not in ("gemm", "elementwise"))
 
 
 @dataclass
