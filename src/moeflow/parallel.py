@@ -49,15 +49,11 @@ class ParallelLayout:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelLayout: {name}={value!r} must be a positive integer")
         if self.world_size % self.ep_size:
-            raise ValueError(
-                f"ParallelLayout: world_size={self.world_size} is not divisible by ep_size={self.ep_size}"
-            )
+            raise ValueError(f"ParallelLayout: world_size={self.world_size} is not divisible by ep_size={self.ep_size}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"ParallelLayout: rank={self.rank} outside [0, world_size={self.world_size})")
         if self.world_size > 1 and not initialized:
-            raise ValueError(
-                f"ParallelLayout: world_size={self.world_size} needs torch.distributed to be initialized"
-            )
+            raise ValueError(f"ParallelLayout: world_size={self.world_size} needs torch.distributed to be initialized")
         if initialized and self.world_size > 1:
             self._build_groups()
 

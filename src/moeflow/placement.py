@@ -61,8 +61,7 @@ class Placement:
         """Plain EP: rank r owns experts [r·E_local, (r+1)·E_local) and holds nothing else."""
         if world_size < 1 or num_experts < 1 or num_experts % world_size:
             raise ValueError(
-                f"num_experts={num_experts} must be a positive multiple of the expert-parallel "
-                f"size {world_size}"
+                f"num_experts={num_experts} must be a positive multiple of the expert-parallel size {world_size}"
             )
         owner = np.arange(num_experts, dtype=np.int64) // (num_experts // world_size)
         return cls.owners_only(owner, world_size)
@@ -99,9 +98,7 @@ class Placement:
         return f"Placement(E={self.num_experts}, W={self.world_size}, extra_copies={extra})"
 
 
-def dispatch_counts(
-    flow_WE: np.ndarray, placement: Placement, node_of: Sequence[int] | None = None
-) -> np.ndarray:
+def dispatch_counts(flow_WE: np.ndarray, placement: Placement, node_of: Sequence[int] | None = None) -> np.ndarray:
     """Split every (source, expert) flow over the expert's holders → `plan_SED` int64 `[W, E, W]`.
 
     Hecate §4.4 order: the source itself if it holds the expert; else the holders on the source's
@@ -113,8 +110,7 @@ def dispatch_counts(
     world, num_experts = placement.world_size, placement.num_experts
     if flow.shape != (world, num_experts):
         raise ValueError(
-            f"flow_WE shape {tuple(flow.shape)} does not match the placement's (W, E) = "
-            f"({world}, {num_experts})"
+            f"flow_WE shape {tuple(flow.shape)} does not match the placement's (W, E) = ({world}, {num_experts})"
         )
     holders_SED = np.broadcast_to(placement.holders_EW[None, :, :], (world, num_experts, world))
     if placement.is_owners_only():
