@@ -53,3 +53,50 @@ def test_speedups_and_pairwise_bound():
     # comm = 2 x 0.2, comp = 3 x 0.1: bound (0.4 + 0.3) / 0.4 = 1.75; achieved 1 / 0.8 = 1.25.
     assert rows[2]["pairwise_bound"] == pytest.approx(1.75)
     assert rows[2]["share_of_bound"] == pytest.approx(1.25 / 1.75)
+
+
+@pytest.mark.multirank
+def test_strategy_bench_on_two_ranks(tmp_path, capsys):
+    import json
+
+    from moeflow import cli
+    from moeflow.perf.costmodel import CostModel
+    from moeflow.topology import Topology
+
+    cost_model = tmp_path / "cm.json"
+    CostModel(Topology([[0], [1]], [1e9, 1e10]), gemm_flops_per_s=1e9).save(cost_model)
+    argv = [
+        "bench",
+        "--nproc",
+        "2",
+        "--tokens",
+        "64",
+        "--d-model",
+        "16",
+        "--d-hidden",
+        "32",
+        "--experts",
+        "2",
+        "--skews",
+        "0",
+        "1.5",
+        "--iterations",
+        "2",
+        "--cost-model",
+        str(cost_model),
+        "--json",
+    ]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    assert result["world_size"] == 2 and len(rows) == 2 * 4
+    assert {(r["strategy"], r["schedule"]) for r in rows} == {
+        ("ep", "sync"),
+        ("shadow", "sync"),
+        ("ep", "pairwise"),
+        ("shadow", "pairwise"),
+    }
+    assert all(r["median_s"] > 0 and len(r["times_s"]) == 2 for r in rows)
+    assert all("pairwise_bound" in r for r in rows if r["schedule"] == "pairwise")
+    skewed = [r for r in rows if r["routing"] == "zipf-1.5"]
+    assert skewed[0]["load_imbalance"] > rows[0]["load_imbalance"]
