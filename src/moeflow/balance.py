@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from moeflow.gates import Routing
+from moeflow.registry import build_named
 
 
 def assignment_share_E(routing: Routing, num_experts: int) -> torch.Tensor:
@@ -112,11 +113,7 @@ BALANCES: dict[str, Callable[[BalanceContext], nn.Module]] = {
 
 
 def build_balance(balance: str | nn.Module, ctx: BalanceContext) -> nn.Module:
-    if isinstance(balance, nn.Module):
-        return balance
-    if not isinstance(balance, str) or balance not in BALANCES:
-        raise ValueError(f"unknown balance={balance!r}; valid: {sorted(BALANCES)}")
-    return BALANCES[balance](ctx)
+    return build_named("balance", balance, BALANCES, ctx, lambda value: isinstance(value, nn.Module))
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeflow.registry import build_named
+
 
 @dataclass
 class Routing:
@@ -230,8 +232,4 @@ GATES = {
 
 
 def build_gate(gate: str | nn.Module, ctx: GateContext) -> nn.Module:
-    if isinstance(gate, nn.Module):
-        return gate
-    if not isinstance(gate, str) or gate not in GATES:
-        raise ValueError(f"unknown gate={gate!r}; valid: {sorted(GATES)}")
-    return GATES[gate](ctx)
+    return build_named("gate", gate, GATES, ctx, lambda value: isinstance(value, nn.Module))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from moeflow.placement import Placement
 from moeflow.planners.ep import plan_ep
 from moeflow.planners.shadow import ShadowPlanner
+from moeflow.registry import build_named
 
 Planner = Callable[..., Placement]
 
@@ -37,13 +38,9 @@ NEEDS_CONTEXT = {"shadow"}
 
 def get_planner(strategy: str | Planner, ctx: PlannerContext | None = None) -> Planner:
     """The planner for a strategy name, or the callable itself (DESIGN.md §3.1: objects allowed)."""
-    if callable(strategy):
-        return strategy
-    if not isinstance(strategy, str) or strategy not in PLANNERS:
-        raise ValueError(f"unknown strategy={strategy!r}; valid: {sorted(PLANNERS)}")
-    if ctx is None and strategy in NEEDS_CONTEXT:
+    if ctx is None and isinstance(strategy, str) and strategy in NEEDS_CONTEXT:
         raise ValueError(f"strategy={strategy!r} needs the layer shapes (a PlannerContext)")
-    return PLANNERS[strategy](ctx)
+    return build_named("strategy", strategy, PLANNERS, ctx, callable)
 
 
 __all__ = ["PLANNERS", "Planner", "PlannerContext", "ShadowPlanner", "get_planner", "plan_ep"]
