@@ -30,15 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-# Table 1 of TA-MoE §3.3 on [[0,1],[0̂,1̂]]: self 1/4, neighbour 1/2, each remote device 1/8.
-TABLE1_UNEVEN = np.array(
-    [
-        [1 / 4, 1 / 2, 1 / 8, 1 / 8],
-        [1 / 2, 1 / 4, 1 / 8, 1 / 8],
-        [1 / 8, 1 / 8, 1 / 4, 1 / 2],
-        [1 / 8, 1 / 8, 1 / 2, 1 / 4],
-    ]
-)
+from moeflow.ta_moe import TABLE1_UNEVEN
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

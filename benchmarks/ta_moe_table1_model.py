@@ -20,22 +20,12 @@ import argparse
 import json
 import sys
 
-import numpy as np
-
 from moeflow.perf.costmodel import CostModel
+from moeflow.ta_moe import TABLE1_EVEN as EVEN
+from moeflow.ta_moe import TABLE1_UNEVEN as UNEVEN
 from moeflow.topology import GBIT, Topology
 
 MB = 2**20
-EVEN = np.full((4, 4), 1 / 4)
-# row = source; devices 0,1 on node 0 and 2,3 on node 1: self 1/4, neighbour 1/2, remote 1/8 each
-UNEVEN = np.array(
-    [
-        [1 / 4, 1 / 2, 1 / 8, 1 / 8],
-        [1 / 2, 1 / 4, 1 / 8, 1 / 8],
-        [1 / 8, 1 / 8, 1 / 4, 1 / 2],
-        [1 / 8, 1 / 8, 1 / 2, 1 / 4],
-    ]
-)
 
 
 def table1(inter_bytes_per_s: float, intra_bytes_per_s: float, total_bytes: float = 128 * MB) -> dict:

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from moeflow.perf.costmodel import AlphaBeta, CostModel
+from moeflow.ta_moe import TABLE1_EVEN, TABLE1_UNEVEN
 from moeflow.topology import Topology
 
 
@@ -94,15 +95,7 @@ def test_a2a_fit_calibrates_link_model():
 def test_ta_moe_table1_ordering():
     # TA-MoE §3.3 Table 1 on [[0,1],[0̂,1̂]], 128 MB per device: uneven (1/4 self, 1/2 neighbour,
     # 1/8 each remote) beats even (1/4 each) when the inter-node link is the bottleneck.
-    even = np.full((4, 4), 1 / 4)
-    uneven = np.array(
-        [
-            [1 / 4, 1 / 2, 1 / 8, 1 / 8],
-            [1 / 2, 1 / 4, 1 / 8, 1 / 8],
-            [1 / 8, 1 / 8, 1 / 4, 1 / 2],
-            [1 / 8, 1 / 8, 1 / 2, 1 / 4],
-        ]
-    )
+    even, uneven = TABLE1_EVEN, TABLE1_UNEVEN
     S = 128 * 2**20
     for inter in (2e9, 6.25e9, 12.5e9):
         m = two_nodes(inter=inter, intra=12e9)

@@ -49,9 +49,21 @@ from moeflow.gates import Routing
 _HIGHS_OPTIONS = {"primal_feasibility_tolerance": 1e-10, "dual_feasibility_tolerance": 1e-10}
 
 DEFAULT_SMOOTHING = 0.1
+"""λ of `ĉ ← (1−λ)·ĉ + λ·uniform` (SPEC §2: "a small λ, configurable")."""
 DEFAULT_STEER_RATE = 1e-3
 """Step of the per-rank selection bias towards the target (0 = the loss alone)."""
-"""λ of `ĉ ← (1−λ)·ĉ + λ·uniform` (SPEC §2: "a small λ, configurable")."""
+
+# TA-MoE §3.3 Table 1 on [[0,1],[0̂,1̂]] (row = source; devices 0,1 on node 0, 2,3 on node 1), as
+# shares of each source's data: even 1/4 each; uneven self 1/4, neighbour 1/2, each remote 1/8.
+TABLE1_EVEN = np.full((4, 4), 1 / 4)
+TABLE1_UNEVEN = np.array(
+    [
+        [1 / 4, 1 / 2, 1 / 8, 1 / 8],
+        [1 / 2, 1 / 4, 1 / 8, 1 / 8],
+        [1 / 8, 1 / 8, 1 / 4, 1 / 2],
+        [1 / 8, 1 / 8, 1 / 2, 1 / 4],
+    ]
+)
 
 
 def _check_int(name: str, value: Any, minimum: int = 1) -> int:

@@ -10,4 +10,6 @@ from moeflow.placement import Placement
 def plan_ep(flow_WE: np.ndarray, placement: Placement, cost_model: object = None) -> Placement:
     """Owners only, whatever the load: the baseline every other strategy must match numerically."""
     del flow_WE, cost_model  # EP ignores the load by definition
+    if placement.is_owners_only():
+        return placement  # the usual case: no new object on every forward
     return Placement.owners_only(placement.owner_E, placement.world_size)
