@@ -180,6 +180,25 @@ def test_materialize_traffic():
     assert float(m.materialize_time(1e6, holders, owner)) == pytest.approx(2e6 / 1e9)
 
 
+def test_copies_of_shadowed_experts_by_hand():
+    """Experts held everywhere: NCCL runs one ring broadcast per owner (each link carries the
+    parameters once), gloo across nodes the two-level tree for all owners at once."""
+    owner = np.repeat(np.arange(4), 2)
+    holders = np.eye(4, dtype=bool)[owner]
+    holders[[2, 5]] = True  # one expert of rank 1 and one of rank 2 shadowed
+    nccl, gloo = two_nodes(inter=1e8, intra=1e9), two_nodes(inter=1e8, intra=1e9)
+    gloo.backend = "gloo"
+    # NCCL: two broadcasts, each bound by the 1e8 inter-node link.
+    assert nccl.copies_time(1e6, holders, owner, "materialize") == pytest.approx(2 * 1e6 / 1e8)
+    # gloo tree: stage 1 = 1 -> 3 and 2 -> 0 cross the link in opposite directions at once (10 ms),
+    # with 1 -> 0 and 2 -> 3 inside the nodes; stage 2 = the leaders forward inside their node (1 ms).
+    for direction in ("materialize", "reduce"):
+        assert gloo.copies_time(1e6, holders, owner, direction) == pytest.approx(1e6 / 1e8 + 1e6 / 1e9)
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        CostModel(Topology.homogeneous(2, 1e9), 1e9, backend="mpi")
+    assert CostModel.from_dict(gloo.to_dict()).backend == "gloo"
+
+
 def test_uncalibrated_a2a_is_fastermoe_eq2():
     topo = Topology.from_spec([[0, 1], [2, 3]], [1e9, 1e10])
     m = CostModel(topo, 1e12, {"a2a": AlphaBeta(2e-4, 3e-9)}, a2a_calibration=False)

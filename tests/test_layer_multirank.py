@@ -184,8 +184,9 @@ def _equivalence_body(rank, world):
         )
 
     # Placements with copies (the shadowing / Pro-Prophet / Hecate execution path): forced sets,
-    # everything everywhere, with and without a node layout, dropless and with capacity.
-    node_of = [r // 2 for r in ranks]
+    # everything everywhere, with and without a node layout, dropless and with capacity. Node
+    # layouts that span nodes send everywhere-copies through the two-level tree, even and uneven.
+    layouts = [[r // 2 for r in ranks], [min(r, 1) for r in ranks]]
     strategies = [ForcedCopies(1, 0.3), ForcedCopies(2, 1.0), ForcedCopies(3, 0.5)]
     cases = itertools.product(strategies, ["ffn", "swiglu"], [None, 1.0], [1, 2])
     for i, (strategy, expert, capacity, per_rank) in enumerate(cases):
@@ -201,7 +202,7 @@ def _equivalence_body(rank, world):
             tokens=uneven if i % 3 == 0 else [8] * world,
             seed=500 + i,
             strategy=strategy,
-            node_of=node_of if i % 2 else None,
+            node_of=layouts[i // 2 % 2] if i % 2 else None,
         )
 
     _check_shadow_strategy(rank, world)
@@ -237,7 +238,7 @@ def _equivalence_body(rank, world):
             tokens=uneven if i % 3 == 0 else [9] * world,
             seed=700 + i,
             strategy=strategy or "ep",
-            node_of=node_of if i % 2 else None,
+            node_of=layouts[i // 2 % 2] if i % 2 else None,
             schedule="pairwise",
             group_size=group_size if i % 4 else None,
         )

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeflow.dispatch import assignment_destinations, inverse_permutation, source_major_to_expert_major
-from moeflow.placement import Placement, dispatch_counts
+from moeflow.placement import Placement, broadcast_tree, copies_by_tree, dispatch_counts
 from moeflow.planners import get_planner
 
 
@@ -100,3 +100,29 @@ def test_planner_registry():
     assert get_planner("ep")(np.ones((2, 4)), p) == Placement.expert_parallel(4, 2)
     with pytest.raises(ValueError, match=r"strategy='magic'.*'ep'"):
         get_planner("magic")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=9), st.data())
+def test_broadcast_tree_reaches_every_rank_once_and_crosses_each_node_once(node_of, data):
+    owner = data.draw(st.integers(0, len(node_of) - 1))
+    first, second = broadcast_tree(owner, node_of)
+    have = {owner}
+    for stage in (first, second):
+        received = [dst for _, dst in stage]
+        assert all(src in have for src, _ in stage), "a rank forwards only what it already has"
+        assert not set(received) & have and len(set(received)) == len(received)
+        have |= set(received)
+    assert have == set(range(len(node_of)))
+    assert all(src == owner for src, _ in first)
+    assert all(node_of[src] == node_of[dst] for src, dst in second), "stage 2 stays inside nodes"
+    remote = [dst for _, dst in first if node_of[dst] != node_of[owner]]
+    assert sorted(node_of[d] for d in remote) == sorted(set(node_of) - {node_of[owner]}), "one copy per node"
+    assert copies_by_tree(node_of, "gloo") == (len(set(node_of)) > 1)
+    assert not copies_by_tree(node_of, "nccl") and not copies_by_tree(None, "gloo")
+
+
+def test_broadcast_tree_leaders_are_rail_aligned():
+    # 2 nodes x 2 ranks: rank 1 (local index 1) sends to rank 3 (local index 1), which forwards to 2.
+    assert broadcast_tree(1, [0, 0, 1, 1]) == [[(1, 0), (1, 3)], [(3, 2)]]
+    assert broadcast_tree(2, [0, 0, 1, 1]) == [[(2, 3), (2, 0)], [(0, 1)]]

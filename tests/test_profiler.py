@@ -93,7 +93,8 @@ def test_testbed_env_isolation_and_teardown(tmp_path):
     script = (
         "import os, json, socket, sys; "
         "d = {k: os.environ[k] for k in ('RANK','WORLD_SIZE','LOCAL_RANK','LOCAL_WORLD_SIZE','GROUP_RANK',"
-        "'MASTER_ADDR','MASTER_PORT','GLOO_SOCKET_IFNAME')}; d['netns'] = os.readlink('/proc/self/ns/net'); "
+        "'MASTER_ADDR','MASTER_PORT','GLOO_SOCKET_IFNAME','MOEFLOW_CPU_THREADS')}; "
+        "d['netns'] = os.readlink('/proc/self/ns/net'); "
         f"open('{tmp_path}/r' + d['RANK'] + '.json', 'w').write(json.dumps(d))"
     )
     cfg = TestbedConfig(nodes=2, ranks_per_node=2, bandwidth_mbit=100.0, master_port=29533)
@@ -128,6 +129,9 @@ def test_testbed_env_isolation_and_teardown(tmp_path):
     assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1"]
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1"]
     assert all(e["WORLD_SIZE"] == "4" and e["MASTER_ADDR"] == "10.77.0.1" for e in envs)
+    # 4 ranks share this host's cores, whatever the emulated node they sit on.
+    threads = str(max(1, (os.cpu_count() or 1) // 4))
+    assert [e["MOEFLOW_CPU_THREADS"] for e in envs] == [threads] * 4
     assert envs[0]["netns"] == envs[1]["netns"] != envs[2]["netns"] == envs[3]["netns"]
 
 
@@ -153,3 +157,16 @@ def test_testbed_config_errors():
         TestbedConfig(nodes=0)
     with pytest.raises(ValueError, match="bandwidth_mbit=-5"):
         TestbedConfig(bandwidth_mbit=-5)
+
+
+def test_cpu_threads_per_rank(monkeypatch):
+    from moeflow.launch import cpu_threads_per_rank
+
+    monkeypatch.delenv("MOEFLOW_CPU_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cpu_threads_per_rank() == max(1, (os.cpu_count() or 1) // 2)
+    monkeypatch.setenv("MOEFLOW_CPU_THREADS", "3")
+    assert cpu_threads_per_rank() == 3
+    monkeypatch.setenv("MOEFLOW_CPU_THREADS", "0")
+    with pytest.raises(ValueError, match="MOEFLOW_CPU_THREADS='0'"):
+        cpu_threads_per_rank()

@@ -61,9 +61,28 @@ def test_hot_expert_with_half_the_tokens_is_shadowed_and_balanced_load_is_not():
     hot[:, 7] = tokens / 2  # expert 7 receives half of every rank's tokens
     placement = planner(hot, owners, cm)
     assert 7 in planner.last.shadowed and placement.holders_EW[7].all()
-    assert planner.last.predicted_s[-1] < planner.last.predicted_s[0]
+    assert planner.last.best_s < planner.last.predicted_s[0]
     # Greedy order is by tokens *received* (column sums): the hot expert comes first.
     assert planner.last.shadowed[0] == 7
+
+
+def test_prefix_search_takes_a_hot_pair_that_algorithm1_stops_before():
+    """Two equally hot experts on two ranks: shadowing either alone leaves the other rank as slow
+    as before (plus the copies), so Algorithm 1 stops at once; the pair balances the load."""
+    flow = np.full((4, 4), 10.0)
+    flow[:, 1] = flow[:, 2] = 400.0
+    owners = Placement.expert_parallel(4, 4)
+    cm = _cost_model(1e7)  # slow enough that copying the cold experts does not pay
+    greedy, prefix = ShadowPlanner(D, H, search="greedy"), ShadowPlanner(D, H)
+    greedy(flow, owners, cm)
+    placement = prefix(flow, owners, cm)
+    assert greedy.last.shadowed == [] and greedy.last.predicted_s[1] >= greedy.last.predicted_s[0]
+    assert sorted(prefix.last.shadowed) == [1, 2] and placement.holders_EW[[1, 2]].all()
+    assert prefix.last.best_s < prefix.last.predicted_s[0]
+    # The vectorised pricing of every prefix equals pricing each shadow set on its own.
+    for i, t in enumerate(prefix.last.predicted_s):
+        mask = np.isin(np.arange(4), prefix.last.candidates[:i])
+        assert float(prefix.cost(flow, owners.owner_E, mask, cm)) == pytest.approx(t)
 
 
 def test_planner_contract_and_errors():
@@ -77,6 +96,8 @@ def test_planner_contract_and_errors():
         ShadowPlanner(D, H)(_hot_flow(1), owners, _cost_model(1e9, world=2))
     with pytest.raises(ValueError, match="max_shadowed=-1"):
         ShadowPlanner(D, H, max_shadowed=-1)
+    with pytest.raises(ValueError, match="search='best'"):
+        ShadowPlanner(D, H, search="best")
     with pytest.raises(ValueError, match="needs the layer shapes"):
         get_planner("shadow")
     assert expert_param_count(4, 8, "swiglu") == 96

@@ -54,12 +54,25 @@ def init_distributed(requested: str = "auto", deterministic: bool = False) -> to
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # N local ranks share the cores: without this each would start an all-core thread pool.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(cpu_threads_per_rank())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
     return device
+
+
+def cpu_threads_per_rank() -> int:
+    """Intra-op threads of one CPU rank: MOEFLOW_CPU_THREADS when a launcher set it (the network
+    testbed gives each rank its share of the *host's* cores, since its LOCAL_WORLD_SIZE counts only
+    the ranks of one emulated node), else the cores divided among the local ranks — without this
+    every rank would start an all-core thread pool. (Not OMP_NUM_THREADS: torchrun sets that to 1
+    for every multi-process run.)"""
+    value = os.environ.get("MOEFLOW_CPU_THREADS")
+    if value is not None:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"MOEFLOW_CPU_THREADS={value!r}: expected a positive integer")
+        return int(value)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, (os.cpu_count() or 1) // local_world)
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, name: str = "moeflow") -> list[Any]:

@@ -96,8 +96,9 @@ class MoELayer(nn.Module):
         z_loss_weight: weight of the router z-loss (0 = off).
         hooks: objects implementing any of FSMoE's six hook points (`moeflow.hooks`).
         check_finite: raise on NaN/Inf in the input or the routing scores.
-        node_of: node index of every EP rank (dispatch prefers holders on the same node); defaults
-            to the cost model's topology.
+        node_of: node index of every EP rank (dispatch prefers holders on the same node; copies of
+            experts held everywhere travel a two-level tree across nodes); defaults to the cost
+            model's topology.
         cost_model: `moeflow.perf.costmodel.CostModel` for planners and topology-aware objectives.
         group_size: ranks per group of the pairwise schedule (None: the ranks of a node, else 1).
     """
@@ -327,7 +328,9 @@ class MoELayer(nn.Module):
         """
         if placement.is_owners_only():
             return None
-        return materialize(self.experts.weights(), placement, self.group, self.experts.first_expert, held_H)
+        return materialize(
+            self.experts.weights(), placement, self.group, self.experts.first_expert, held_H, self.node_of
+        )
 
     def extra_repr(self) -> str:
         return (

@@ -143,3 +143,39 @@ def dispatch_counts(flow_WE: np.ndarray, placement: Placement, node_of: Sequence
     plan = np.zeros_like(share_rot)
     np.put_along_axis(plan, rot_SD[:, None, :], share_rot, axis=2)
     return plan.astype(np.int64)
+
+
+def copies_by_tree(node_of: Sequence[int] | None, backend: str) -> bool:
+    """Whether copies of experts held everywhere travel `broadcast_tree` rather than one broadcast /
+    reduce per owner: when the ranks span several nodes and the backend is gloo, whose broadcast
+    sends the whole buffer from the root to every rank (on the 2 × 2 testbed it ran at half the
+    inter-node link rate). NCCL's broadcast is already a pipelined ring that crosses each link once.
+    """
+    return backend == "gloo" and node_of is not None and len(set(node_of)) > 1
+
+
+def broadcast_tree(owner: int, node_of: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Routes of a two-level broadcast from `owner` to every rank: `[stage 1 edges, stage 2 edges]`,
+    each edge `(src, dst)`. A reduce to `owner` runs the same edges reversed, stages in reverse.
+
+    Stage 1: the owner sends to its node-mates and to one *leader* on every other node, so each
+    inter-node link carries the parameters once (FasterMoE Eq. 8's `2·r·size/W_net` assumes this;
+    a flat broadcast that sends from the root to every rank — gloo's — puts them on the inter-node
+    link once per remote rank). Stage 2: each leader forwards to its node-mates. The leader is the
+    remote rank with the owner's local index (rail-aligned, as NCCL pairs NICs), so owners on
+    different local indices use different leaders and their copies spread over the ranks.
+    """
+    members: dict[int, list[int]] = {}
+    for rank, node in enumerate(node_of):
+        members.setdefault(int(node), []).append(rank)
+    home = int(node_of[owner])
+    local_index = members[home].index(owner)
+    first = [(owner, r) for r in members[home] if r != owner]
+    second = []
+    for node, ranks in members.items():
+        if node == home:
+            continue
+        leader = ranks[local_index % len(ranks)]
+        first.append((owner, leader))
+        second += [(leader, r) for r in ranks if r != leader]
+    return [first, second]

@@ -4,8 +4,10 @@
 `reduce_to_owner`: every holder's gradient for a copy is sent back and summed into the owner's
 parameter gradient. Only parameters and gradients move — the optimizer state stays with the owner
 (FasterMoE §4.1, Pro-Prophet §IV-A). Implemented as batched point-to-point (`batch_isend_irecv`),
-one flat message per (expert, holder), so arbitrary subsets work without building subgroups; experts
-held by every rank (FasterMoE shadowing) use one broadcast / reduce per owner instead.
+one flat message per (expert, holder), so arbitrary subsets work without building subgroups. Experts
+held by every rank (FasterMoE shadowing) move as one message per owner: through one broadcast / reduce
+per owner (a pipelined ring with NCCL), or, with gloo across nodes, through the two-level tree of
+`placement.broadcast_tree` (each inter-node link carries them once; all owners at the same time).
 
 Shape suffixes: L experts owned by this rank, H experts held (computed) by this rank, P flattened
 parameters of one expert, M messages (copies received by this rank).
@@ -13,33 +15,48 @@ parameters of one expert, M messages (copies received by this rank).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.placement import Placement
+from moeflow.placement import Placement, broadcast_tree, copies_by_tree
 
 
 @dataclass
 class _Transfers:
     """Who sends what to whom for one placement, enumerated identically on every rank."""
 
+    me: int
+    """This rank's index in the group."""
     sends: list[tuple[int, int]]
     """(expert, holder) pairs this rank sends point-to-point, as owner of a partial replica set."""
     recvs: list[tuple[int, int]]
     """(expert, owner) pairs this rank receives point-to-point."""
-    broadcasts: dict[int, list[int]]
-    """owner -> its experts held by *every* rank (FasterMoE shadowing): one broadcast per owner."""
+    everywhere: dict[int, list[int]]
+    """owner -> its experts held by *every* rank (FasterMoE shadowing), moved as one message."""
+    tree: list[list[tuple[int, int, int]]] | None
+    """Stages of (owner, src, dst) edges that involve this rank (`placement.broadcast_tree`, see
+    `copies_by_tree`); None: one broadcast / reduce per owner over the whole group."""
     received: list[int]
     """Experts whose copies arrive here, in the row order of the received buffer."""
 
+    def rows(self, owner: int) -> slice:
+        """Rows of the received buffer that hold `owner`'s everywhere-experts (owner != this rank)."""
+        start = len(self.recvs)
+        for o, experts in self.everywhere.items():
+            if o == owner:
+                return slice(start, start + len(experts))
+            start += len(experts) if o != self.me else 0
+        raise KeyError(owner)
 
-def _transfers(placement: Placement, me: int) -> _Transfers:
-    """Experts replicated on every rank go through broadcast / reduce (a pipelined ring with NCCL:
-    each link carries the parameters once, FasterMoE Eq. 8); partial replica sets (Pro-Prophet,
-    Hecate) through batched point-to-point, which works for arbitrary subsets without subgroups."""
+
+def _transfers(placement: Placement, me: int, node_of=None, backend: str = "gloo") -> _Transfers:
+    """Experts replicated on every rank go as one message per owner (FasterMoE Eq. 8: each link
+    carries the parameters once); partial replica sets (Pro-Prophet, Hecate) through batched
+    point-to-point, which works for arbitrary subsets without subgroups."""
     extra_EW = placement.materialized_EW()
     everywhere_E = placement.holders_EW.all(1) & extra_EW.any(1)
     sends, recvs = [], []
@@ -49,12 +66,18 @@ def _transfers(placement: Placement, me: int) -> _Transfers:
             sends.append((int(e), int(d)))
         elif d == me:
             recvs.append((int(e), owner))
-    broadcasts: dict[int, list[int]] = {}
+    everywhere: dict[int, list[int]] = {}
     for e in np.flatnonzero(everywhere_E):
-        broadcasts.setdefault(int(placement.owner_E[e]), []).append(int(e))
-    broadcasts = dict(sorted(broadcasts.items()))
-    received = [e for e, _ in recvs] + [e for o, es in broadcasts.items() if o != me for e in es]
-    return _Transfers(sends, recvs, broadcasts, received)
+        everywhere.setdefault(int(placement.owner_E[e]), []).append(int(e))
+    everywhere = dict(sorted(everywhere.items()))
+    tree = None
+    if copies_by_tree(node_of, backend):
+        tree = [[], []]
+        for owner in everywhere:
+            for stage, edges in zip(tree, broadcast_tree(owner, node_of)):
+                stage += [(owner, src, dst) for src, dst in edges if me in (src, dst)]
+    received = [e for e, _ in recvs] + [e for o, es in everywhere.items() if o != me for e in es]
+    return _Transfers(me, sends, recvs, everywhere, tree, received)
 
 
 def _p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]], group) -> None:
@@ -69,10 +92,10 @@ class _Materialize(torch.autograd.Function):
     """forward: owner → holders copies; backward: holders → owner gradient sums."""
 
     @staticmethod
-    def forward(ctx, placement, group, first_expert, *local_params):
+    def forward(ctx, placement, group, first_expert, node_of, *local_params):
         me = dist.get_rank(group)
-        plan = _transfers(placement, me)
-        ctx.plan, ctx.group, ctx.first, ctx.me = plan, group, first_expert, me
+        plan = _transfers(placement, me, node_of, dist.get_backend(group))
+        ctx.plan, ctx.group, ctx.first = plan, group, first_expert
         ctx.shapes = [p.shape for p in local_params]
         flat_LP = torch.cat([p.detach().reshape(p.shape[0], -1) for p in local_params], dim=1)
         recv_MP = flat_LP.new_empty((len(plan.received), flat_LP.shape[1]))
@@ -81,19 +104,28 @@ class _Materialize(torch.autograd.Function):
             [(peer, recv_MP[i]) for i, (_, peer) in enumerate(plan.recvs)],
             group,
         )
-        row = len(plan.recvs)
-        for owner, experts in plan.broadcasts.items():
+
+        def message(owner: int) -> torch.Tensor:
+            """`owner`'s everywhere-experts: the local rows on the owner, the received rows elsewhere."""
             if owner == me:
-                buf = flat_LP[[e - first_expert for e in experts]].contiguous()
-            else:
-                buf = recv_MP[row : row + len(experts)]
-                row += len(experts)
-            dist.broadcast(buf, src=dist.get_global_rank(group, owner), group=group)
+                return flat_LP[[e - first_expert for e in plan.everywhere[owner]]].contiguous()
+            return recv_MP[plan.rows(owner)]
+
+        if plan.tree is None:
+            for owner in plan.everywhere:
+                dist.broadcast(message(owner), src=dist.get_global_rank(group, owner), group=group)
+        else:
+            for stage in plan.tree:  # a leader forwards in stage 2 what it received in stage 1
+                _p2p(
+                    [(dst, message(owner)) for owner, src, dst in stage if src == me],
+                    [(src, recv_MP[plan.rows(owner)]) for owner, src, dst in stage if dst == me],
+                    group,
+                )
         return recv_MP
 
     @staticmethod
     def backward(ctx, grad_MP):
-        plan, group, first, me = ctx.plan, ctx.group, ctx.first, ctx.me
+        plan, group, first, me = ctx.plan, ctx.group, ctx.first, ctx.plan.me
         grad_MP = grad_MP.contiguous()
         width = grad_MP.shape[1]
         grad_LP = grad_MP.new_zeros((ctx.shapes[0][0], width))
@@ -106,37 +138,56 @@ class _Materialize(torch.autograd.Function):
         )
         if plan.sends:
             grad_LP.index_add_(0, torch.tensor([e - first for e, _ in plan.sends], device=grad_LP.device), incoming)
-        row = len(plan.recvs)
-        for owner, experts in plan.broadcasts.items():
-            if owner == me:
-                buf = grad_MP.new_zeros((len(experts), width))
-            else:
-                buf = grad_MP[row : row + len(experts)].clone()
-                row += len(experts)
-            dist.reduce(buf, dst=dist.get_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
-            if owner == me:
-                grad_LP[[e - first for e in experts]] += buf
+        # Per owner of everywhere-experts: this rank's partial sum of their gradients.
+        partial = {
+            owner: grad_MP.new_zeros((len(experts), width)) if owner == me else grad_MP[plan.rows(owner)].clone()
+            for owner, experts in plan.everywhere.items()
+        }
+        if plan.tree is None:
+            for owner in plan.everywhere:
+                dist.reduce(partial[owner], dst=dist.get_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
+        else:
+            for stage in reversed(plan.tree):  # a leader sums its node-mates' before sending on
+                inbox = [(owner, dst, torch.empty_like(partial[owner])) for owner, src, dst in stage if src == me]
+                _p2p(
+                    [(src, partial[owner]) for owner, src, dst in stage if dst == me],
+                    [(dst, buf) for _, dst, buf in inbox],
+                    group,
+                )
+                for owner, _, buf in inbox:
+                    partial[owner] += buf
+        if me in plan.everywhere:
+            grad_LP[[e - first for e in plan.everywhere[me]]] += partial[me]
         grads, offset = [], 0
         for s in ctx.shapes:
             n = int(np.prod(s[1:]))
             grads.append(grad_LP[:, offset : offset + n].reshape(s))
             offset += n
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)
 
 
 def materialize(
-    weights: dict[str, torch.Tensor], placement: Placement, group, first_expert: int, held_H: np.ndarray
+    weights: dict[str, torch.Tensor],
+    placement: Placement,
+    group,
+    first_expert: int,
+    held_H: np.ndarray,
+    node_of: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Weights `[H, ...]` of the experts this rank holds (in `held_H` order), differentiable:
     owned experts are slices of `weights`; the others arrive from their owners, and their
     gradients flow back to the owners (reduce_to_owner) in backward.
 
-    Every rank of the group must call this, in the same order, whenever the placement has any copy.
+    `node_of` (node of every rank; None: one node) routes copies of experts held everywhere through
+    a two-level tree when the ranks span nodes on gloo (`placement.copies_by_tree`). Every rank of
+    the group must call this, in the same order and with the same `node_of`, whenever the placement
+    has any copy.
     """
     names = list(weights)
     local = [weights[n] for n in names]
     me = dist.get_rank(group)
-    recv_MP = _Materialize.apply(placement, group, first_expert, *local)
+    node_of = None if node_of is None else tuple(int(n) for n in node_of)
+    recv_MP = _Materialize.apply(placement, group, first_expert, node_of, *local)
     received = {e: i for i, e in enumerate(_transfers(placement, me).received)}
     num_local = local[0].shape[0]
     owned = [int(e) for e in held_H if first_expert <= e < first_expert + num_local]

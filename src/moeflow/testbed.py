@@ -210,6 +210,9 @@ class Testbed:
                     "MASTER_PORT": str(cfg.master_port),
                     "GLOO_SOCKET_IFNAME": "eth0",
                 }
+                # Every emulated node shares this host's cores: each rank gets its share of all of
+                # them (LOCAL_WORLD_SIZE alone would hand each node's ranks the whole host).
+                rank_env.setdefault("MOEFLOW_CPU_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.world_size)))
                 log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
                 logs.append(log)
                 streams = {} if rank == 0 else {"stdout": log, "stderr": subprocess.STDOUT}

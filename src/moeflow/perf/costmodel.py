@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from scipy import optimize
 
+from moeflow.placement import broadcast_tree, copies_by_tree
 from moeflow.topology import Topology, preset_peak_flops
 
 OP_KINDS = (
@@ -170,12 +171,17 @@ class CostModel:
     """With an ``a2a`` fit: scale the link model so that a uniform exchange costs exactly the fit
     (module docstring). False: FasterMoE Eq. 2 as published — link bandwidths (from the topology
     or the point-to-point fits) and route latencies only; the ``a2a`` fit is then unused."""
+    backend: str = "nccl"
+    """The collectives' backend the priced runs use (``moeflow profile`` records its own): it decides
+    how copies of shadowed experts travel (``copies_time``)."""
 
     def __post_init__(self) -> None:
         if not (self.gemm_flops_per_s > 0 and math.isfinite(self.gemm_flops_per_s)):
             raise ValueError(f"gemm_flops_per_s={self.gemm_flops_per_s!r}: must be a positive finite number")
         if self.host_cores is not None and (not isinstance(self.host_cores, int) or self.host_cores < 1):
             raise ValueError(f"host_cores={self.host_cores!r}: must be a positive int or None")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend={self.backend!r}: expected 'gloo' or 'nccl'")
         if self.bytes_per_element not in (1, 2, 4, 8):
             raise ValueError(f"bytes_per_element={self.bytes_per_element!r}: expected 1, 2, 4 or 8")
         unknown = set(self.fits) - set(OP_KINDS)
@@ -397,11 +403,14 @@ class CostModel:
     def copies_time(
         self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray, direction: str = "materialize"
     ) -> float:
-        """The sparse collectives as ``moeflow.sparse_collectives`` runs them, one direction: experts
-        held by *every* device go through one broadcast (``direction="materialize"``, forward) or one
-        reduce (``"reduce"``, backward) per owner of all its such experts (FasterMoE Eq. 8: a pipelined
-        ring carries the parameters once per link); partial replica sets through point-to-point
-        copies (``materialize_time``; the gradients retrace the same routes reversed)."""
+        """The sparse collectives as ``moeflow.sparse_collectives`` runs them, one direction
+        (``"materialize"``: forward copies, ``"reduce"``: gradients back). Experts held by *every*
+        device move as one message per owner: one broadcast / reduce per owner (FasterMoE Eq. 8: a
+        pipelined ring carries the parameters once per link), or, where ``placement.copies_by_tree``
+        says so (gloo across nodes), the two stages of ``broadcast_tree`` for all owners at once
+        (the reduce runs the same links in reverse: equal time on symmetric links). Partial
+        replica sets go point-to-point
+        (``materialize_time``; the gradients retrace the same routes reversed)."""
         if direction not in ("materialize", "reduce"):
             raise ValueError(f"direction={direction!r}: expected 'materialize' or 'reduce'")
         holders = np.asarray(holders_EW, dtype=bool)
@@ -409,9 +418,20 @@ class CostModel:
         W = holders.shape[1]
         owner_onehot_EW = np.eye(W, dtype=bool)[owner]
         everywhere_E = holders.all(axis=1) & (holders & ~owner_onehot_EW).any(axis=1)
-        kind = "broadcast" if direction == "materialize" else "reduce"
         per_owner = np.bincount(owner[everywhere_E], minlength=W)
-        t = sum(self.collective_time(kind, int(n) * param_bytes) for n in per_owner[per_owner > 0])
+        node_of = self.topology.node_of
+        if copies_by_tree(node_of, self.backend):
+            t = 0.0
+            for stage in range(2):
+                flow_WW = np.zeros((W, W))
+                for o in np.flatnonzero(per_owner):
+                    for src, dst in broadcast_tree(int(o), node_of)[stage]:
+                        flow_WW[src, dst] += per_owner[o] * param_bytes
+                if flow_WW.any():
+                    t += float(self.link_time(flow_WW) + self._latency(flow_WW))
+        else:
+            kind = "broadcast" if direction == "materialize" else "reduce"
+            t = sum(self.collective_time(kind, int(n) * param_bytes) for n in per_owner[per_owner > 0])
         partial_EW = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
         return float(t + self.materialize_time(param_bytes, partial_EW, owner))
 
@@ -494,6 +514,7 @@ class CostModel:
             "bytes_per_element": self.bytes_per_element,
             "a2a_calibration": self.a2a_calibration,
             "host_cores": self.host_cores,
+            "backend": self.backend,
             "fits": {k: f.to_dict() for k, f in self.fits.items()},
         }
 
@@ -520,6 +541,7 @@ class CostModel:
             data.get("name", "profile"),
             data.get("host_cores"),
             bool(data.get("a2a_calibration", True)),
+            data.get("backend", "nccl"),
         )
 
     def save(self, path: str | Path) -> None:
