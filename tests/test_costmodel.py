@@ -194,6 +194,14 @@ def test_copies_of_shadowed_experts_by_hand():
     # with 1 -> 0 and 2 -> 3 inside the nodes; stage 2 = the leaders forward inside their node (1 ms).
     for direction in ("materialize", "reduce"):
         assert gloo.copies_time(1e6, holders, owner, direction) == pytest.approx(1e6 / 1e8 + 1e6 / 1e9)
+    # A profiled `copies` fit (every owner at once, forward + back) calibrates the tree's link
+    # model: here measured twice as slow as the links allow, so every tree copy costs twice as much.
+    everywhere = np.ones((4, 4), dtype=bool)
+    ideal = 2 * gloo.copies_time(1.0, everywhere, np.arange(4), "materialize")
+    fits = {"copies": AlphaBeta(0.0, 2 * ideal, "byte", 1.0, "test")}
+    calibrated = CostModel(gloo.topology, 1e12, fits, backend="gloo")
+    assert calibrated.copies_time(1e6, holders, owner, "reduce") == pytest.approx(2 * (1e6 / 1e8 + 1e6 / 1e9))
+    assert CostModel(nccl.topology, 1e12, fits).copies_time(1e6, holders, owner) == pytest.approx(2e6 / 1e8)
     with pytest.raises(ValueError, match="backend='mpi'"):
         CostModel(Topology.homogeneous(2, 1e9), 1e9, backend="mpi")
     assert CostModel.from_dict(gloo.to_dict()).backend == "gloo"

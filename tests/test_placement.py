@@ -122,7 +122,10 @@ def test_broadcast_tree_reaches_every_rank_once_and_crosses_each_node_once(node_
     assert not copies_by_tree(node_of, "nccl") and not copies_by_tree(None, "gloo")
 
 
-def test_broadcast_tree_leaders_are_rail_aligned():
-    # 2 nodes x 2 ranks: rank 1 (local index 1) sends to rank 3 (local index 1), which forwards to 2.
-    assert broadcast_tree(1, [0, 0, 1, 1]) == [[(1, 0), (1, 3)], [(3, 2)]]
-    assert broadcast_tree(2, [0, 0, 1, 1]) == [[(2, 3), (2, 0)], [(0, 1)]]
+def test_broadcast_tree_leaders_never_pair_up_in_opposite_directions():
+    # 2 nodes x 2 ranks: the leader has the owner's local index shifted by the owner's node.
+    assert broadcast_tree(1, [0, 0, 1, 1]) == [[(1, 0), (1, 3)], [(3, 2)]]  # node 0: no shift
+    assert broadcast_tree(2, [0, 0, 1, 1]) == [[(2, 3), (2, 1)], [(1, 0)]]  # node 1: shifted by one
+    inter = {e for owner in range(4) for e in broadcast_tree(owner, [0, 0, 1, 1])[0] if e[0] // 2 != e[1] // 2}
+    assert inter == {(0, 2), (1, 3), (2, 1), (3, 0)}
+    assert not any((dst, src) in inter for src, dst in inter)

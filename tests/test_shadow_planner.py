@@ -79,6 +79,11 @@ def test_prefix_search_takes_a_hot_pair_that_algorithm1_stops_before():
     assert greedy.last.shadowed == [] and greedy.last.predicted_s[1] >= greedy.last.predicted_s[0]
     assert sorted(prefix.last.shadowed) == [1, 2] and placement.holders_EW[[1, 2]].all()
     assert prefix.last.best_s < prefix.last.predicted_s[0]
+    # The gain must clear min_gain: just above the predicted gain, nothing is shadowed.
+    gain = 1 - prefix.last.best_s / prefix.last.predicted_s[0]
+    cautious = ShadowPlanner(D, H, min_gain=gain + 0.01)
+    assert cautious(flow, owners, cm) == owners and cautious.last.shadowed == []
+    assert ShadowPlanner(D, H, min_gain=gain - 0.01)(flow, owners, cm).holders_EW[[1, 2]].all()
     # The vectorised pricing of every prefix equals pricing each shadow set on its own.
     for i, t in enumerate(prefix.last.predicted_s):
         mask = np.isin(np.arange(4), prefix.last.candidates[:i])
@@ -96,6 +101,8 @@ def test_planner_contract_and_errors():
         ShadowPlanner(D, H)(_hot_flow(1), owners, _cost_model(1e9, world=2))
     with pytest.raises(ValueError, match="max_shadowed=-1"):
         ShadowPlanner(D, H, max_shadowed=-1)
+    with pytest.raises(ValueError, match="min_gain=1.5"):
+        ShadowPlanner(D, H, min_gain=1.5)
     with pytest.raises(ValueError, match="search='best'"):
         ShadowPlanner(D, H, search="best")
     with pytest.raises(ValueError, match="needs the layer shapes"):

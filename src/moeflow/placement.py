@@ -162,8 +162,10 @@ def broadcast_tree(owner: int, node_of: Sequence[int]) -> list[list[tuple[int, i
     inter-node link carries the parameters once (FasterMoE Eq. 8's `2·r·size/W_net` assumes this;
     a flat broadcast that sends from the root to every rank — gloo's — puts them on the inter-node
     link once per remote rank). Stage 2: each leader forwards to its node-mates. The leader is the
-    remote rank with the owner's local index (rail-aligned, as NCCL pairs NICs), so owners on
-    different local indices use different leaders and their copies spread over the ranks.
+    remote rank with the owner's local index shifted by the owner's node: owners on different local
+    indices use different leaders, and two owners do not use one pair of ranks in opposite
+    directions (gloo serves a pair's two directions poorly: on the 2 × 2 testbed, four owners took
+    174 ms with rail-aligned leaders, 144 ms shifted; `benchmarks/shadow_copies.py`).
     """
     members: dict[int, list[int]] = {}
     for rank, node in enumerate(node_of):
@@ -175,7 +177,7 @@ def broadcast_tree(owner: int, node_of: Sequence[int]) -> list[list[tuple[int, i
     for node, ranks in members.items():
         if node == home:
             continue
-        leader = ranks[local_index % len(ranks)]
+        leader = ranks[(local_index + home) % len(ranks)]
         first.append((owner, leader))
         second += [(leader, r) for r in ranks if r != leader]
     return [first, second]

@@ -42,6 +42,7 @@ OP_KINDS = (
     "reduce",
     "p2p_intra",
     "p2p_inter",
+    "copies",
     "gemm",
     "elementwise",
 )
@@ -207,6 +208,12 @@ class CostModel:
             unit_flow = np.full((W, W), 1.0 / W)
             per_byte = float(self.link_time(unit_flow))
             self._a2a_eta = self.fits["a2a"].beta_s_per_unit / per_byte
+        # The same for copies through `broadcast_tree`: the profile's ``copies`` fit times one
+        # message of n bytes from every owner at once, forward and back (``copies_time``).
+        self._copies_eta = 1.0
+        if "copies" in self.fits and copies_by_tree(topo.node_of, self.backend):
+            per_byte = 2 * sum(float(self.link_time(f)) for f in self._tree_flows(np.ones(W)))
+            self._copies_eta = self.fits["copies"].beta_s_per_unit / per_byte
 
     # ---- building blocks --------------------------------------------------------------------
     def link_time(self, bytes_WW: np.ndarray) -> np.ndarray:
@@ -408,8 +415,10 @@ class CostModel:
         device move as one message per owner: one broadcast / reduce per owner (FasterMoE Eq. 8: a
         pipelined ring carries the parameters once per link), or, where ``placement.copies_by_tree``
         says so (gloo across nodes), the two stages of ``broadcast_tree`` for all owners at once
-        (the reduce runs the same links in reverse: equal time on symmetric links). Partial
-        replica sets go point-to-point
+        (the reduce runs the same links in reverse: equal time on symmetric links), scaled by η
+        when the profile has a ``copies`` fit: the link model calibrated on every owner copying at
+        once, as the all-to-all's is on the uniform exchange (concurrent messages on a CPU backend
+        reach less than the links' rates). Partial replica sets go point-to-point
         (``materialize_time``; the gradients retrace the same routes reversed)."""
         if direction not in ("materialize", "reduce"):
             raise ValueError(f"direction={direction!r}: expected 'materialize' or 'reduce'")
@@ -421,19 +430,24 @@ class CostModel:
         per_owner = np.bincount(owner[everywhere_E], minlength=W)
         node_of = self.topology.node_of
         if copies_by_tree(node_of, self.backend):
-            t = 0.0
-            for stage in range(2):
-                flow_WW = np.zeros((W, W))
-                for o in np.flatnonzero(per_owner):
-                    for src, dst in broadcast_tree(int(o), node_of)[stage]:
-                        flow_WW[src, dst] += per_owner[o] * param_bytes
-                if flow_WW.any():
-                    t += float(self.link_time(flow_WW) + self._latency(flow_WW))
+            flows = [f for f in self._tree_flows(per_owner * param_bytes) if f.any()]
+            t = sum(float(self._copies_eta * self.link_time(f) + self._latency(f)) for f in flows)
         else:
             kind = "broadcast" if direction == "materialize" else "reduce"
             t = sum(self.collective_time(kind, int(n) * param_bytes) for n in per_owner[per_owner > 0])
         partial_EW = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
         return float(t + self.materialize_time(param_bytes, partial_EW, owner))
+
+    def _tree_flows(self, bytes_per_owner_W: np.ndarray) -> list[np.ndarray]:
+        """Bytes `[W, W]` on each stage of `placement.broadcast_tree` when owner o sends
+        `bytes_per_owner_W[o]` to every rank, all owners at once."""
+        W = self.topology.num_devices
+        flows = [np.zeros((W, W)), np.zeros((W, W))]
+        for o in np.flatnonzero(bytes_per_owner_W):
+            for flow, edges in zip(flows, broadcast_tree(int(o), self.topology.node_of)):
+                for src, dst in edges:
+                    flow[src, dst] += bytes_per_owner_W[o]
+        return flows
 
     # ---- paper formulas for planners ------------------------------------------------------------
     def fastermoe_imbalance_time(self, tokens_W: Any, d_model: int, d_hidden: int) -> np.ndarray:

@@ -6,8 +6,9 @@ r². Measured here: GEMM over sizes (square, or given shapes); a memory-bound ke
 ``elementwise``); ``all_to_all_single``, ``all_gather_single``, ``reduce_scatter_single`` (the
 ``*_into_tensor``/``*_tensor`` names on older torch), ``all_reduce``, ``broadcast``, ``reduce``
 over sizes; ``send``/``recv`` between two ranks of one node and two ranks of different nodes
-(when the job spans both). CPU ranks that all run on one machine record ``host_cores`` (the
-cores they share; ``CostModel.host_cores``).
+(when the job spans both); across nodes on gloo, the shadow ``copies`` of
+``moeflow.sparse_collectives`` (every rank owning one message, forward and backward). CPU ranks
+that all run on one machine record ``host_cores`` (the cores they share; ``CostModel.host_cores``).
 
 Nodes are discovered, not configured: ranks that share a host name *and* a network namespace
 are one node (so ranks placed in different namespaces by ``scripts/testbed.py`` count as
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from moeflow.perf.costmodel import OP_KINDS, AlphaBeta
+from moeflow.placement import Placement, copies_by_tree
 
 COMM_KINDS = tuple(kind for kind in OP_KINDS if kind not in ("gemm", "elementwise"))
 
@@ -207,6 +209,24 @@ def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
 
             times.append(_timed(p2p, device, config.warmup, config.repeats))
         record(kind, comm_sizes, times, "byte")
+
+    if "copies" in config.ops and copies_by_tree(node_of, dist.get_backend()):
+        from moeflow.sparse_collectives import materialize
+
+        # Shadow copies as `sparse_collectives` runs them across nodes on gloo: every rank owns one
+        # expert of n bytes held everywhere; forward copies plus backward gradient sums, timed
+        # together (n = bytes per owner; CostModel.copies_time calibrates on it).
+        everywhere = Placement(np.arange(W), np.ones((W, W), dtype=bool))
+        times = []
+        for nbytes in comm_sizes:
+            param = torch.randn(1, nbytes // 4, device=device, requires_grad=True)
+
+            def copies(param: Any = param) -> None:
+                held = materialize({"w": param}, everywhere, dist.group.WORLD, rank, np.arange(W), node_of)
+                held["w"].sum().backward()
+
+            times.append(_timed(copies, device, config.warmup, config.repeats))
+        record("copies", comm_sizes, times, "byte")
 
     fits = {
         k: AlphaBeta.fit(m["sizes"], m["median_s"], m["unit"], source="moeflow profile").to_dict()

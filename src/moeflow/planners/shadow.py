@@ -30,6 +30,11 @@ is ever shadowed). Every prefix of that order is priced at once (vectorised), th
   searches the same way (its §IV-C locality-based greedy keeps going).
 - `search="greedy"`: Algorithm 1 as published — accept while the predicted time drops.
 
+Either way a shadow set is taken only if it is predicted at least `min_gain` (default 5%) faster
+than plain EP: the model's error is of that order (`benchmarks/perf_model_accuracy.py`), and a
+wrong "yes" costs more than a wrong "no" (on the 2 × 2 testbed under uniform routing, a predicted
+2% gain from shadowing every expert measured 30% slower).
+
 Shape suffixes: W ranks, E experts, P candidate shadow sets (prefixes).
 """
 
@@ -83,6 +88,7 @@ class ShadowPlanner:
         expert: str = "ffn",
         max_shadowed: int | None = None,
         search: str = "prefix",
+        min_gain: float = 0.05,
     ):
         self.d_model, self.d_hidden, self.expert = d_model, d_hidden, expert
         self.param_count = expert_param_count(d_model, d_hidden, expert)
@@ -90,7 +96,9 @@ class ShadowPlanner:
             raise ValueError(f"max_shadowed={max_shadowed} must be >= 0 or None")
         if search not in SEARCHES:
             raise ValueError(f"search={search!r}: expected one of {list(SEARCHES)}")
-        self.max_shadowed, self.search = max_shadowed, search
+        if not 0.0 <= min_gain < 1.0:
+            raise ValueError(f"min_gain={min_gain!r}: expected a fraction in [0, 1)")
+        self.max_shadowed, self.search, self.min_gain = max_shadowed, search, min_gain
         self.last: ShadowDecision | None = None
         self._copies_memo: dict[tuple, float] = {}
 
@@ -153,4 +161,6 @@ class ShadowPlanner:
         else:
             worse = np.flatnonzero(np.diff(predicted) >= 0)  # Algorithm 1 stops at the first
             chosen = int(worse[0]) if worse.size else len(candidates)
+        if predicted[chosen] > (1.0 - self.min_gain) * predicted[0]:
+            chosen = 0  # not worth the model's error
         return ShadowDecision(candidates[:chosen], candidates, [float(t) for t in predicted])
