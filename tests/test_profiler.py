@@ -124,6 +124,12 @@ def test_testbed_env_isolation_and_teardown(tmp_path):
         ).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc
         assert tb.run([sys.executable, "-c", "import os, sys; sys.exit(3 if os.environ['RANK'] == '2' else 0)"]) == 3
+        # The profiler on two emulated nodes measures the shadow copies through the tree.
+        profile = tmp_path / "profile.json"
+        ops, sizes = "gemm,copies,p2p_inter,p2p_intra", "65536,262144,1048576"
+        cmd = [sys.executable, "-m", "moeflow.cli", "profile", "--ops", ops, "--sizes", sizes, "--gemm-sizes", "16,32"]
+        cmd += ["--out", str(profile)]
+        assert tb.run(cmd) == 0
     assert prefix not in _namespaces()  # torn down
     envs = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)]
     assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1"]
@@ -133,6 +139,14 @@ def test_testbed_env_isolation_and_teardown(tmp_path):
     threads = str(max(1, (os.cpu_count() or 1) // 4))
     assert [e["MOEFLOW_CPU_THREADS"] for e in envs] == [threads] * 4
     assert envs[0]["netns"] == envs[1]["netns"] != envs[2]["netns"] == envs[3]["netns"]
+    data = json.loads(profile.read_text())
+    assert data["backend"] == "gloo" and data["nodes"] == [[0, 1], [2, 3]] and "copies" in data["fits"]
+    cm = CostModel.load(profile)
+    # Calibrated: every owner copying n bytes at once (forward + back) costs the fit's β·n.
+    n, everywhere = 1e6, np.ones((4, 4), dtype=bool)
+    both = sum(cm.copies_time(n, everywhere, np.arange(4), d) for d in ("materialize", "reduce"))
+    latency = 4 * float(cm.topology.path_latency_WW.max())  # two stages, two directions
+    assert both == pytest.approx(cm.fits["copies"].beta_s_per_unit * n, abs=latency + 1e-9)
 
 
 @needs_netns
