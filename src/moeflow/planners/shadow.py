@@ -33,7 +33,7 @@ is ever shadowed). Every prefix of that order is priced at once (vectorised), th
 Either way a shadow set is taken only if it is predicted at least `min_gain` (default 5%) faster
 than plain EP: the model's error is of that order (`benchmarks/perf_model_accuracy.py`), and a
 wrong "yes" costs more than a wrong "no" (on the 2 × 2 testbed under uniform routing, a predicted
-2% gain from shadowing every expert measured 30% slower).
+2% gain from shadowing every expert ran at 0.70x the speed of EP).
 
 Shape suffixes: W ranks, E experts, P candidate shadow sets (prefixes).
 """
