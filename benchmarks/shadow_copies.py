@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from testbed_run import run_workers, user_command
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,7 +99,7 @@ def worker(args: argparse.Namespace) -> None:
             )
     if rank == 0:
         out = {
-            "command": "python benchmarks/shadow_copies.py " + " ".join(a for a in sys.argv[1:] if a != "--worker"),
+            "command": user_command(__file__),
             "world_size": world,
             "nodes": cost_model.topology.spec,
             "bandwidth_mbit": args.bandwidth_mbit,
@@ -116,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from moeflow.testbed import TestbedConfig, run_on_testbed
-
-    forwarded = sys.argv[1:] if argv is None else list(argv)
-    config = TestbedConfig(nodes=2, ranks_per_node=2, bandwidth_mbit=args.bandwidth_mbit or None, timeout_s=900)
-    return run_on_testbed(config, [sys.executable, os.path.abspath(__file__), "--worker", *forwarded])
+    return run_workers(__file__, argv, nodes=2, ranks_per_node=2, bandwidth_mbit=args.bandwidth_mbit or None)
 
 
 if __name__ == "__main__":

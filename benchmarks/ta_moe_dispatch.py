@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from moeflow.ta_moe import TABLE1_UNEVEN
+from testbed_run import run_workers, user_command
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,7 +149,7 @@ def worker(args: argparse.Namespace) -> None:
         out = {
             "benchmark": "ta_moe_dispatch",
             # what the user typed (as root): the launcher forwards its own arguments after --worker
-            "command": "python benchmarks/ta_moe_dispatch.py " + " ".join(a for a in sys.argv[1:] if a != "--worker"),
+            "command": user_command(__file__),
             "testbed": {
                 "nodes": cm.topology.nodes,
                 "bandwidth_mbit": args.bandwidth_mbit or None,
@@ -190,14 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from moeflow.testbed import TestbedConfig, run_on_testbed
-
-    forwarded = sys.argv[1:] if argv is None else list(argv)
-    config = TestbedConfig(
-        nodes=2, ranks_per_node=2, bandwidth_mbit=args.bandwidth_mbit or None, latency_ms=args.latency_ms, timeout_s=900
-    )
-    command = [sys.executable, os.path.abspath(__file__), "--worker", *forwarded]
-    return run_on_testbed(config, command)
+    testbed = {"bandwidth_mbit": args.bandwidth_mbit or None, "latency_ms": args.latency_ms}
+    return run_workers(__file__, argv, nodes=2, ranks_per_node=2, **testbed)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""Run a moeflow command on the network testbed (scripts/testbed.py), for the benchmark drivers.
+"""Run a moeflow command, or a benchmark script's own workers, on the network testbed
+(scripts/testbed.py), for the benchmark drivers.
 
 Needs root (network namespaces, tc). The testbed tears its namespaces down even on failure.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +51,19 @@ def ensure_profile(path: Path, bandwidth_mbit: float, nodes: int = 2, ranks_per_
         path.parent.mkdir(parents=True, exist_ok=True)
         on_testbed(["profile", "--out", str(path)], nodes, ranks_per_node, bandwidth_mbit)
     return path
+
+
+def run_workers(script: str, argv: list[str] | None, **testbed) -> int:
+    """Start `script --worker ARGV...` on every rank of an emulated cluster (`testbed`: TestbedConfig
+    fields) — for a script that is both the launcher and, with --worker, each rank; `argv` None =
+    this process's own arguments."""
+    from moeflow.testbed import TestbedConfig, run_on_testbed
+
+    forwarded = sys.argv[1:] if argv is None else list(argv)
+    config = TestbedConfig(**{"timeout_s": 900, **testbed})
+    return run_on_testbed(config, [sys.executable, os.path.abspath(script), "--worker", *forwarded])
+
+
+def user_command(script: str) -> str:
+    """The command the user typed, for a worker's JSON (without the --worker the launcher added)."""
+    return f"python benchmarks/{Path(script).name} " + " ".join(a for a in sys.argv[1:] if a != "--worker")

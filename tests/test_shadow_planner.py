@@ -73,7 +73,9 @@ def test_prefix_search_takes_a_hot_pair_that_algorithm1_stops_before():
     flow[:, 1] = flow[:, 2] = 400.0
     owners = Placement.expert_parallel(4, 4)
     cm = _cost_model(1e7)  # slow enough that copying the cold experts does not pay
-    greedy, prefix = ShadowPlanner(D, H, search="greedy"), ShadowPlanner(D, H)
+    ctx = PlannerContext(4, D, H, "ffn")
+    greedy, prefix = get_planner("shadow_greedy", ctx), get_planner("shadow", ctx)
+    assert (greedy.search, greedy.min_gain, prefix.search, prefix.min_gain) == ("greedy", 0.0, "prefix", 0.05)
     greedy(flow, owners, cm)
     placement = prefix(flow, owners, cm)
     assert greedy.last.shadowed == [] and greedy.last.predicted_s[1] >= greedy.last.predicted_s[0]

@@ -53,7 +53,7 @@ class _Transfers:
         raise KeyError(owner)
 
 
-def _transfers(placement: Placement, me: int, node_of=None, backend: str = "gloo") -> _Transfers:
+def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, backend: str) -> _Transfers:
     """Experts replicated on every rank go as one message per owner (FasterMoE Eq. 8: each link
     carries the parameters once); partial replica sets (Pro-Prophet, Hecate) through batched
     point-to-point, which works for arbitrary subsets without subgroups."""
@@ -92,9 +92,8 @@ class _Materialize(torch.autograd.Function):
     """forward: owner → holders copies; backward: holders → owner gradient sums."""
 
     @staticmethod
-    def forward(ctx, placement, group, first_expert, node_of, *local_params):
-        me = dist.get_rank(group)
-        plan = _transfers(placement, me, node_of, dist.get_backend(group))
+    def forward(ctx, plan, group, first_expert, *local_params):
+        me = plan.me
         ctx.plan, ctx.group, ctx.first = plan, group, first_expert
         ctx.shapes = [p.shape for p in local_params]
         flat_LP = torch.cat([p.detach().reshape(p.shape[0], -1) for p in local_params], dim=1)
@@ -163,7 +162,7 @@ class _Materialize(torch.autograd.Function):
             n = int(np.prod(s[1:]))
             grads.append(grad_LP[:, offset : offset + n].reshape(s))
             offset += n
-        return (None, None, None, None, *grads)
+        return (None, None, None, *grads)
 
 
 def materialize(
@@ -185,10 +184,9 @@ def materialize(
     """
     names = list(weights)
     local = [weights[n] for n in names]
-    me = dist.get_rank(group)
-    node_of = None if node_of is None else tuple(int(n) for n in node_of)
-    recv_MP = _Materialize.apply(placement, group, first_expert, node_of, *local)
-    received = {e: i for i, e in enumerate(_transfers(placement, me).received)}
+    plan = _transfers(placement, dist.get_rank(group), node_of, dist.get_backend(group))
+    recv_MP = _Materialize.apply(plan, group, first_expert, *local)
+    received = {e: i for i, e in enumerate(plan.received)}
     num_local = local[0].shape[0]
     owned = [int(e) for e in held_H if first_expert <= e < first_expert + num_local]
     owned_rows = torch.tensor([e - first_expert for e in owned], dtype=torch.long, device=local[0].device)

@@ -109,6 +109,7 @@ def _ta_moe_routing(flow_ILWE: np.ndarray, cost_model: CostModel, model: ModelCo
 STRATEGIES: dict[str, Strategy] = {
     "ep": Strategy("ep", "ep", _ep_fast_send, "synchronous expert parallelism, owners only"),
     "shadow": Strategy("shadow", "shadow", None, "FasterMoE dynamic shadowing (planner per iteration and layer)"),
+    "shadow_greedy": Strategy("shadow_greedy", "shadow_greedy", None, "FasterMoE shadowing, Algorithm 1 as published"),
     "ta_moe": Strategy(
         "ta_moe", "ep", _ep_fast_send, "TA-MoE: routing on the topology's target pattern", _ta_moe_routing
     ),

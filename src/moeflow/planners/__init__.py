@@ -32,8 +32,11 @@ class PlannerContext:
 PLANNERS: dict[str, Callable[[PlannerContext | None], Planner]] = {
     "ep": lambda ctx: plan_ep,
     "shadow": lambda ctx: ShadowPlanner(ctx.d_model, ctx.d_hidden, ctx.expert),
+    # FasterMoE's Algorithm 1 as published (stop at the first expert that does not help, no margin),
+    # to compare against the default search by name from train / bench / simulate.
+    "shadow_greedy": lambda ctx: ShadowPlanner(ctx.d_model, ctx.d_hidden, ctx.expert, search="greedy", min_gain=0.0),
 }
-NEEDS_CONTEXT = {"shadow"}
+NEEDS_CONTEXT = {"shadow", "shadow_greedy"}
 
 
 def get_planner(strategy: str | Planner, ctx: PlannerContext | None = None) -> Planner:
