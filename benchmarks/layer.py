@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from moeflow.bench import LayerBenchConfig, machine_info, run_layer_bench
+from moeflow.bench.layer import LayerBenchConfig, machine_info, run_layer_bench
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Does the cost model predict the real MoE layer? (issue 4 validation; FasterMoE §5.2 Fig. 9)
 
 For several groups of ranks — 2 and 4 gloo ranks on this machine, and 2 nodes on the network
-testbed (namespaces + a tc-shaped inter-node link, ``moeflow.testbed``) — every group:
+testbed (namespaces + a tc-shaped inter-node link, ``scripts/testbed.py``) — every group:
 1. runs the real ``MoELayer`` (expert parallel over the group) forward+backward for several
    (d, h, E, T, skew) configurations and records the median step time (slowest rank) and the
    flow matrix the gate produced (``layer.stats.flow``);
@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # scripts/testbed.py: a root-only tool, not part of the package
 
 # (d_model, d_hidden, experts per rank, tokens per rank, zipf skew of the gate bias)
 CONFIGS = [
@@ -231,7 +232,7 @@ def _run_group(name: str, nodes: int, per_node: int, mbit: float | None) -> dict
         ]
         rc = subprocess.run(launch, env=env).returncode
     else:
-        from moeflow.testbed import TestbedConfig, run_on_testbed
+        from testbed import TestbedConfig, run_on_testbed
 
         rc = run_on_testbed(
             TestbedConfig(nodes, per_node, mbit, master_port=29517, timeout_s=900),

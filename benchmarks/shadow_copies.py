@@ -1,7 +1,7 @@
 """Copies of shadowed experts on the network testbed (issue 5): measured vs the planner's price.
 
 FasterMoE shadowing trades token traffic for parameter traffic; the planner decides with
-`CostModel.copies_time`. This times the real sparse collectives (`moeflow.sparse_collectives`:
+`CostModel.copies_time`. This times the real sparse collectives (`moeflow.core.sparse_collectives`:
 parameters out in forward, gradients summed back to the owners in backward) for k experts held
 everywhere, through the two-level tree (gloo across nodes) and through one flat broadcast /
 reduce per owner, and prices each with the testbed's profile. Slowest rank, median of the repeats,
@@ -43,11 +43,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from moeflow.experts import GroupedExperts
-    from moeflow.launch import init_distributed
+    from moeflow.core.experts import GroupedExperts
+    from moeflow.core.launch import init_distributed
+    from moeflow.core.placement import Placement
+    from moeflow.core.sparse_collectives import materialize
     from moeflow.perf.costmodel import CostModel
-    from moeflow.placement import Placement
-    from moeflow.sparse_collectives import materialize
 
     init_distributed("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()

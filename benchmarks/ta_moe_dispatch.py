@@ -8,7 +8,7 @@ inter-node link. Every rank then
      `run_profile`) -> a `CostModel` with α-β fits (SPEC §2: α, β come from the profiler);
   2. solves the TA-MoE LP for the layer shape (E experts, top-k, S tokens of d_model fp32 per rank)
      -> target ĉ, smoothed with λ; turns it into per-destination row counts;
-  3. times `moeflow.dispatch.all_to_all_v` (gloo `all_to_all_single` with uneven splits) for the
+  3. times `moeflow.core.dispatch.all_to_all_v` (gloo `all_to_all_single` with uneven splits) for the
      even pattern, TA-MoE Table 1's uneven pattern and the TA-MoE target(s), interleaved, slowest
      rank per run, median of the repeats;
   4. prices the same byte matrices with the cost model (link model `CostModel.a2a_time`, and the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow.ta_moe import TABLE1_UNEVEN
+from moeflow.routing.ta_moe import TABLE1_UNEVEN
 from testbed_run import run_workers, user_command
 
 
@@ -53,10 +53,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from moeflow.dispatch import all_to_all_v
+    from moeflow.core.dispatch import all_to_all_v
     from moeflow.perf.costmodel import CostModel
     from moeflow.perf.profiler import ProfileConfig, run_profile
-    from moeflow.ta_moe import (
+    from moeflow.routing.ta_moe import (
         cross_node_share,
         flow_from_target,
         pair_cost_matrices,

@@ -21,9 +21,9 @@ import json
 import sys
 
 from moeflow.perf.costmodel import CostModel
-from moeflow.ta_moe import TABLE1_EVEN as EVEN
-from moeflow.ta_moe import TABLE1_UNEVEN as UNEVEN
-from moeflow.topology import GBIT, Topology
+from moeflow.perf.topology import GBIT, Topology
+from moeflow.routing.ta_moe import TABLE1_EVEN as EVEN
+from moeflow.routing.ta_moe import TABLE1_UNEVEN as UNEVEN
 
 MB = 2**20
 

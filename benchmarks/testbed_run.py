@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # scripts/testbed.py: a root-only tool, not part of the package
 MOEFLOW = str(Path(sys.executable).with_name("moeflow"))
 
 
@@ -57,7 +58,7 @@ def run_workers(script: str, argv: list[str] | None, **testbed) -> int:
     """Start `script --worker ARGV...` on every rank of an emulated cluster (`testbed`: TestbedConfig
     fields) — for a script that is both the launcher and, with --worker, each rank; `argv` None =
     this process's own arguments."""
-    from moeflow.testbed import TestbedConfig, run_on_testbed
+    from testbed import TestbedConfig, run_on_testbed
 
     forwarded = sys.argv[1:] if argv is None else list(argv)
     config = TestbedConfig(**{"timeout_s": 900, **testbed})

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeflow import checkpoint, cli
-from moeflow.config import ModelConfig, MoEConfig, load_config
-from moeflow.model import MoEGPT
-from moeflow.train import Trainer, read_routing_trace
+from moeflow import cli
+from moeflow.training import checkpoint
+from moeflow.training.config import ModelConfig, MoEConfig, load_config
+from moeflow.training.model import MoEGPT
+from moeflow.training.trainer import Trainer, read_routing_trace
 
 TINY = [
     "model.n_layers=2",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow.config import (
+from moeflow.training.config import (
     ModelConfig,
     MoEConfig,
     RunConfig,

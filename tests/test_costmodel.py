@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from moeflow.perf.costmodel import AlphaBeta, CostModel
-from moeflow.ta_moe import TABLE1_EVEN, TABLE1_UNEVEN
-from moeflow.topology import Topology
+from moeflow.perf.topology import Topology
+from moeflow.routing.ta_moe import TABLE1_EVEN, TABLE1_UNEVEN
 
 
 def two_nodes(inter=1e9, intra=1e10):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from moeflow.config import DataConfig
-from moeflow.data import BatchSampler, load_corpus, stdlib_files, user_files, validation_batches
+from moeflow.training.config import DataConfig
+from moeflow.training.data import BatchSampler, load_corpus, stdlib_files, user_files, validation_batches
 
 
 def test_stdlib_corpus_is_deterministic_and_excludes_tests():

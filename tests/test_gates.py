@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from moeflow.balance import AuxFreeBalance, BalanceContext, GShardBalance, build_balance, router_z_loss
-from moeflow.gates import GateContext, NoisyTopKGate, SwitchGate, TopKGate, build_gate
+from moeflow.routing.balance import AuxFreeBalance, BalanceContext, GShardBalance, build_balance, router_z_loss
+from moeflow.routing.gates import GateContext, NoisyTopKGate, SwitchGate, TopKGate, build_gate
 
 
 def _gate_with_logits(gate, logits_E):

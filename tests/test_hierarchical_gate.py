@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from moeflow import MoELayer
-from moeflow.gates import GateContext, HierarchicalGate, RoutingLayout, TopKGate, build_gate
 from moeflow.perf.costmodel import CostModel
-from moeflow.topology import Topology
+from moeflow.perf.topology import Topology
+from moeflow.routing.gates import GateContext, HierarchicalGate, RoutingLayout, TopKGate, build_gate
 
 # Two nodes of two ranks, inter-node 1 GB/s, intra-node 4 GB/s: L/B = 1 / (2 · 4) = 0.125.
 TOPO = Topology([[0, 1], [2, 3]], [1e9, 4e9])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from moeflow import MoEHook, MoELayer
-from moeflow.experts import GroupedExperts, grouped_mm
+from moeflow.core.experts import GroupedExperts, grouped_mm
 
 
 @pytest.mark.parametrize("expert", ["ffn", "swiglu"])
@@ -197,7 +197,7 @@ def test_experts_module_sharding_and_errors():
 
 
 def test_per_expert_mm_fallback_gradients_match_plain_matmuls():
-    from moeflow.experts import _PerExpertMM
+    from moeflow.core.experts import _PerExpertMM
 
     torch.manual_seed(7)
     x = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)

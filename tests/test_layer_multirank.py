@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
-from moeflow.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
+from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
 from moeflow.perf.costmodel import CostModel
-from moeflow.planners import PlannerContext, get_planner
-from moeflow.topology import Topology
+from moeflow.perf.topology import Topology
+from moeflow.strategies.planners import PlannerContext, get_planner
 
 from .multirank import run_ranks
 

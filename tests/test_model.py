@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from moeflow import MoELayer
-from moeflow.config import ModelConfig, MoEConfig
-from moeflow.model import DenseFFN, MoEGPT, is_moe_block, parallelize
-from moeflow.parallel import ParallelLayout
+from moeflow.core.parallel import ParallelLayout
+from moeflow.training.config import ModelConfig, MoEConfig
+from moeflow.training.model import DenseFFN, MoEGPT, is_moe_block, parallelize
 
 MODEL = ModelConfig(n_layers=3, d_model=32, n_heads=4, seq_len=16, d_ff=64)
 MOE = MoEConfig(num_experts=4, top_k=2, d_hidden=48)

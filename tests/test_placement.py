@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeflow.dispatch import assignment_destinations, inverse_permutation, source_major_to_expert_major
-from moeflow.placement import Placement, broadcast_tree, copies_by_tree, dispatch_counts
-from moeflow.planners import get_planner
+from moeflow.core.dispatch import assignment_destinations, inverse_permutation, source_major_to_expert_major
+from moeflow.core.placement import Placement, broadcast_tree, copies_by_tree, dispatch_counts
+from moeflow.strategies.planners import get_planner
 
 
 @st.composite

@@ -5,9 +5,12 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts/testbed.py
 
 from moeflow.cli import main
 from moeflow.perf.costmodel import CostModel
@@ -88,7 +91,7 @@ def _namespaces():
 
 @needs_netns
 def test_testbed_env_isolation_and_teardown(tmp_path):
-    from moeflow.testbed import Testbed, TestbedConfig
+    from testbed import Testbed, TestbedConfig
 
     script = (
         "import os, json, socket, sys; "
@@ -151,7 +154,7 @@ def test_testbed_env_isolation_and_teardown(tmp_path):
 
 @needs_netns
 def test_testbed_tears_down_when_build_fails():
-    from moeflow.testbed import Testbed, TestbedConfig
+    from testbed import Testbed, TestbedConfig
 
     before = _namespaces()
     # latency needs sch_netem; where the kernel lacks it the build fails and must leave nothing
@@ -165,7 +168,7 @@ def test_testbed_tears_down_when_build_fails():
 
 
 def test_testbed_config_errors():
-    from moeflow.testbed import TestbedConfig
+    from testbed import TestbedConfig
 
     with pytest.raises(ValueError, match="nodes=0"):
         TestbedConfig(nodes=0)
@@ -174,7 +177,7 @@ def test_testbed_config_errors():
 
 
 def test_cpu_threads_per_rank(monkeypatch):
-    from moeflow.launch import cpu_threads_per_rank
+    from moeflow.core.launch import cpu_threads_per_rank
 
     monkeypatch.delenv("MOEFLOW_CPU_THREADS", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moeflow.core.placement import Placement
 from moeflow.perf.costmodel import CostModel
-from moeflow.placement import Placement
-from moeflow.planners import PlannerContext, get_planner
-from moeflow.planners.shadow import ShadowPlanner, expert_param_count
-from moeflow.topology import Topology
+from moeflow.perf.topology import Topology
+from moeflow.strategies.planners import PlannerContext, get_planner
+from moeflow.strategies.planners.shadow import ShadowPlanner, expert_param_count
 
 D, H = 8, 16
 P = 1e9  # GEMM FLOP/s

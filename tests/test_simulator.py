@@ -9,8 +9,8 @@ from moeflow.cli import main
 from moeflow.perf import simulator as sim
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.roofline import curves, points_from_simulation, throughput
+from moeflow.perf.topology import Topology
 from moeflow.perf.traces import Trace, load_trace, synthetic_trace
-from moeflow.topology import Topology
 
 
 def small_model(inter=1e9, intra=1e10, flops=1e12):

@@ -8,8 +8,8 @@ import pytest
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.roofline import points_from_simulation
 from moeflow.perf.simulator import ModelConfig, simulate
+from moeflow.perf.topology import Topology
 from moeflow.perf.traces import synthetic_trace
-from moeflow.topology import Topology
 
 MODEL = ModelConfig(d_model=1024, d_hidden=4096)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.bench import _add_speedups
-from moeflow.synthetic import SampledGate, zipf_probabilities
+from moeflow.bench.layer import _add_speedups
+from moeflow.routing.sampled import SampledGate, zipf_probabilities
 
 
 def test_zipf_probabilities():
@@ -61,7 +61,7 @@ def test_strategy_bench_on_two_ranks(tmp_path, capsys):
 
     from moeflow import cli
     from moeflow.perf.costmodel import CostModel
-    from moeflow.topology import Topology
+    from moeflow.perf.topology import Topology
 
     cost_model = tmp_path / "cm.json"
     CostModel(Topology([[0], [1]], [1e9, 1e10]), gemm_flops_per_s=1e9).save(cost_model)

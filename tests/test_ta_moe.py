@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from moeflow import MoELayer
-from moeflow.balance import BalanceContext, GShardBalance, build_balance
-from moeflow.gates import TopKGate
 from moeflow.perf.costmodel import AlphaBeta, CostModel
-from moeflow.ta_moe import (
+from moeflow.perf.topology import Topology
+from moeflow.routing.balance import BalanceContext, GShardBalance, build_balance
+from moeflow.routing.gates import TopKGate
+from moeflow.routing.ta_moe import (
     TAMoEBalance,
     cross_node_share,
     flow_from_target,
@@ -21,7 +22,6 @@ from moeflow.ta_moe import (
     solve_dispatch_lp,
     target_dispatch_pattern,
 )
-from moeflow.topology import Topology
 
 TOPOLOGIES = {
     "homogeneous": lambda: Topology.homogeneous(4, 10e9, 1e-6),

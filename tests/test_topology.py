@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeflow.topology import PRESETS, Topology
+from moeflow.perf.topology import PRESETS, Topology
 
 
 def names(links):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from moeflow import cli
-from moeflow.config import load_config
-from moeflow.train import RoutingTrace, Trainer, clip_gradients, lr_factor, read_routing_trace
+from moeflow.training.config import load_config
+from moeflow.training.trainer import RoutingTrace, Trainer, clip_gradients, lr_factor, read_routing_trace
 
 # A model small enough for a few seconds of CPU; balance weight 0 makes 1- and 2-process runs
 # mathematically identical (the balance loss is per rank), so their losses can be compared.

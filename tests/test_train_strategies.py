@@ -12,7 +12,7 @@ import pytest
 
 from moeflow import cli
 from moeflow.perf.costmodel import CostModel
-from moeflow.topology import Topology
+from moeflow.perf.topology import Topology
 
 from .test_train import TINY
 

@@ -53,8 +53,8 @@ def _variants(items: list[str]) -> tuple[tuple[str, str], ...]:
 def _strategy_worker(cfg, cost_model_source):
     import torch.distributed as dist
 
-    from moeflow.bench import run_strategy_bench
-    from moeflow.launch import init_distributed
+    from moeflow.bench.layer import run_strategy_bench
+    from moeflow.core.launch import init_distributed
     from moeflow.perf.costmodel import CostModel
 
     init_distributed("cpu")
@@ -85,11 +85,11 @@ def run(args) -> int:
     import json
     import os
 
-    from moeflow.launch import launch_local, resolve_world_size
+    from moeflow.core.launch import launch_local, resolve_world_size
 
     world, outer = resolve_world_size(args.nproc)
     if world > 1:
-        from moeflow.bench import StrategyBenchConfig
+        from moeflow.bench.layer import StrategyBenchConfig
 
         variants = _variants(args.variants)
         if any(s != "ep" for s, _ in variants) and not args.cost_model:
@@ -119,7 +119,7 @@ def run(args) -> int:
             "rows": rows,
         }
     else:
-        from moeflow.bench import LayerBenchConfig, run_layer_bench
+        from moeflow.bench.layer import LayerBenchConfig, run_layer_bench
 
         cfg = LayerBenchConfig(
             tokens=args.tokens,

@@ -29,7 +29,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from moeflow.generate import generate, load_model
+    from moeflow.training.generate import generate, load_model
 
     model, step = load_model(args.run, args.checkpoint)
     out = generate(model, args.prompt.encode(), args.length, args.temperature, args.top_k, args.seed)

@@ -48,8 +48,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from moeflow import train
-    from moeflow.config import load_config
+    from moeflow.training import trainer as train
+    from moeflow.training.config import load_config
 
     out = Path(args.out)
     overrides = list(args.overrides)

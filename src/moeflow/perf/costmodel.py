@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from scipy import optimize
 
-from moeflow.placement import broadcast_tree, copies_by_tree
-from moeflow.topology import Topology, preset_peak_flops
+from moeflow.core.placement import broadcast_tree, copies_by_tree
+from moeflow.perf.topology import Topology, preset_peak_flops
 
 OP_KINDS = (
     "a2a",
@@ -410,7 +410,7 @@ class CostModel:
     def copies_time(
         self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray, direction: str = "materialize"
     ) -> float:
-        """The sparse collectives as ``moeflow.sparse_collectives`` runs them, one direction
+        """The sparse collectives as ``moeflow.core.sparse_collectives`` runs them, one direction
         (``"materialize"``: forward copies, ``"reduce"``: gradients back). Experts held by *every*
         device move as one message per owner: one broadcast / reduce per owner (FasterMoE Eq. 8: a
         pipelined ring carries the parameters once per link), or, where ``placement.copies_by_tree``
@@ -575,7 +575,7 @@ class CostModel:
     @classmethod
     def resolve(cls, value: str, gemm_flops_per_s: float | None = None) -> CostModel:
         """CLI helper: a topology preset name or a profile/cost-model JSON file."""
-        from moeflow.topology import PRESETS
+        from moeflow.perf.topology import PRESETS
 
         if value.lower().replace("-", "_") in PRESETS:
             return cls.from_preset(value, gemm_flops_per_s)

@@ -7,7 +7,7 @@ r². Measured here: GEMM over sizes (square, or given shapes); a memory-bound ke
 ``*_into_tensor``/``*_tensor`` names on older torch), ``all_reduce``, ``broadcast``, ``reduce``
 over sizes; ``send``/``recv`` between two ranks of one node and two ranks of different nodes
 (when the job spans both); across nodes on gloo, the shadow ``copies`` of
-``moeflow.sparse_collectives`` (every rank owning one message, forward and backward). CPU ranks
+``moeflow.core.sparse_collectives`` (every rank owning one message, forward and backward). CPU ranks
 that all run on one machine record ``host_cores`` (the cores they share; ``CostModel.host_cores``).
 
 Nodes are discovered, not configured: ranks that share a host name *and* a network namespace
@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from moeflow.core.placement import Placement, copies_by_tree
 from moeflow.perf.costmodel import OP_KINDS, AlphaBeta
-from moeflow.placement import Placement, copies_by_tree
 
 COMM_KINDS = tuple(kind for kind in OP_KINDS if kind not in ("gemm", "elementwise"))
 
@@ -211,7 +211,7 @@ def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
         record(kind, comm_sizes, times, "byte")
 
     if "copies" in config.ops and copies_by_tree(node_of, dist.get_backend()):
-        from moeflow.sparse_collectives import materialize
+        from moeflow.core.sparse_collectives import materialize
 
         # Shadow copies as `sparse_collectives` runs them across nodes on gloo: every rank owns one
         # expert of n bytes held everywhere; forward copies plus backward gradient sums, timed
@@ -295,7 +295,7 @@ def _worker(config: ProfileConfig, backend: str) -> dict[str, Any]:
     """Entry point of one rank (elastic launch or torchrun)."""
     import torch.distributed as dist
 
-    from moeflow.launch import init_distributed
+    from moeflow.core.launch import init_distributed
 
     created = not dist.is_initialized()
     device = init_distributed({"nccl": "cuda", "gloo": "cpu"}.get(backend, "auto"))
@@ -309,7 +309,7 @@ def _worker(config: ProfileConfig, backend: str) -> dict[str, Any]:
 def launch(config: ProfileConfig, nproc: int | None, backend: str) -> dict[str, Any]:
     """Run the profile: under torchrun (``RANK`` in the environment) on the given ranks, else on
     ``nproc`` local processes started by torch's elastic launcher (the one torchrun uses)."""
-    from moeflow.launch import launch_local, under_torchrun
+    from moeflow.core.launch import launch_local, under_torchrun
 
     if under_torchrun():
         return _worker(config, backend)

@@ -2,8 +2,8 @@
 
 For every (iteration, layer) of a trace and every strategy, the simulator asks the strategy's
 planner for a ``Placement`` (FasterMoE shadowing, Pro-Prophet, Hecate add theirs through the same
-``moeflow.planners.get_planner`` interface), turns the flow into a per-pair send matrix and per-device
-compute loads (``moeflow.placement.dispatch_counts``: local holder first, then same node, then
+``moeflow.strategies.planners.get_planner`` interface), turns the flow into a per-pair send matrix and per-device
+compute loads (``moeflow.core.placement.dispatch_counts``: local holder first, then same node, then
 remote), and prices one training step of the layer with ``CostModel``:
 
 * compute: ``3·Lat_comp`` (forward + 2× backward, FasterMoE Eq. 1);
@@ -35,7 +35,7 @@ import numpy as np
 
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.traces import Trace
-from moeflow.planners.shadow import expert_param_count
+from moeflow.strategies.planners.shadow import expert_param_count
 
 SCHEDULES = ("sync", "pairwise")
 """How communication and computation are ordered (DESIGN.md §2 'schedule')."""
@@ -79,7 +79,7 @@ class Strategy:
     name: str
     """User-facing name (``--strategy``)."""
     planner: str
-    """Name for ``moeflow.planners.get_planner``."""
+    """Name for ``moeflow.strategies.planners.get_planner``."""
     fast_send: Callable[[np.ndarray, int], np.ndarray] | None = None
     """Vectorised flow [I,L,W,E] -> send [I,L,W,W] for strategies with a fixed owner-only placement."""
     description: str = ""
@@ -92,7 +92,7 @@ class Strategy:
 def _ta_moe_routing(flow_ILWE: np.ndarray, cost_model: CostModel, model: ModelConfig, top_k: int) -> np.ndarray:
     """TA-MoE (SPEC §2): every rank sends its S tokens' k choices in the target pattern ĉ that the
     loss steers the gate to (the best case of the loss: dispatch exactly on target)."""
-    from moeflow.ta_moe import flow_from_target, target_dispatch_pattern
+    from moeflow.routing.ta_moe import flow_from_target, target_dispatch_pattern
 
     I, L, W, E = flow_ILWE.shape
     out = np.empty_like(flow_ILWE)
@@ -159,8 +159,8 @@ def _plan_generic(
     """Loop over (iteration, layer) through the planner interface; returns send [I,L,W,W],
     expert-local token counts [I,L,W,E] (tokens device w computes for expert e), holders [I,L,E,W]
     and owners [E]."""
-    from moeflow.placement import Placement, dispatch_counts
-    from moeflow.planners import PlannerContext, get_planner
+    from moeflow.core.placement import Placement, dispatch_counts
+    from moeflow.strategies.planners import PlannerContext, get_planner
 
     I, L, W, E = flow_ILWE.shape
     planner = get_planner(strategy.planner, PlannerContext(E, model.d_model, model.d_hidden, model.expert))

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moeflow.gates import Routing
-from moeflow.registry import build_named
+from moeflow.core.registry import build_named
+from moeflow.routing.gates import Routing
 
 
 def assignment_share_E(routing: Routing, num_experts: int) -> torch.Tensor:
@@ -99,7 +99,7 @@ class BalanceContext:
 
 
 def _ta_moe(ctx: BalanceContext) -> nn.Module:
-    from moeflow.ta_moe import balance_from_context  # scipy's LP solver: imported only when used
+    from moeflow.routing.ta_moe import balance_from_context  # scipy's LP solver: imported only when used
 
     return balance_from_context(ctx)
 

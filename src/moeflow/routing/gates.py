@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.registry import build_named
+from moeflow.core.registry import build_named
 
 
 @dataclass

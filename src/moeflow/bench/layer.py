@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils import benchmark
 
-from moeflow.layer import MoELayer
+from moeflow.core.layer import MoELayer
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ def _sum_over_ranks(value: float) -> float:
 
 def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
     """Run on every rank of the initialized default group; returns rows (identical on all ranks)."""
-    from moeflow.synthetic import SampledGate, zipf_probabilities
+    from moeflow.routing.sampled import SampledGate, zipf_probabilities
 
     world, rank = dist.get_world_size(), dist.get_rank()
     num_experts = cfg.experts_per_rank * world

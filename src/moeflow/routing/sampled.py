@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moeflow.gates import RoutingLayout, TopKGate
+from moeflow.routing.gates import RoutingLayout, TopKGate
 
 
 def zipf_probabilities(num_experts: int, skew: float, seed: int = 0) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeflow.placement import Placement
+from moeflow.core.placement import Placement
 
 
 def plan_ep(flow_WE: np.ndarray, placement: Placement, cost_model: object = None) -> Placement:

@@ -23,15 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeflow import dispatch
-from moeflow.balance import BalanceContext, build_balance, router_z_loss
-from moeflow.experts import GroupedExperts
-from moeflow.gates import GateContext, Routing, RoutingLayout, build_gate
-from moeflow.hooks import HOOK_POINTS, MoEHook, run_hooks
-from moeflow.placement import Placement, dispatch_counts
-from moeflow.planners import PlannerContext, get_planner
-from moeflow.schedule.pairwise import default_group_size, pairwise_block
-from moeflow.sparse_collectives import materialize
+from moeflow.core import dispatch
+from moeflow.core.experts import GroupedExperts
+from moeflow.core.hooks import HOOK_POINTS, MoEHook, run_hooks
+from moeflow.core.placement import Placement, dispatch_counts
+from moeflow.core.sparse_collectives import materialize
+from moeflow.routing.balance import BalanceContext, build_balance, router_z_loss
+from moeflow.routing.gates import GateContext, Routing, RoutingLayout, build_gate
+from moeflow.strategies.planners import PlannerContext, get_planner
+from moeflow.strategies.schedules.pairwise import default_group_size, pairwise_block
 
 SCHEDULES = ("sync", "pairwise")
 
@@ -94,7 +94,7 @@ class MoELayer(nn.Module):
             grouped pairwise exchange steps overlapping communication with expert computation).
         balance: `gshard`, `aux_free`, `none`, or a balance module; `balance_weight` scales it.
         z_loss_weight: weight of the router z-loss (0 = off).
-        hooks: objects implementing any of FSMoE's six hook points (`moeflow.hooks`).
+        hooks: objects implementing any of FSMoE's six hook points (`moeflow.core.hooks`).
         check_finite: raise on NaN/Inf in the input or the routing scores.
         node_of: node index of every EP rank (dispatch prefers holders on the same node; copies of
             experts held everywhere travel a two-level tree across nodes); defaults to the cost

@@ -43,7 +43,7 @@ def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> No
 
 @dataclass
 class ModelConfig:
-    """Shape of the MoE-GPT decoder (`moeflow.model.MoEGPT`)."""
+    """Shape of the MoE-GPT decoder (`moeflow.training.model.MoEGPT`)."""
 
     n_layers: int = 4
     """Number of transformer blocks."""
@@ -132,7 +132,7 @@ class MoEConfig:
 
 @dataclass
 class DataConfig:
-    """Where training text comes from and how it is split (`moeflow.data`)."""
+    """Where training text comes from and how it is split (`moeflow.training.data`)."""
 
     path: str | None = None
     """A text file or folder; `None` = the embedded corpus (this Python's stdlib `.py` sources)."""

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moeflow.placement import Placement
-from moeflow.planners.ep import plan_ep
-from moeflow.planners.shadow import ShadowPlanner
-from moeflow.registry import build_named
+from moeflow.core.placement import Placement
+from moeflow.core.registry import build_named
+from moeflow.strategies.planners.ep import plan_ep
+from moeflow.strategies.planners.shadow import ShadowPlanner
 
 Planner = Callable[..., Placement]
 

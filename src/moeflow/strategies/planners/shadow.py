@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeflow.placement import Placement
+from moeflow.core.placement import Placement
 
 
 def expert_param_count(d_model: int, d_hidden: int, expert: str) -> int:

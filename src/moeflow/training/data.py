@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moeflow.config import DataConfig
+from moeflow.training.config import DataConfig
 
 # Folders of the stdlib that are not "the library": test suites (large, repetitive fixtures) and
 # third-party packages installed next to it.

@@ -8,7 +8,7 @@ replicas of the same experts). Dense parameters are averaged over the whole worl
 parameters only over their replicas — never across EP ranks, whose experts differ.
 
     layout = ParallelLayout(ep_size=4)          # after dist.init_process_group
-    model = parallelize(model, layout)          # moeflow.model
+    model = parallelize(model, layout)          # moeflow.training.model
     loss.backward(); all_reduce_gradients(model, layout); opt.step()
 """
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from moeflow.experts import GroupedExperts
+from moeflow.core.experts import GroupedExperts
 
 
 @dataclass

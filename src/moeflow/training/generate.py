@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from moeflow import checkpoint
-from moeflow.config import load_config
-from moeflow.model import MoEGPT
+from moeflow.training import checkpoint
+from moeflow.training.config import load_config
+from moeflow.training.model import MoEGPT
 
 
 def load_model(

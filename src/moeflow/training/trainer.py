@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moeflow import checkpoint
-from moeflow.config import RunConfig, config_from_dict, config_to_dict, write_config
-from moeflow.data import BatchSampler, load_corpus, validation_batches
-from moeflow.launch import init_distributed, launch_local, resolve_world_size
-from moeflow.model import MoEGPT, check_moe_config, parallelize
-from moeflow.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
+from moeflow.core.launch import init_distributed, launch_local, resolve_world_size
+from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
 from moeflow.perf.traces import Trace, load_trace
+from moeflow.training import checkpoint
+from moeflow.training.config import RunConfig, config_from_dict, config_to_dict, write_config
+from moeflow.training.data import BatchSampler, load_corpus, validation_batches
+from moeflow.training.model import MoEGPT, check_moe_config, parallelize
 
 METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "routing.npz"
@@ -489,7 +489,7 @@ def run(cfg: RunConfig, out_dir: str | Path, resume: bool = False, device: torch
     bar.close()
     summary["last_step"] = trainer.step
     if rank0 and trainer.step > first_step:
-        from moeflow.plots import write_plots
+        from moeflow.training.plots import write_plots
 
         summary["plots"] = [str(p) for p in write_plots(metrics_path, out)]
     return summary

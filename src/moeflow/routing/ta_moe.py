@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeflow.gates import Routing
+from moeflow.routing.gates import Routing
 
 # HiGHS defaults to 1e-7 feasibility tolerances; tighter ones make Eq. 3-4 hold to ~1e-12 (the
 # LPs are tiny, so this costs nothing noticeable).
@@ -118,7 +118,7 @@ def pair_cost_matrices(cost_model: Any) -> tuple[np.ndarray, np.ndarray]:
     the self copy at 0 instead would make "keep everything local" optimal on any network.
     """
     from moeflow.perf.costmodel import CostModel
-    from moeflow.topology import Topology
+    from moeflow.perf.topology import Topology
 
     if isinstance(cost_model, Topology):
         # The no-fit branch of CostModel.p2p_time is the topology's link model; FLOP/s are unused.
@@ -462,7 +462,7 @@ class TAMoEBalance(nn.Module):
 
 
 def balance_from_context(ctx: Any) -> TAMoEBalance:
-    """Factory for `BALANCES["ta_moe"]` (`moeflow.balance.BalanceContext` -> module)."""
+    """Factory for `BALANCES["ta_moe"]` (`moeflow.routing.balance.BalanceContext` -> module)."""
     if ctx.cost_model is None:
         raise ValueError(
             "balance='ta_moe' needs a cost model for its target pattern: "

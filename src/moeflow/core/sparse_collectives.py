@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.placement import Placement, broadcast_tree, copies_by_tree
+from moeflow.core.placement import Placement, broadcast_tree, copies_by_tree
 
 
 @dataclass

@@ -10,7 +10,7 @@ Single-device code; expert parallelism is applied afterwards, the torchtitan way
 
 Pre-norm blocks (LayerNorm → causal self-attention → residual, LayerNorm → FFN → residual), learned
 absolute position embeddings, untied output head. Dense parameters are replicated on every rank
-and averaged by `moeflow.parallel.all_reduce_gradients`; expert parameters live on their owner.
+and averaged by `moeflow.core.parallel.all_reduce_gradients`; expert parameters live on their owner.
 
 Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim, V vocabulary (256).
 """
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import MoELayer
-from moeflow.config import ModelConfig, MoEConfig
 from moeflow.perf.costmodel import CostModel
+from moeflow.training.config import ModelConfig, MoEConfig
 
 
 class CausalSelfAttention(nn.Module):
@@ -62,7 +62,7 @@ def build_moe_layer(d_model: int, moe: MoEConfig) -> MoELayer:
     cost_model = CostModel.resolve(moe.cost_model) if moe.cost_model else None
     balance = moe.balance
     if balance == "ta_moe" and cost_model is not None:
-        from moeflow.ta_moe import TAMoEBalance  # scipy's LP: imported only when used
+        from moeflow.routing.ta_moe import TAMoEBalance  # scipy's LP: imported only when used
 
         balance = TAMoEBalance(
             moe.num_experts,
@@ -165,7 +165,7 @@ def parallelize(model: MoEGPT, layout) -> MoEGPT:
 
     The model must have been built with the same seed on every rank, so the kept slices are slices
     of one and the same full model. Dense parameters stay replicated; their gradients are averaged
-    by `moeflow.parallel.all_reduce_gradients(model, layout)` after backward.
+    by `moeflow.core.parallel.all_reduce_gradients(model, layout)` after backward.
     """
     layout.validate_experts(model.moe_layers()[0][1].num_experts)
     for _, layer in model.moe_layers():

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from moeflow.experts import GroupedExperts
+from moeflow.core.experts import GroupedExperts
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
