@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from moeflow import cli
+from moeflow.perf.traces import load_trace
 from moeflow.training import checkpoint
 from moeflow.training.config import ModelConfig, MoEConfig, load_config
 from moeflow.training.model import MoEGPT
-from moeflow.training.trainer import Trainer, read_routing_trace
+from moeflow.training.trainer import Trainer
 
 TINY = [
     "model.n_layers=2",
@@ -176,7 +177,8 @@ def test_killed_run_resumes_exactly_and_reshards_between_1_and_2_processes(tmp_p
     redone = range(resumed_from + 1, max(before_kill) + 1)
     assert all(after[s] == before_kill[s] for s in redone)  # same world size: bit-identical replay
     # The routing trace was cut back to the checkpoint and continued: every step once, 2 source ranks.
-    flow, steps, meta = read_routing_trace(run / "routing.npz")
+    trace = load_trace(run / "routing.npz")
+    flow, steps, meta = trace.flow_ILWE, trace.steps_I, trace.meta
     assert steps.tolist() == list(range(1, 41)) and flow.shape == (40, 2, 2, 4) and meta["world_size"] == 2
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert flow.sum(axis=2).tolist() == [r["expert_counts"] for r in records]

@@ -3,9 +3,16 @@
 import numpy as np
 import pytest
 
+from moeflow.core.expert_shape import ExpertShape
 from moeflow.perf.costmodel import AlphaBeta, CostModel
 from moeflow.perf.topology import Topology
-from moeflow.routing.ta_moe import TABLE1_EVEN, TABLE1_UNEVEN
+from moeflow.strategies.planners.prophet_model import prophet_layer_times
+from moeflow.strategies.topology_aware import TABLE1_EVEN, TABLE1_UNEVEN
+
+
+def lat_comp(m, tokens_W, d, h, kind="ffn"):
+    """FasterMoE Eq. 1 with each device's tokens on one expert."""
+    return m.compute_time(np.asarray(tokens_W)[..., None], ExpertShape(d, h, kind))
 
 
 def two_nodes(inter=1e9, intra=1e10):
@@ -72,12 +79,16 @@ def test_compute_eq1_and_gemm_fit():
     m = two_nodes()
     # FasterMoE Eq. 1: forward of a 2-layer expert is 4·B·h·d FLOPs; the slowest device counts.
     B = np.array([100, 400, 0, 50])
-    assert float(m.layer_compute_time(B, 64, 256)) == pytest.approx(4 * 400 * 64 * 256 / 1e12)
-    assert float(m.layer_compute_time(B, 64, 256, expert="swiglu")) == pytest.approx(6 * 400 * 64 * 256 / 1e12)
+    assert float(lat_comp(m, B, 64, 256)) == pytest.approx(4 * 400 * 64 * 256 / 1e12)
+    assert float(lat_comp(m, B, 64, 256, "swiglu")) == pytest.approx(6 * 400 * 64 * 256 / 1e12)
     fitted = CostModel(m.topology, 1e12, {"gemm": AlphaBeta(1e-5, 2e-12, "flop")})
     # α paid per GEMM launch (2 per ffn expert), not by an idle device
-    t = fitted.expert_forward_time(B, 64, 256)
+    t = fitted.device_compute_time(B[:, None], ExpertShape(64, 256))
     assert t[2] == 0.0 and t[1] == pytest.approx(2e-5 + 2e-12 * 4 * 400 * 64 * 256)
+    # ... and once per GEMM of every expert that has tokens, as the per-expert kernels launch
+    tokens_WE = np.array([[100, 0, 0], [200, 200, 0], [0, 0, 0], [50, 0, 0]])
+    t = fitted.device_compute_time(tokens_WE, ExpertShape(64, 256))
+    assert t[1] == pytest.approx(2 * 2e-5 + 2e-12 * 4 * 400 * 64 * 256)
 
 
 def test_a2a_fit_calibrates_link_model():
@@ -106,31 +117,25 @@ def test_ta_moe_table1_ordering():
     assert float(m.a2a_time(even * S)) / float(m.a2a_time(uneven * S)) == pytest.approx(2.0)
 
 
-def test_fastermoe_and_prophet_formulas():
+def test_prophet_formulas():
     m = two_nodes(inter=1e9, intra=1e10)
     d, h = 64, 256
     B = np.array([4000, 1000, 1000, 1000])
-    # Eq. 7 by hand for the hottest device
-    comp = 3 * 4 * 4000 * h * d / 1e12
-    comm = 4 * 4000 * d * 4 / m.net_bandwidth_bytes_per_s
-    assert float(m.fastermoe_imbalance_time(B, d, h)) == pytest.approx(comp + comm)
-    # Eq. 8 with one expert shadowed and balanced load: broadcast + reduce of 2·h·d params
-    balanced = np.full(4, 1750)
-    expect = 3 * 4 * 1750 * h * d / 1e12 + 2 * 1 * (2 * h * d * 4) / 1e9
-    assert float(m.fastermoe_shadow_time(balanced, 1, d, h)) == pytest.approx(expect)
     # Pro-Prophet Eq. 1-8
-    t = m.prophet_times(
+    t = prophet_layer_times(
+        m,
         recv_tokens_W=[10, 20, 30, 40],
         compute_tokens_W=B,
         num_transferred=2,
         num_not_transferred=1,
-        d_model=d,
-        d_hidden=h,
+        shape=ExpertShape(d, h),
         nonmoe_forward_s=0.0,
     )
     bbar = m.mean_bandwidth_bytes_per_s
     assert float(t["a2a"]) == pytest.approx(40 * d * 4 / bbar)
-    assert float(t["trans"]) == pytest.approx(2 * 3 * (2 * d * h * 4) / (4 * bbar))
+    size = (2 * d * h + d + h) * 4  # an ffn expert's parameters
+    assert float(t["trans"]) == pytest.approx(2 * 3 * size / (4 * bbar))
+    assert float(t["fec"]) == pytest.approx(4 * 4000 * d * h / 1e12)
     assert float(t["total"]) == pytest.approx(4 * t["a2a"] + 3 * t["fec"] + 2 * t["trans"])
     assert float(t["overlapped"]) <= float(t["total"])
     # B̄ on [[0,1],[2,3]]: of the 12 ordered pairs, 4 are intra (10 GB/s) and 8 inter (1 GB/s)
@@ -225,10 +230,10 @@ def test_processor_sharing_on_a_shared_host():
     shared = CostModel(topo, flops_per_s, host_cores=2)
     dedicated = CostModel(topo, flops_per_s)
     B = np.array([1, 1, 1, 3])
-    assert float(dedicated.layer_compute_time(B, 8, 8)) == pytest.approx(3.0)
-    assert float(shared.layer_compute_time(B, 8, 8)) == pytest.approx(2.0)
-    assert float(shared.layer_compute_time(np.full(4, 2), 8, 8)) == pytest.approx(2.0)  # balanced: unchanged
-    assert shared.layer_compute_time(np.stack([B, 2 * B]), 8, 8).tolist() == pytest.approx([2.0, 4.0])
+    assert float(lat_comp(dedicated, B, 8, 8)) == pytest.approx(3.0)
+    assert float(lat_comp(shared, B, 8, 8)) == pytest.approx(2.0)
+    assert float(lat_comp(shared, np.full(4, 2), 8, 8)) == pytest.approx(2.0)  # balanced: unchanged
+    assert lat_comp(shared, np.stack([B, 2 * B]), 8, 8).tolist() == pytest.approx([2.0, 4.0])
     assert CostModel.from_dict(shared.to_dict()).host_cores == 2
     with pytest.raises(ValueError, match="host_cores=0"):
         CostModel(topo, 1.0, host_cores=0)

@@ -7,8 +7,16 @@ import math
 import pytest
 import torch
 
-from moeflow.routing.balance import AuxFreeBalance, BalanceContext, GShardBalance, build_balance, router_z_loss
-from moeflow.routing.gates import GateContext, NoisyTopKGate, SwitchGate, TopKGate, build_gate
+from moeflow import MoELayer
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.registry import LayerContext
+from moeflow.routing import BALANCES, GATES
+from moeflow.routing.balance import AuxFreeBalance, GShardBalance, router_z_loss
+from moeflow.routing.gates import NoisyTopKGate, SwitchGate, TopKGate
+
+
+def _ctx(d_model: int, num_experts: int, top_k: int) -> LayerContext:
+    return LayerContext(num_experts, top_k, ExpertShape(d_model, 8))
 
 
 def _gate_with_logits(gate, logits_E):
@@ -81,9 +89,19 @@ def test_routing_math_is_fp32_for_bf16_input():
     assert r.weight_A.dtype == r.probs_TE.dtype == torch.float32
 
 
-def test_build_gate_errors_list_valid_names():
+def test_build_gate_errors_list_valid_names_and_options_are_validated():
     with pytest.raises(ValueError, match=r"gate='nope'.*noisy_topk"):
-        build_gate("nope", GateContext(4, 2, 1))
+        GATES.build("nope", _ctx(4, 2, 1))
+    raw = GATES.build("topk", _ctx(4, 3, 2), {"normalize": "false"})  # text, as from --set
+    assert isinstance(raw, TopKGate) and raw.normalize is False
+    with pytest.raises(ValueError, match=r"gate_options for gate='topk': unknown option 'normalise'; valid: normalize"):
+        GATES.build("topk", _ctx(4, 3, 2), {"normalise": True})
+    with pytest.raises(ValueError, match=r"gate_options for gate='switch': unknown option 'x'; valid: none"):
+        GATES.build("switch", _ctx(4, 3, 1), {"x": 1})
+    with pytest.raises(ValueError, match=r"gate_options.*normalize='maybe'"):
+        GATES.build("topk", _ctx(4, 3, 2), {"normalize": "maybe"})
+    with pytest.raises(ValueError, match=r"options apply to a gate chosen by name"):
+        GATES.build(TopKGate(4, 3, 2), _ctx(4, 3, 2), {"normalize": False})
 
 
 def test_gshard_loss_hand_worked():
@@ -117,10 +135,6 @@ def test_aux_free_bias_moves_against_load_and_steers_selection():
     bal = AuxFreeBalance(3, update_rate=0.1)
     bal.observe(torch.tensor([[6, 1, 0], [4, 0, 1]]))  # expert counts [10, 1, 1]
     assert bal.bias_E[0] < 0 < bal.bias_E[1] and bal.bias_E[1] == bal.bias_E[2]
-    bal.eval()
-    before = bal.bias_E.clone()
-    bal.observe(torch.tensor([[6, 1, 0], [4, 0, 1]]))  # expert counts [10, 1, 1]
-    assert torch.equal(bal.bias_E, before), "no update outside training"
     gate = TopKGate(4, 3, 1)
     x = _gate_with_logits(gate, [0.1, 0.0, -1.0])
     assert gate(x).expert_A.tolist() == [0]
@@ -131,4 +145,27 @@ def test_aux_free_bias_moves_against_load_and_steers_selection():
     with pytest.raises(ValueError, match="update_rate=-1"):
         AuxFreeBalance(3, update_rate=-1)
     with pytest.raises(ValueError, match=r"balance='x'.*aux_free"):
-        build_balance("x", BalanceContext(3, 1, 4))
+        BALANCES.build("x", _ctx(4, 3, 1))
+    with pytest.raises(ValueError, match=r"balance_options for balance='aux_free'.*update_rate=-0.5"):
+        BALANCES.build("aux_free", _ctx(4, 3, 1), {"update_rate": -0.5})
+
+
+def test_aux_free_layer_moves_its_bias_once_per_step_from_training_forwards_only():
+    """The layer accumulates the step's choices (training forwards only) and hands them to the
+    balance term when the step ends (`update_balance`, called by `all_reduce_gradients`)."""
+    torch.manual_seed(0)
+    layer = MoELayer(8, 16, 4, top_k=1, balance="aux_free", balance_options={"update_rate": 0.1})
+    x = torch.randn(32, 8)
+    layer.eval()
+    layer(x)
+    layer.update_balance()
+    assert torch.all(layer.balance.bias_E == 0), "eval forwards do not move the bias"
+    layer.train()
+    layer(x)
+    layer(x)
+    assert torch.all(layer.balance.bias_E == 0), "the bias moves at the end of the step, not per forward"
+    counts = layer.stats.choices.sum(0).double()
+    layer.update_balance()
+    assert torch.equal(layer.balance.bias_E, 0.1 * torch.sign(counts.mean() - counts).float())
+    layer.update_balance()  # nothing accumulated since: no further move
+    assert torch.equal(layer.balance.bias_E, 0.1 * torch.sign(counts.mean() - counts).float())

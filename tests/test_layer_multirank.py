@@ -17,7 +17,6 @@ from moeflow import MoELayer
 from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
-from moeflow.strategies.planners import PlannerContext, get_planner
 
 from .multirank import run_ranks
 
@@ -72,21 +71,25 @@ def _check_config(
     """EP over `group` (ranks `group_ranks`) against a local single-process reference."""
     num_experts = experts_per_rank * len(group_ranks)
     top_k = 1 if gate == "switch" else 2
-    torch.manual_seed(seed)
-    full = MoELayer(
-        D,
-        H,
-        num_experts,
-        top_k=top_k,
-        gate=gate,
-        expert=expert,
-        capacity_factor=capacity,
-        balance_weight=0.1,
-        z_loss_weight=0.01,
-    )
-    ref, ep = copy.deepcopy(full), copy.deepcopy(full)
-    ep.planner, ep.node_of = get_planner(strategy), node_of
-    ep.schedule, ep.group_size = schedule, group_size
+
+    def build(**axes):  # the same seed: the same weights, whatever the axes
+        torch.manual_seed(seed)
+        return MoELayer(
+            D,
+            H,
+            num_experts,
+            top_k=top_k,
+            gate=gate,
+            expert=expert,
+            capacity_factor=capacity,
+            balance_weight=0.1,
+            z_loss_weight=0.01,
+            **axes,
+        )
+
+    ref = build()
+    options = {"group_size": group_size} if group_size else None
+    ep = build(strategy=strategy, schedule=schedule, schedule_options=options, node_of=node_of)
     ep.to_expert_parallel(group)
     me = group_ranks.index(rank)
     xs, gs = _inputs(len(group_ranks), tokens, seed + 1)
@@ -135,8 +138,8 @@ def _check_shadow_strategy(rank, world):
     with torch.no_grad():
         full.gate.weight[3] += 2.0  # expert 3 becomes hot for inputs with positive features
     ep = copy.deepcopy(full).to_expert_parallel(dist.group.WORLD)
-    shadow = copy.deepcopy(full)
-    shadow.planner, shadow.cost_model = get_planner("shadow", PlannerContext(2 * world, D, H, "ffn")), cost_model
+    shadow = MoELayer(D, H, 2 * world, top_k=2, balance_weight=0.1, strategy="shadow", cost_model=cost_model)
+    shadow.load_state_dict(full.state_dict())
     shadow.to_expert_parallel(dist.group.WORLD)
     x = torch.rand(64, D, generator=torch.Generator().manual_seed(rank)) + 0.5
     g = torch.randn(64, D, generator=torch.Generator().manual_seed(100 + rank))
@@ -164,6 +167,8 @@ def _check_shadow_strategy(rank, world):
 def _equivalence_body(rank, world):
     for ep_size in (world, 2, 1) if world == 4 else (world, 1):
         _check_layout(rank, world, ep_size)
+    _check_balance_state_is_replicated(rank, world)
+    _check_no_wasted_work(rank, world)
     group = dist.group.WORLD
     ranks = list(range(world))
     uneven = [5, 0, 9, 3][:world] if world == 4 else [7, 0]  # a rank that sends nothing
@@ -217,7 +222,7 @@ def _equivalence_body(rank, world):
     layer(torch.randn(tokens, D, generator=torch.Generator().manual_seed(rank)))
     node_of = cost_model.topology.node_of
     remote_E = torch.tensor([node_of[e // 2] != node_of[rank] for e in range(2 * world)])
-    limit = math.floor(layer.gate.cross_node_ratio * 2 * tokens)
+    limit = math.floor(layer.gate.cross_node_ratio[rank] * 2 * tokens)
     assert int(layer.stats.flow[rank][remote_E].sum()) <= limit
     assert layer.stats.redirected >= 0
 
@@ -267,6 +272,95 @@ def _equivalence_body(rank, world):
         y16 = ep(x)
     assert y16.dtype == torch.float32
     torch.testing.assert_close(y16, full(x), rtol=0.05, atol=0.05)
+
+
+def _check_balance_state_is_replicated(rank, world):
+    """DP × EP with a stateful balance term (TA-MoE steering): the step's choices are summed over
+    the data-parallel replicas, so the steering table moves identically on every rank and equals
+    the value computed from all replicas' choices — what the checkpoint keeps once."""
+    ep_size = world // 2
+    layout = ParallelLayout(ep_size=ep_size)
+    cost_model = CostModel(Topology([[r] for r in range(ep_size)] if ep_size > 1 else [0], 1e9), 1e12)
+    torch.manual_seed(4)
+    layer = MoELayer(
+        D,
+        H,
+        2 * ep_size,
+        top_k=2,
+        balance="ta_moe",
+        balance_weight=0.1,
+        cost_model=cost_model,
+        balance_options={"steer_rate": 0.05, "steer_limit": 0.5},
+    ).to_expert_parallel(layout.ep_group)
+    x = torch.randn(24, D, generator=torch.Generator().manual_seed(40 + rank))  # every rank its own tokens
+    layer(x).square().mean().backward()
+    choices = layer.stats.choices.double()  # global over this rank's EP group
+    all_reduce_gradients(layer, layout)
+    tables = [torch.empty_like(layer.balance.bias_WE) for _ in range(world)]
+    dist.all_gather(tables, layer.balance.bias_WE)
+    assert all(torch.equal(tbl, tables[0]) for tbl in tables), "steering tables differ between ranks"
+    replicas = [torch.empty_like(choices) for _ in range(world)]
+    dist.all_gather(replicas, choices)
+    mean_WE = torch.stack(replicas[layout.ep_rank :: ep_size]).mean(0)  # this EP rank's replicas
+    target = torch.as_tensor(layer.balance.target(24), dtype=torch.float64)
+    expected = 0.05 * torch.sign(target * mean_WE.sum(1, keepdim=True) / 2 - mean_WE)
+    torch.testing.assert_close(layer.balance.bias_WE.double(), expected)
+
+
+def _consumers(output: torch.Tensor, param: torch.Tensor) -> int:
+    """Edges of the autograd graph of `output` that end at `param`'s gradient accumulator."""
+    seen, edges, stack = set(), 0, [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for nxt, _ in node.next_functions:
+            if nxt is not None and getattr(nxt, "variable", None) is param:
+                edges += 1
+            stack.append(nxt)
+    return edges
+
+
+def _check_no_wasted_work(rank, world):
+    """Copies and the pairwise backward do the work of what moves, not of everything held:
+    one expert shadowed leaves the owner's parameters with one gradient path (not a full-size
+    zero gradient beside the owned experts'), and each pairwise step's backward fills a buffer of
+    its own group's rows only (each sent row once over all steps, not once per step)."""
+
+    def shadow_expert_0(flow_WE, placement, cost_model=None):
+        extra_EW = np.zeros_like(placement.holders_EW)
+        extra_EW[0] = True
+        return placement.with_holders(extra_EW)
+
+    torch.manual_seed(8)
+    layer = MoELayer(D, H, 2 * world, top_k=2, strategy=shadow_expert_0).to_expert_parallel(dist.group.WORLD)
+    y = layer(torch.randn(12, D, generator=torch.Generator().manual_seed(rank)))
+    assert layer.stats.placement.materialized_EW().sum() == world - 1  # expert 0 copied to every other rank
+    for name, param in layer.experts.named_parameters():
+        assert _consumers(y, param) == 1, f"{name}: one gradient path per parameter"
+    y.sum().backward()
+
+    from moeflow.strategies.schedules import pairwise
+
+    rows_by_step = []
+    start_backward = pairwise._Exchange.start_backward
+
+    def spy(self, grad_RD):
+        start_backward(self, grad_RD)
+        rows_by_step.append((self.bwd_tag % 4, self.out.shape[0]))
+
+    pairwise._Exchange.start_backward = spy
+    try:
+        torch.manual_seed(9)
+        layer = MoELayer(D, H, 2 * world, top_k=2, schedule="pairwise", schedule_options={"group_size": 1})
+        layer.to_expert_parallel(dist.group.WORLD)
+        x = torch.randn(10, D, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        layer(x).sum().backward()
+    finally:
+        pairwise._Exchange.start_backward = start_backward
+    s_rows = [rows for kind, rows in rows_by_step if kind == pairwise._S_BWD]
+    assert len(s_rows) == world and sum(s_rows) == 10 * 2  # every sent row once (10 tokens × k)
 
 
 def _check_layout(rank, world, ep_size):

@@ -9,8 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeflow.core.dispatch import assignment_destinations, inverse_permutation, source_major_to_expert_major
-from moeflow.core.placement import Placement, broadcast_tree, copies_by_tree, dispatch_counts
-from moeflow.strategies.planners import get_planner
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import Placement, broadcast_tree, copies_by_tree, dispatch_counts, plain_ep_owners
+from moeflow.core.registry import LayerContext
+from moeflow.strategies import PLANNERS
 
 
 @st.composite
@@ -95,11 +97,16 @@ def test_expert_parallel_placement_and_validation():
         dispatch_counts(np.zeros((2, 6)), p)
 
 
-def test_planner_registry():
+def test_planner_registry_and_the_one_plain_ep_owner_formula():
+    ctx = LayerContext(4, 1, ExpertShape(8, 8))
     p = Placement.expert_parallel(4, 2).with_holders(np.ones((4, 2), bool))
-    assert get_planner("ep")(np.ones((2, 4)), p) == Placement.expert_parallel(4, 2)
+    assert PLANNERS.build("ep", ctx)(np.ones((2, 4)), p) == Placement.expert_parallel(4, 2)
     with pytest.raises(ValueError, match=r"strategy='magic'.*'ep'"):
-        get_planner("magic")
+        PLANNERS.build("magic", ctx)
+    assert plain_ep_owners(8, 4).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert np.array_equal(Placement.expert_parallel(8, 4).owner_E, plain_ep_owners(8, 4))
+    with pytest.raises(ValueError, match="num_experts=6 must be a positive multiple of the expert-parallel size 4"):
+        plain_ep_owners(6, 4)
 
 
 @settings(max_examples=60, deadline=None)

@@ -6,11 +6,16 @@ import numpy as np
 import pytest
 
 from moeflow.cli import main
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.registry import Component
 from moeflow.perf import simulator as sim
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.roofline import curves, points_from_simulation, throughput
 from moeflow.perf.topology import Topology
 from moeflow.perf.traces import Trace, load_trace, synthetic_trace
+from moeflow.routing.gates import cross_node_ratios
+from moeflow.strategies import PLANNERS
+from moeflow.strategies.planners.ep import plan_ep
 
 
 def small_model(inter=1e9, intra=1e10, flops=1e12):
@@ -50,18 +55,23 @@ def test_trace_files_roundtrip_and_smartmoe_format(tmp_path):
         load_trace(tmp_path / "missing.npz")
 
 
+def _layer(d: int, h: int, **kw) -> sim.SimulatedLayer:
+    return sim.SimulatedLayer(ExpertShape(d, h), **kw)
+
+
 def test_sync_ep_by_hand():
     # W=4, E=4 (one expert per rank), d=8, h=16: one (iteration, layer).
     flow = np.array([[10, 0, 0, 30], [0, 10, 0, 0], [0, 0, 10, 0], [0, 0, 0, 10]])
     m = small_model()
-    (r,) = sim.simulate(Trace(flow[None, None], [0]), m, sim.ModelConfig(8, 16), ("ep",), ("sync",))
+    (r,) = sim.simulate(Trace(flow[None, None], [0]), m, _layer(8, 16), ("ep",), ("sync",))
     B = flow.sum(0)  # expert e lives on rank e
     comp = 4 * B.max() * 8 * 16 / 1e12
     # dispatch: 30 tokens of 8 fp32 from 0 to 3 cross the network (960 bytes at 1 GB/s)
     a2a = 30 * 8 * 4 / 1e9
-    counts = np.full((4, 4), 8.0)  # the count exchange: E int64 per pair, uniform
-    np.fill_diagonal(counts, 0)
-    t_counts = float(m.a2a_time(counts))
+    # The count exchange is the runtime's all-gather of E int64 counts from every rank: on the ring
+    # each rank forwards (W−1)/W of the W·E·8-byte buffer, here across the 1 GB/s link.
+    t_counts = m.count_exchange_time(4)
+    assert t_counts == pytest.approx(m.collective_time("all_gather", 4 * 4 * 8)) and t_counts >= 3 / 4 * 128 / 1e9
     assert r.total_I[0] == pytest.approx(3 * comp + 4 * a2a + t_counts)
     assert r.compute_I[0] == pytest.approx(3 * comp) and r.a2a_I[0] == pytest.approx(4 * a2a)
     assert r.exposed_comm_I[0] == pytest.approx(4 * a2a + t_counts) and r.overlapped_comm_I[0] == 0
@@ -70,10 +80,15 @@ def test_sync_ep_by_hand():
 def test_fast_path_equals_planner_path(monkeypatch):
     trace = synthetic_trace("zipf", 6, 2, 4, 8, 300, seed=1)
     m = small_model()
-    model = sim.ModelConfig(32, 64)
-    fast = sim.simulate(trace, m, model, ("ep",), ("sync", "pairwise"))
-    monkeypatch.setitem(sim.STRATEGIES, "ep_planner", sim.Strategy("ep_planner", "ep", None))
-    slow = sim.simulate(trace, m, model, ("ep_planner",), ("sync", "pairwise"))
+    layer = _layer(32, 64)
+    fast = sim.simulate(trace, m, layer, ("ep",), ("sync", "pairwise"))
+    # The same owners-only planner, but not `plan_ep` itself: the per-(iteration, layer) path.
+    monkeypatch.setitem(
+        PLANNERS._components,
+        "ep_planner",
+        Component("ep_planner", lambda ctx, o: lambda f, p, c=None: plan_ep(f, p, c)),
+    )
+    slow = sim.simulate(trace, m, layer, ("ep_planner",), ("sync", "pairwise"))
     for a, b in zip(fast, slow):
         assert np.allclose(a.total_I, b.total_I) and np.allclose(a.a2a_I, b.a2a_I)
         assert b.replicated_IL.max() == 0
@@ -84,43 +99,105 @@ def test_pairwise_schedule_respects_the_bound():
     m = CostModel(Topology.homogeneous(8, 2e9), 2e11)
     for d, h in ((64, 128), (256, 1024), (512, 4096)):
         t = synthetic_trace("uniform", 3, 1, 8, 16, 2048, seed=d)
-        s, p = sim.simulate(t, m, sim.ModelConfig(d, h), ("ep",), ("sync", "pairwise"))
+        s, p = sim.simulate(t, m, _layer(d, h), ("ep",), ("sync", "pairwise"))
         bound = sim.speedup_bound(s.a2a_I, s.compute_I)
         speedup = s.total_I / p.total_I
-        # (not necessarily > 1: per-step stragglers can make fine-grained steps slower)
         assert np.all(speedup <= bound * (1 + 1e-9))
         assert np.allclose(p.exposed_comm_I + p.overlapped_comm_I, p.a2a_I + p.other_comm_I)
     # comm ≈ comp: fine-grained steps get most of the way to the 2x bound
     t = synthetic_trace("uniform", 2, 1, 8, 16, 4096, seed=0)
-    s, p = sim.simulate(t, m, sim.ModelConfig(256, 128), ("ep",), ("sync", "pairwise"))
+    s, p = sim.simulate(t, m, _layer(256, 128), ("ep",), ("sync", "pairwise"))
     bound = float(sim.speedup_bound(s.a2a_I, s.compute_I).mean())
     assert 1.5 < bound <= 2.0 and float((s.total_I / p.total_I).mean()) > 1 + 0.6 * (bound - 1)
 
 
-def test_validation_errors():
+def test_pairwise_prediction_ranks_compute_independently_and_uses_the_node_as_group():
+    """FasterMoE's workers compute their steps independently: under a balanced load the pairwise
+    schedule is never predicted slower than sync (a lockstep sum of per-step maxima would be), and
+    the default group is the node, as the runtime's (`default_group_size`)."""
+    m = CostModel(Topology.from_spec([[0, 1], [2, 3]], [1e9, 1e10]), 1e11)
+    for d, h in ((64, 64), (128, 512), (256, 2048)):
+        t = synthetic_trace("uniform", 3, 2, 4, 8, 4096, seed=d)
+        s, p = sim.simulate(t, m, _layer(d, h), ("ep",), ("sync", "pairwise"))
+        assert np.all(p.total_I <= s.total_I * (1 + 1e-9)), (d, h)
+    t = synthetic_trace("zipf", 3, 1, 4, 8, 2048, seed=1)
+    (default,) = sim.simulate(t, m, _layer(64, 256), ("ep",), ("pairwise",))
+    (node,) = sim.simulate(t, m, _layer(64, 256, options={"schedule": {"group_size": 2}}), ("ep",), ("pairwise",))
+    (single,) = sim.simulate(t, m, _layer(64, 256, options={"schedule": {"group_size": 1}}), ("ep",), ("pairwise",))
+    assert np.allclose(default.total_I, node.total_I) and not np.allclose(default.total_I, single.total_I)
+
+
+def test_validation_errors_and_traces_of_another_size_are_rescaled():
     m = small_model()
     t = synthetic_trace("uniform", 1, 1, 4, 8, 10)
     with pytest.raises(ValueError, match="strategy='magic'"):
-        sim.simulate(t, m, sim.ModelConfig(8, 8), ("magic",))
+        sim.simulate(t, m, _layer(8, 8), ("magic",))
     with pytest.raises(ValueError, match="schedule='async'"):
-        sim.simulate(t, m, sim.ModelConfig(8, 8), schedules=("async",))
-    with pytest.raises(ValueError, match="world_size=2"):
-        sim.simulate(synthetic_trace("uniform", 1, 1, 2, 2, 10), m, sim.ModelConfig(8, 8))
-    with pytest.raises(ValueError, match="pairwise_group_size=3"):
-        sim.simulate(t, m, sim.ModelConfig(8, 8), pairwise_group_size=3)
+        sim.simulate(t, m, _layer(8, 8), schedules=("async",))
+    with pytest.raises(ValueError, match="group_size=3 must divide"):
+        sim.simulate(t, m, _layer(8, 8, options={"schedule": {"group_size": 3}}), schedules=("pairwise",))
     with pytest.raises(ValueError, match="d_model=0"):
-        sim.ModelConfig(0, 8)
+        ExpertShape(0, 8)
+    with pytest.raises(ValueError, match="options: unknown axis 'planner'"):
+        _layer(8, 8, options={"planner": {}})
+    with pytest.raises(ValueError, match="balance='nope'"):
+        _layer(8, 8, balance="nope")
+    # A 2-rank trace on the 4-device cluster: unfolded, every rank's row split in two.
+    two = synthetic_trace("uniform", 2, 1, 2, 8, 100)
+    (r,) = sim.simulate(two, m, _layer(8, 8))
+    (direct,) = sim.simulate(two.rescale(4), m, _layer(8, 8))
+    assert np.allclose(r.total_I, direct.total_I)
+
+
+def test_trace_rescale_folds_and_unfolds_ranks_and_experts():
+    t = synthetic_trace("zipf", 3, 2, 4, 8, 100, seed=2)
+    folded = t.rescale(2, 4)
+    assert folded.flow.shape == (3, 2, 2, 4) and folded.meta["tokens_per_rank"] == 200
+    assert np.array_equal(folded.flow, t.flow.reshape(3, 2, 2, 2, 4, 2).sum((3, 5)))  # contiguous blocks summed
+    assert folded.meta["rescaled_from"] == [4, 8]
+    unfolded = t.rescale(8)
+    assert unfolded.flow.shape == (3, 2, 8, 8) and unfolded.meta["tokens_per_rank"] == 50
+    assert np.array_equal(unfolded.flow.reshape(3, 2, 4, 2, 8).sum(3), t.flow)  # nothing lost
+    assert np.abs(unfolded.flow[:, :, 0::2] - unfolded.flow[:, :, 1::2]).max() <= 1  # split evenly
+    more = t.rescale(4, 16)
+    assert np.array_equal(more.flow.reshape(3, 2, 4, 8, 2).sum(-1), t.flow)
+    with pytest.raises(ValueError, match="world_size=3"):
+        t.rescale(3)
+
+
+def test_routing_effects_come_from_the_gate_and_balance_registries():
+    """`--balance ta_moe` / `--gate hierarchical` change the replayed flow; other names leave it."""
+    m = CostModel(Topology.from_spec([[0, 1], [2, 3]], [1e8, 1e10]), 1e11)
+    t = synthetic_trace("uniform", 2, 1, 4, 8, 1000, seed=3)
+    node = np.array(m.topology.node_of)
+    owner = np.arange(8) // 2
+
+    def crossing(flow):
+        return flow[..., node[:, None] != node[owner][None, :]].sum() / flow.sum()
+
+    plain = sim.routed_flow(t, m, _layer(32, 64))
+    assert np.array_equal(plain, t.flow)
+    ta = sim.routed_flow(t, m, _layer(32, 64, balance="ta_moe"))
+    hier = sim.routed_flow(t, m, _layer(32, 64, gate="hierarchical"))
+    for flow in (ta, hier):
+        assert np.array_equal(flow.sum(-1), t.flow.sum(-1))  # every rank still routes all its choices
+        assert crossing(flow) < 0.5 * crossing(t.flow)
+    ratio = cross_node_ratios(m.topology)[0]  # 1e8 / (2 · 1e10)
+    assert crossing(hier) <= ratio + 1e-9
+    (ep_ta,) = sim.simulate(t, m, _layer(32, 64, balance="ta_moe"), ("ep",), ("sync",))
+    (ep,) = sim.simulate(t, m, _layer(32, 64), ("ep",), ("sync",))
+    assert ep_ta.a2a_I.mean() < ep.a2a_I.mean()
 
 
 def test_roofline_formulas():
     r = np.array([0.5, 1.0, 4.0])
     c = curves(10.0, r)
     assert np.allclose(c["ideal"], [5, 10, 10]) and np.allclose(c["semi_ideal"], [10 / 3, 5, 8])
-    model = sim.ModelConfig(16, 64)
-    assert float(throughput(1000, 2.0, 4, model)) == pytest.approx(12 * 16 * 64 * 1000 / (4 * 2.0))
+    shape = ExpertShape(16, 64)
+    assert float(throughput(1000, 2.0, 4, shape)) == pytest.approx(12 * 16 * 64 * 1000 / (4 * 2.0))
     m = small_model()
-    res = sim.simulate(synthetic_trace("uniform", 2, 1, 4, 4, 500), m, model, ("ep",), ("sync",))
-    (pt,) = points_from_simulation(res, model, 4)
+    res = sim.simulate(synthetic_trace("uniform", 2, 1, 4, 4, 500), m, sim.SimulatedLayer(shape), ("ep",), ("sync",))
+    (pt,) = points_from_simulation(res, shape, 4)
     # sync EP lies under the semi-ideal curve (it cannot overlap anything)
     assert pt.throughput_flops_per_s <= curves(m.gemm_flops_per_s, pt.r_cc)["semi_ideal"] * (1 + 1e-9)
 
@@ -161,11 +238,15 @@ def test_cli_simulate_and_roofline(capsys, tmp_path):
     assert rc == 0 and (tmp_path / "rl" / "roofline.png").stat().st_size > 0
     data = json.loads((tmp_path / "rl" / "roofline.json").read_text())
     assert {p["label"] for p in data["points"]} == {
-        f"{s}/{sch}" for s in sim.STRATEGIES for sch in ("sync", "pairwise")
+        f"{s}/{sch}" for s in PLANNERS.names() for sch in ("sync", "pairwise")
     }
     capsys.readouterr()
     assert main(["simulate", "--strategy", "magic", "--iterations", "1"]) == 2
     assert "--strategy='magic'" in capsys.readouterr().err
+    assert main(["simulate", "--strategy", "ta_moe", "--iterations", "1"]) == 2
+    assert "is a balance term, not a strategy: use --balance ta_moe" in capsys.readouterr().err
+    assert main(["simulate", "--option", "schedule.group_size", "--iterations", "1"]) == 2
+    assert "expected AXIS.KEY=VALUE" in capsys.readouterr().err
     assert main(["simulate", "--cluster", "mars"]) == 2
     assert "--cluster='mars'" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(tmp_path / "none.npz")]) == 2

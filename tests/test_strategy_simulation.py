@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moeflow.core.expert_shape import ExpertShape
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.roofline import points_from_simulation
-from moeflow.perf.simulator import ModelConfig, simulate
+from moeflow.perf.simulator import SimulatedLayer, simulate
 from moeflow.perf.topology import Topology
 from moeflow.perf.traces import synthetic_trace
 
-MODEL = ModelConfig(d_model=1024, d_hidden=4096)
+SHAPE = ExpertShape(d_model=1024, d_hidden=4096)
+MODEL = SimulatedLayer(SHAPE)
 
 
 def _by_key(results):
@@ -21,14 +23,14 @@ def _by_key(results):
 def test_shadowing_and_smart_schedule_on_johnny_move_as_figure_5_says():
     cm = CostModel.from_preset("johnny")
     trace = synthetic_trace("zipf", 3, 2, 16, 32, tokens_per_rank=2048, skew=1.6, seed=1)
-    results = simulate(trace, cm, MODEL, ["ep", "shadow"], ["sync", "pairwise"], pairwise_group_size=8)
+    results = simulate(trace, cm, MODEL, ["ep", "shadow"], ["sync", "pairwise"])  # pairwise groups: johnny's nodes of 8
     r = _by_key(results)
     ep, shadow = r["ep", "sync"].total_I.mean(), r["shadow", "sync"].total_I.mean()
     assert shadow < ep, "skewed load: shadowing must pay"
     assert r["shadow", "sync"].replicated_IL.mean() > 0
     assert r["ep", "pairwise"].total_I.mean() < ep
     assert r["shadow", "pairwise"].total_I.mean() <= min(shadow, r["ep", "pairwise"].total_I.mean()) * 1.0001
-    points = {p.label: p for p in points_from_simulation(results, MODEL, 16)}
+    points = {p.label: p for p in points_from_simulation(results, SHAPE, 16)}
     # Arrow (1), FasterMoE §4.1: "the latency of computation is shortened thanks to the reduced
     # idling, resulting in a lower R_CC and higher P̄".
     assert points["shadow/sync"].r_cc < points["ep/sync"].r_cc
@@ -50,7 +52,8 @@ def test_balanced_load_is_not_shadowed():
 def test_ta_moe_routing_cuts_all_to_all_time_on_a_slow_inter_node_link():
     cm = CostModel(Topology([[0, 1], [2, 3]], [1e8, 8e9]), gemm_flops_per_s=1e13)
     trace = synthetic_trace("uniform", 2, 1, 4, 8, tokens_per_rank=1024, seed=3)
-    r = _by_key(simulate(trace, cm, ModelConfig(256, 1024), ["ep", "ta_moe"], ["sync"]))
-    assert r["ta_moe", "sync"].a2a_I.mean() < 0.6 * r["ep", "sync"].a2a_I.mean()
+    (gshard,) = simulate(trace, cm, SimulatedLayer(ExpertShape(256, 1024)), ["ep"], ["sync"])
+    (ta_moe,) = simulate(trace, cm, SimulatedLayer(ExpertShape(256, 1024), balance="ta_moe"), ["ep"], ["sync"])
+    assert ta_moe.a2a_I.mean() < 0.6 * gshard.a2a_I.mean()
     # The expert load stays balanced: same tokens computed in total.
-    assert r["ta_moe", "sync"].tokens_IL.sum() == pytest.approx(r["ep", "sync"].tokens_IL.sum())
+    assert ta_moe.tokens_IL.sum() == pytest.approx(gshard.tokens_IL.sum())

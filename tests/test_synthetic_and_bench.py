@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.bench.layer import _add_speedups
+from moeflow.bench.strategies import _add_speedups
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
 
 

@@ -1,4 +1,4 @@
-"""TA-MoE (SPEC §2): LP target vs closed forms, constraints, smoothing, loss == GShard, gradients.
+"""TA-MoE (§4): LP target vs closed forms, constraints, smoothing, loss == GShard, gradients, steering.
 
 Pure and single-process. Shape suffixes: W ranks, E experts, T tokens, A assignments.
 """
@@ -10,18 +10,37 @@ import pytest
 import torch
 
 from moeflow import MoELayer
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import cross_node_share, send_by_owner
+from moeflow.core.registry import LayerContext
 from moeflow.perf.costmodel import AlphaBeta, CostModel
 from moeflow.perf.topology import Topology
-from moeflow.routing.balance import BalanceContext, GShardBalance, build_balance
+from moeflow.routing import BALANCES
+from moeflow.routing.balance import GShardBalance
 from moeflow.routing.gates import TopKGate
-from moeflow.routing.ta_moe import (
-    TAMoEBalance,
-    cross_node_share,
-    flow_from_target,
-    pair_cost_matrices,
-    solve_dispatch_lp,
-    target_dispatch_pattern,
-)
+from moeflow.routing.ta_moe import TAMoEBalance, TAMoEOptions
+from moeflow.strategies.topology_aware import flow_from_target, solve_dispatch_lp
+from moeflow.strategies.topology_aware import target_dispatch_pattern as _target
+
+
+def links(topo: Topology) -> CostModel:
+    """A cost model priced by the topology's links alone (GEMM throughput unused here)."""
+    return CostModel(topo, gemm_flops_per_s=1.0)
+
+
+def target_dispatch_pattern(topo, *args, **kwargs):
+    return _target(links(topo) if isinstance(topo, Topology) else topo, *args, **kwargs)
+
+
+def pair_cost_matrices(topo):
+    return (links(topo) if isinstance(topo, Topology) else topo).pair_costs()
+
+
+def owner_share(flow_WE, node_of):
+    """Share crossing nodes when every expert e is computed by rank e (plain EP, one per rank)."""
+    flow = np.asarray(flow_WE)
+    return cross_node_share(send_by_owner(flow, np.arange(flow.shape[1])), node_of)
+
 
 TOPOLOGIES = {
     "homogeneous": lambda: Topology.homogeneous(4, 10e9, 1e-6),
@@ -130,7 +149,7 @@ def test_asymmetric_tree_keeps_the_lone_node_mostly_local():
     c_WE = target_dispatch_pattern(topo, 6, 1, 1024, 64, smoothing=0.0)
     uniform_WE = np.full((6, 6), 1 / 6)
     node_of = [0, 0, 0, 0, 1, 1]  # the two top-level subtrees (topo.node_of splits the first one)
-    assert cross_node_share(c_WE, np.arange(6), node_of) < 0.5 * cross_node_share(uniform_WE, np.arange(6), node_of)
+    assert owner_share(c_WE, node_of) < 0.5 * owner_share(uniform_WE, node_of)
     lone_to_lone = c_WE[4:, 4:].sum() / c_WE[4:].sum()
     assert lone_to_lone > 0.8
 
@@ -166,9 +185,12 @@ def test_cross_node_share_hand_worked():
     # ranks 0,1 on node 0; 2,3 on node 1; experts 0..3 owned by ranks 0..3.
     flow_WE = np.array([[3, 1, 2, 0], [0, 0, 0, 4], [1, 1, 1, 1], [0, 0, 0, 0]])
     # crossing: rank0 -> e2 (2); rank1 -> e3 (4); rank2 -> e0, e1 (2) => 8 of 14
-    assert cross_node_share(flow_WE, np.arange(4), [0, 0, 1, 1]) == pytest.approx(8 / 14)
-    assert cross_node_share(torch.tensor(flow_WE), np.arange(4), [0, 0, 0, 0]) == 0.0
-    assert cross_node_share(np.zeros((4, 4)), np.arange(4), [0, 0, 1, 1]) == 0.0
+    assert owner_share(flow_WE, [0, 0, 1, 1]) == pytest.approx(8 / 14)
+    assert owner_share(flow_WE, [0, 0, 0, 0]) == 0.0
+    assert owner_share(np.zeros((4, 4)), [0, 0, 1, 1]) == 0.0
+    assert cross_node_share(flow_WE, None) == 0.0  # no node layout
+    with pytest.raises(ValueError, match=r"node_of=\[0, 1\]"):
+        cross_node_share(np.ones((4, 4)), [0, 1])
 
 
 def test_flow_from_target_keeps_row_totals():
@@ -254,9 +276,12 @@ def test_layer_with_ta_moe_balance():
     cm = CostModel(Topology.from_spec([[0, 1], [2, 3]], [1e8, 8e9]), 1e12)
     layer = MoELayer(16, 32, 8, top_k=2, balance="ta_moe", balance_weight=0.5, cost_model=cm)
     assert isinstance(layer.balance, TAMoEBalance)
-    # A 4-device cost model on one process would price the wrong rank: refused, naming both sizes.
-    with pytest.raises(ValueError, match="cost_model describes 4 devices but the expert-parallel group has 1"):
-        layer(torch.randn(3, 16))
+    # A 4-device cost model on one process: the term runs in its topology-free form (GShard's loss).
+    x = torch.randn(3, 16)
+    with pytest.warns(UserWarning, match="describes 4 devices but this expert-parallel group has 1"):
+        layer(x)
+    gshard = 0.5 * GShardBalance(8).loss(layer.gate(x))
+    assert layer.aux_loss.item() == pytest.approx(gshard.item(), rel=1e-6)
     # α = 0 here: one cached target serves every token count.
     layer.balance.target(15)
     layer.balance.target(7)
@@ -275,8 +300,8 @@ def test_layer_with_ta_moe_balance():
 
 
 def test_targets_are_cached_per_token_count_when_alpha_matters():
-    cm = CostModel(Topology.from_spec([[0, 1], [2, 3]], [1e9, 8e9], [50e-6, 1e-6]), 1e12)
-    bal = TAMoEBalance(4, 1, 8, cost_model=cm, smoothing=0.1)
+    model = CostModel(Topology.from_spec([[0, 1], [2, 3]], [1e9, 8e9], [50e-6, 1e-6]), 1e12)
+    bal = TAMoEBalance(4, 1, 8, cost_model=model, options=TAMoEOptions(smoothing=0.1))
     small, big = bal.target(4), bal.target(4096)
     assert sorted(bal._targets) == [4, 4096]
     assert not np.allclose(small, big)
@@ -286,7 +311,7 @@ def test_targets_are_cached_per_token_count_when_alpha_matters():
 # ---- bad input -------------------------------------------------------------------------------
 def test_factory_requires_cost_model():
     with pytest.raises(ValueError, match=r"balance='ta_moe'.*cost_model=None"):
-        build_balance("ta_moe", BalanceContext(8, 2, 16))
+        BALANCES.build("ta_moe", LayerContext(8, 2, ExpertShape(16, 8)))
     with pytest.raises(ValueError, match="balance='ta_moe'"):
         MoELayer(16, 32, 8, top_k=2, balance="ta_moe")
 
@@ -303,23 +328,21 @@ def test_bad_inputs_name_argument_and_value():
         target_dispatch_pattern(topo, 8, 2, 0, 8)
     with pytest.raises(TypeError, match=r"d_model=2\.5"):
         target_dispatch_pattern(topo, 8, 2, 16, 2.5)
-    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by world_size=4"):
+    with pytest.raises(ValueError, match=r"num_experts=6 must be a positive multiple of the expert-parallel size 4"):
         target_dispatch_pattern(topo, 6, 2, 16, 8)
     with pytest.raises(ValueError, match=r"owner_E=\[0, 1, 2, 7\]"):
         target_dispatch_pattern(topo, 4, 1, 16, 8, owner_E=[0, 1, 2, 7])
-    with pytest.raises(TypeError, match="cost_model="):
-        pair_cost_matrices("johnny")
     with pytest.raises(ValueError, match=r"smoothing=0"):
-        TAMoEBalance(4, 1, 8, cost_model=topo, smoothing=0)
+        TAMoEOptions(smoothing=0)
+    with pytest.raises(ValueError, match=r"steer_limit=-1"):
+        TAMoEOptions(steer_limit=-1)
     with pytest.raises(ValueError, match="exactly one of"):
         TAMoEBalance(4, 1, 8)
     with pytest.raises(ValueError, match="target_WE"):
         TAMoEBalance(2, 1, 8, target_WE=[[1.0, 0.0]])
-    bal = TAMoEBalance(4, 1, 8, cost_model=topo)
+    bal = TAMoEBalance(4, 1, 8, cost_model=links(topo))
     with pytest.raises(ValueError, match=r"rank=4"):
         bal.loss(random_routing(E=4, k=1), 4)
-    with pytest.raises(ValueError, match=r"node_of=\[0, 1\]"):
-        cross_node_share(np.ones((4, 4)), np.arange(4), [0, 1])
     with pytest.raises(ValueError, match=r"alpha_WW"):
         solve_dispatch_lp(-np.ones((2, 2)), np.ones((2, 2)), np.arange(2), 1, 10.0)
 
@@ -329,7 +352,7 @@ def _dispatch_after_training(steer_rate: float, steps: int = 300) -> tuple[np.nd
     on [[0],[1]]): returns (dispatch share per rank [2, 4], target share [2, 4])."""
     torch.manual_seed(0)
     target = np.array([[0.8, 0.8, 0.2, 0.2], [0.2, 0.2, 0.8, 0.8]])  # per token, rows sum to k = 2
-    bal = TAMoEBalance(4, 2, 8, target_WE=target, steer_rate=steer_rate)
+    bal = TAMoEBalance(4, 2, 8, target_WE=target, options=TAMoEOptions(steer_rate=steer_rate, steer_limit=1.0))
     gate = TopKGate(8, 4, 2)
     opt = torch.optim.SGD(gate.parameters(), lr=0.1)
     for _ in range(steps):
@@ -357,14 +380,49 @@ def test_shared_gate_alone_cannot_reach_a_rank_dependent_target_but_steering_doe
     assert np.abs(steered.sum(0) - 1.0).max() < 0.3
 
 
-def test_steering_bias_moves_against_the_target_gap():
-    bal = TAMoEBalance(4, 1, 8, target_WE=np.full((2, 4), 0.25), steer_rate=0.1)
+def test_steering_bias_moves_against_the_target_gap_bounded_and_training_only():
+    bal = TAMoEBalance(4, 1, 8, target_WE=np.full((2, 4), 0.25), options=TAMoEOptions(steer_rate=0.1, steer_limit=0.25))
     bal.observe(torch.tensor([[4, 0, 0, 0], [1, 1, 1, 1]]))  # rank 0 over-serves expert 0
     assert bal.selection_bias(0)[0] < 0 < bal.selection_bias(0)[1]
     assert torch.all(bal.selection_bias(1) == 0)
+    for _ in range(5):
+        bal.observe(torch.tensor([[4, 0, 0, 0], [1, 1, 1, 1]]))
+    assert bal.selection_bias(0)[0] == pytest.approx(-0.25) and bal.selection_bias(0)[1] == pytest.approx(0.25)
     bal.eval()
-    bal.observe(torch.tensor([[4, 0, 0, 0], [1, 1, 1, 1]]))
-    assert bal.selection_bias(0)[0] == pytest.approx(-0.1)  # no update outside training
-    assert TAMoEBalance(4, 1, 8, target_WE=np.full((2, 4), 0.25), steer_rate=0).selection_bias(0) is None
+    assert bal.selection_bias(0) is None, "in eval() every rank routes a token alike"
+    bal.train()
+    assert bal.selection_bias(None) is None, "no topology: no steering"
+    off = TAMoEBalance(4, 1, 8, target_WE=np.full((2, 4), 0.25), options=TAMoEOptions(steer_rate=0))
+    assert off.selection_bias(0) is None
     with pytest.raises(ValueError, match="steer_rate=-1"):
-        TAMoEBalance(4, 1, 8, target_WE=np.full((2, 4), 0.25), steer_rate=-1)
+        TAMoEOptions(steer_rate=-1)
+
+
+def test_ta_moe_in_the_layer_steers_from_choices_before_capacity_and_stops_with_its_loss():
+    """The layer hands TA-MoE the step's choices *before* capacity drops (what its loss counts),
+    and with `balance_weight=0` the term is off: no loss, no bias, no state moving."""
+    topo = Topology.from_spec([[0]], 1e9)  # one device: the EP group of a single process
+    torch.manual_seed(0)
+    opts = {"steer_rate": 0.05, "steer_limit": 0.5}
+    layer = MoELayer(
+        8, 16, 4, top_k=2, balance="ta_moe", cost_model=links(topo), capacity_factor=0.5, balance_options=opts
+    )
+    layer(torch.randn(40, 8) + torch.tensor([3.0] + [0.0] * 7))
+    stats = layer.stats
+    assert stats.dropped > 0 and not torch.equal(stats.flow, stats.choices)
+    choices = stats.choices.double()
+    layer.update_balance()
+    target = torch.as_tensor(layer.balance.target(40), dtype=torch.float64)
+    expected = 0.05 * torch.sign(target * choices.sum(1, keepdim=True) / 2 - choices)
+    torch.testing.assert_close(layer.balance.bias_WE.double(), expected)
+    off = MoELayer(
+        8, 16, 4, top_k=2, balance="ta_moe", balance_weight=0.0, cost_model=links(topo), balance_options=opts
+    )
+    off.balance.bias_WE.fill_(0.3)  # a bias from earlier training is not applied either
+    x = torch.randn(40, 8)
+    plain = off.gate(x)
+    assert torch.equal(off(x) * 0 + 0, off(x) * 0) and torch.equal(
+        off.stats.choices[0], torch.bincount(plain.expert_A, minlength=4)
+    )
+    off.update_balance()
+    assert torch.all(off.balance.bias_WE == 0.3) and off.aux_loss.item() == 0.0

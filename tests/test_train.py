@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from moeflow import cli
+from moeflow.perf.traces import TraceRecorder, load_trace
 from moeflow.training.config import load_config
-from moeflow.training.trainer import RoutingTrace, Trainer, clip_gradients, lr_factor, read_routing_trace
+from moeflow.training.optim import clip_gradients, lr_factor
+from moeflow.training.trainer import Trainer
+
+
+def read_routing_trace(path):
+    trace = load_trace(path)
+    return trace.flow_ILWE.astype(np.int32), trace.steps_I, trace.meta
 
 # A model small enough for a few seconds of CPU; balance weight 0 makes 1- and 2-process runs
 # mathematically identical (the balance loss is per rank), so their losses can be compared.
@@ -92,6 +99,7 @@ def test_single_process_run_learns_and_writes_everything(tmp_path, capsys):
         "world_size": 1,
         "d_model": 32,
         "d_hidden": 64,
+        "expert": "ffn",
         "tokens_per_rank": 8 * 32,
         "layers": [0, 1],
     }
@@ -174,14 +182,14 @@ def test_routing_trace_resume_keeps_steps_up_to_the_checkpoint(tmp_path):
         "tokens_per_rank": 3,
         "layers": [0],
     }
-    trace = RoutingTrace(dict(meta))
+    trace = TraceRecorder(dict(meta))
     for step in (1, 2, 3):
         trace.append(step, np.array([[[step, 3 - step]]]))
     trace.write(tmp_path / "routing.npz")
-    again = RoutingTrace(dict(meta))
+    again = TraceRecorder(dict(meta))
     again.load_until(tmp_path / "routing.npz", 2)
     assert again.steps == [1, 2] and again.flows[1].tolist() == [[[2, 1]]]
-    other = RoutingTrace({**meta, "world_size": 2})
+    other = TraceRecorder({**meta, "world_size": 2})
     other.load_until(tmp_path / "routing.npz", 2)  # other dimensions: old trace kept aside
     assert other.steps == [] and (tmp_path / "routing.until_step2.npz").exists()
 
@@ -226,7 +234,7 @@ def test_user_data_trains(tmp_path):
 def test_trace_file_is_what_the_simulator_reads(tmp_path):
     """docs/traces.md is a contract with `moeflow simulate`: its reader must accept our file."""
     traces = pytest.importorskip("moeflow.perf.traces")
-    trace = RoutingTrace(
+    trace = TraceRecorder(
         {
             "num_experts": 4,
             "top_k": 2,

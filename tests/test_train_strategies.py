@@ -36,14 +36,30 @@ def test_shadow_and_pairwise_follow_ep_and_topology_aware_routing_stays_local(tm
     fast = tmp_path / "fast.json"
     CostModel(Topology([[0], [1]], [1e12, 1e12]), gemm_flops_per_s=1e6).save(fast)
     ep = _train(tmp_path, "ep", fast)
-    both = _train(tmp_path, "both", fast, "moe.strategy=shadow", "moe.schedule=pairwise", "moe.group_size=1")
+    both = _train(
+        tmp_path, "both", fast, "moe.strategy=shadow", "moe.schedule=pairwise", "moe.schedule_options.group_size=1"
+    )
     assert [m["loss"] for m in both] == pytest.approx([m["loss"] for m in ep], rel=1e-5, abs=1e-5)
     assert sum(sum(m["extra_copies_per_layer"]) for m in both) > 0, "the planner never shadowed"
     assert all(sum(m["extra_copies_per_layer"]) == 0 for m in ep)
 
-    # Two nodes of one rank: W_net / (M · W_local) = 0 (no intra-node link to spare), so the
+    # Two nodes of one rank behind a network a million times slower than each device's own link:
+    # W_net / (M · W_local) = 1e-6 (M = 1: the device's link is its local transfer), so the
     # hierarchical gate keeps every assignment on its own node; TA-MoE's loss trains alongside.
-    local = _train(tmp_path, "local", fast, "moe.gate=hierarchical", "moe.balance=ta_moe", "moe.balance_weight=0.01")
+    slow = tmp_path / "slow.json"
+    CostModel(Topology([[0], [1]], [1e6, 1e12]), gemm_flops_per_s=1e6).save(slow)
+    local = _train(tmp_path, "local", slow, "moe.gate=hierarchical", "moe.balance=ta_moe", "moe.balance_weight=0.01")
     assert all(m["cross_node_share"] == 0.0 for m in local)
     assert all(m["cross_node_share"] > 0.0 for m in ep)
     assert sum(m["redirected"] for m in local) > 0
+
+    # The cost model describes the cluster of a run, not the model: the runs sample in one process
+    # and resume on another process count, each with a one-line notice instead of an error.
+    for name in ("both", "local"):
+        with pytest.warns(UserWarning, match="describes 2 devices but this expert-parallel group has 1"):
+            assert cli.main(["generate", "--run", str(tmp_path / name), "--length", "8", "--json"]) == 0
+    argv = ["train", "--nproc", "1", "--steps", "8", "--out", str(tmp_path / "local"), "--resume"]
+    with pytest.warns(UserWarning, match="describes 2 devices"):
+        assert cli.main(argv) == 0
+    resumed = _metrics(tmp_path / "local")
+    assert [m["step"] for m in resumed] == list(range(1, 9)) and resumed[-1]["cross_node_share"] == 0.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 # name -> module; the order is the order of `moeflow --help` (DESIGN.md §3.2).
 COMMANDS = {
@@ -37,7 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"{category.__name__}: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _one_line  # notices (e.g. a cost model of another size) in one line
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)

@@ -27,14 +27,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nproc", type=int, default=None, help="local ranks for the strategy benchmark")
     parser.add_argument("--cost-model", default=None, help="preset name or profile JSON (planners need one)")
     parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.8, 1.2, 1.6], help="Zipf exponents")
-    parser.add_argument("--trace", default=None, help="also replay this routing trace (.npz)")
+    parser.add_argument("--trace", default=None, help="also replay this routing trace: smartmoe or a .npz path")
     parser.add_argument(
         "--variants",
         nargs="+",
         default=["ep:sync", "shadow:sync", "ep:pairwise", "shadow:pairwise"],
         help="strategy:schedule pairs to time",
     )
-    parser.add_argument("--group-size", type=int, default=None, help="pairwise group size (default: from topology)")
+    parser.add_argument(
+        "--group-size", type=int, default=None, help="pairwise: schedule_options group_size (default: from topology)"
+    )
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--out", default=None, help="also write the result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -53,7 +55,7 @@ def _variants(items: list[str]) -> tuple[tuple[str, str], ...]:
 def _strategy_worker(cfg, cost_model_source):
     import torch.distributed as dist
 
-    from moeflow.bench.layer import run_strategy_bench
+    from moeflow.bench.strategies import run_strategy_bench
     from moeflow.core.launch import init_distributed
     from moeflow.perf.costmodel import CostModel
 
@@ -89,7 +91,7 @@ def run(args) -> int:
 
     world, outer = resolve_world_size(args.nproc)
     if world > 1:
-        from moeflow.bench.layer import StrategyBenchConfig
+        from moeflow.bench.strategies import StrategyBenchConfig
 
         variants = _variants(args.variants)
         if any(s != "ep" for s, _ in variants) and not args.cost_model:
@@ -104,7 +106,7 @@ def run(args) -> int:
             skews=tuple(args.skews),
             trace=args.trace,
             variants=variants,
-            group_size=args.group_size,
+            schedule_options=None if args.group_size is None else {"group_size": args.group_size},
             iterations=args.iterations,
         )
         if outer:

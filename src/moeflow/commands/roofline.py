@@ -10,7 +10,7 @@ HELP = "DDL-Roofline (R_CC vs achieved FLOP/s) of a workload per strategy; write
 
 
 def add_arguments(parser):
-    from moeflow.perf.simulator import add_workload_arguments
+    from moeflow.perf.workload import add_workload_arguments
 
     add_workload_arguments(parser)
     parser.add_argument("--out", default="results/roofline", help="directory for roofline.png and roofline.json")
@@ -23,11 +23,12 @@ def run(args) -> int:
     from dataclasses import asdict
 
     from moeflow.perf import roofline
-    from moeflow.perf.simulator import simulate, workload_from_args
+    from moeflow.perf.simulator import simulate
+    from moeflow.perf.workload import workload_from_args
 
-    trace, cost_model, model, strategies, schedules = workload_from_args(args)
-    results = simulate(trace, cost_model, model, strategies, schedules, args.group_size)
-    points = roofline.points_from_simulation(results, model, trace.world_size)
+    trace, cost_model, layer, strategies, schedules = workload_from_args(args)
+    results = simulate(trace, cost_model, layer, strategies, schedules)
+    points = roofline.points_from_simulation(results, layer.shape, cost_model.topology.num_devices)
     if args.measured:
         points += roofline.load_measured(args.measured)
     peak = cost_model.gemm_flops_per_s

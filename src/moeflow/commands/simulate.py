@@ -1,8 +1,8 @@
 """`moeflow simulate`: replay routing traces through the cost model, per strategy and schedule.
 
 moeflow simulate --cluster trevor --trace zipf --iterations 1000 --d-model 1024
-moeflow simulate --cluster johnny --trace smartmoe --d-model 1024 --json
-moeflow simulate --cluster results/profile.json --trace runs/demo/routing.npz
+moeflow simulate --cluster johnny --trace smartmoe --strategy ep,shadow --balance ta_moe --json
+moeflow simulate --cluster results/profile.json --trace runs/demo/routing.npz --option schedule.group_size=1
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ HELP = "predict per-iteration time of a routing trace on a cluster, per strategy
 
 
 def add_arguments(parser):
-    from moeflow.perf.simulator import add_workload_arguments
+    from moeflow.perf.workload import add_workload_arguments
 
     add_workload_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -21,11 +21,12 @@ def run(args) -> int:
     import json
     import time
 
-    from moeflow.perf.simulator import format_table, simulate, workload_from_args
+    from moeflow.perf.simulator import format_table, simulate
+    from moeflow.perf.workload import workload_from_args
 
-    trace, cost_model, model, strategies, schedules = workload_from_args(args)
+    trace, cost_model, layer, strategies, schedules = workload_from_args(args)
     t0 = time.perf_counter()
-    results = simulate(trace, cost_model, model, strategies, schedules, args.group_size)
+    results = simulate(trace, cost_model, layer, strategies, schedules)
     elapsed = time.perf_counter() - t0
     I, L, W, E = trace.flow.shape
     header = {
@@ -35,8 +36,13 @@ def run(args) -> int:
         "layers": L,
         "world_size": W,
         "num_experts": E,
-        "d_model": model.d_model,
-        "d_hidden": model.d_hidden,
+        "d_model": layer.shape.d_model,
+        "d_hidden": layer.shape.d_hidden,
+        "expert": layer.shape.kind,
+        "gate": layer.gate,
+        "balance": layer.balance,
+        "dispatch": layer.dispatch,
+        "options": {axis: dict(o) for axis, o in layer.options.items()},
         "mean_load_imbalance": float(trace.load_imbalance().mean()),
         "simulation_s": elapsed,
     }
@@ -45,7 +51,7 @@ def run(args) -> int:
         return 0
     print(
         f"cluster {cost_model.name} ({W} devices), trace {args.trace}: {I} iterations x {L} layers, "
-        f"E={E}, d={model.d_model}, h={model.d_hidden}, "
+        f"E={E}, d={layer.shape.d_model}, h={layer.shape.d_hidden}, gate {layer.gate}, balance {layer.balance}, "
         f"mean max/mean load {header['mean_load_imbalance']:.2f}"
     )
     print(format_table(results))

@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--cost-model",
         metavar="PRESET|PROFILE.json",
-        help="network/GEMM cost model (moe.cost_model), e.g. for "
+        help="network/GEMM cost model of the cluster (moe.cost_model), e.g. for "
         "--set moe.strategy=shadow, moe.gate=hierarchical or moe.balance=ta_moe",
     )
     parser.add_argument(
@@ -48,8 +48,9 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from moeflow.training import trainer as train
     from moeflow.training.config import load_config
+    from moeflow.training.entry import launch
+    from moeflow.training.run_dir import format_summary
 
     out = Path(args.out)
     overrides = list(args.overrides)
@@ -61,12 +62,12 @@ def run(args) -> int:
     if args.resume and config_path is None and (out / "config.toml").is_file():
         config_path = out / "config.toml"  # continue with the run's own resolved config
     cfg = load_config(config_path, overrides)
-    summary = train.launch(cfg, out, args.resume, args.nproc)
+    summary = launch(cfg, out, args.resume, args.nproc)
     if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     if "error" in summary:
         # Found by the training processes (non-finite loss, checkpoint mismatch): one line, like bad input.
         print(f"moeflow train: error: {summary['error']}", file=sys.stderr)
         return 1
-    print(json.dumps(summary) if args.json else train.format_summary(summary))
+    print(json.dumps(summary) if args.json else format_summary(summary))
     return 0

@@ -7,7 +7,7 @@ and every split size below is derived from it, identically on every rank. With `
 same code runs with W = 1 and the collectives become identities.
 
 Shape suffixes: A assignments on this rank, R rows received, D d_model, W ranks, E experts,
-S source rank, H held experts (experts this rank computes this iteration).
+S source rank, J held experts (experts this rank computes this iteration).
 """
 
 from __future__ import annotations
@@ -25,15 +25,21 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def exchange_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> np.ndarray:
-    """All-gather per-expert counts → the global flow matrix `flow_WE` (int64 numpy) on every rank."""
+def exchange_counts(counts: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[np.ndarray]:
+    """All-gather per-expert count rows (each `[E]`: the counts dispatched, and the choices before
+    capacity drops when they differ) in one collective → one global matrix `[W, E]` (int64 numpy)
+    per row, identical on every rank. A list of one row returns it twice (choices = flow)."""
+    rows_RE = torch.stack([c.to(torch.int64) for c in counts])
     if group is None:
-        return counts_E.cpu().numpy()[None, :].astype(np.int64)
-    world = dist.get_world_size(group)
-    # gloo and nccl both gather int64; the counts live on the compute device for nccl.
-    gathered = torch.empty(world * counts_E.numel(), dtype=torch.int64, device=counts_E.device)
-    dist.all_gather_single(gathered, counts_E.to(torch.int64).contiguous(), group=group)
-    return gathered.view(world, -1).cpu().numpy()
+        gathered = rows_RE.cpu().numpy()[None]
+    else:
+        world = dist.get_world_size(group)
+        # gloo and nccl both gather int64; the counts live on the compute device for nccl.
+        out = torch.empty(world * rows_RE.numel(), dtype=torch.int64, device=rows_RE.device)
+        dist.all_gather_single(out, rows_RE.contiguous().view(-1), group=group)
+        gathered = out.view(world, *rows_RE.shape).cpu().numpy()
+    matrices = [np.ascontiguousarray(gathered[:, r]) for r in range(rows_RE.shape[0])]
+    return matrices if len(matrices) > 1 else matrices * 2
 
 
 class _AllToAllV(torch.autograd.Function):
@@ -90,14 +96,14 @@ def assignment_destinations(expert_A: torch.Tensor, plan_ED: np.ndarray) -> torc
     return (position_A[:, None] >= bounds_ED[expert_A]).sum(1)
 
 
-def source_major_to_expert_major(counts_SH: np.ndarray) -> np.ndarray | None:
+def source_major_to_expert_major(counts_SJ: np.ndarray) -> np.ndarray | None:
     """Permutation that regroups received rows from (source, expert) blocks to (expert, source).
 
     Received rows arrive source by source, each source's rows ordered by expert; the experts want
     their rows contiguous. Returns `perm_R` with `expert_major = received[perm_R]`, or None when
     the rows are already in that order (at most one source sent anything).
     """
-    counts = np.asarray(counts_SH, dtype=np.int64)
+    counts = np.asarray(counts_SJ, dtype=np.int64)
     if np.count_nonzero(counts.sum(1)) <= 1:
         return None
     starts_SH = (np.cumsum(counts.ravel()) - counts.ravel()).reshape(counts.shape)

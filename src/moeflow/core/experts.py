@@ -3,6 +3,7 @@ computed as grouped matmuls over variable-size groups of tokens (never a loop ov
 
 `expert="ffn"`:    y = gelu(x·w1[e] + b1[e])·w2[e] + b2[e]     (exact erf GELU; GPT, FasterMoE)
 `expert="swiglu"`: y = (silu(x·w1[e]) * (x·w3[e]))·w2[e]        (Mixtral; no biases)
+Their parameters, FLOPs and GEMMs as numbers: `moeflow.core.expert_shape`.
 
 Shape suffixes: N rows (tokens × choices) sorted by expert, D d_model, H d_hidden, L local experts.
 """
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-EXPERT_KINDS = ("ffn", "swiglu")
+from moeflow.core.expert_shape import EXPERT_KINDS
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -100,15 +101,15 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_local: int, d_model: int, d_hidden: int, kind: str = "ffn", first_expert: int = 0):
         super().__init__()
         if kind not in EXPERT_KINDS:
-            raise ValueError(f"unknown expert={kind!r}; valid: {list(EXPERT_KINDS)}")
+            raise ValueError(f"unknown expert={kind!r}; valid: {sorted(EXPERT_KINDS)}")
         self.kind, self.first_expert = kind, first_expert
         self.d_model, self.d_hidden = d_model, d_hidden
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
         self.w2 = nn.Parameter(torch.empty(num_local, d_hidden, d_model))
-        if kind == "ffn":
+        if EXPERT_KINDS[kind].biases:
             self.b1 = nn.Parameter(torch.zeros(num_local, d_hidden))
             self.b2 = nn.Parameter(torch.zeros(num_local, d_model))
-        else:
+        if EXPERT_KINDS[kind].matrices == 3:
             self.w3 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
         self.reset_parameters()
 

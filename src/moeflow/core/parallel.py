@@ -22,7 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from moeflow.core.checks import positive_int
 from moeflow.core.experts import GroupedExperts
+from moeflow.core.layer import MoELayer
 
 
 @dataclass
@@ -45,9 +47,10 @@ class ParallelLayout:
         if self.rank is None:
             self.rank = dist.get_rank() if initialized else 0
         for name in ("ep_size", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelLayout: {name}={value!r} must be a positive integer")
+            try:
+                positive_int(name, getattr(self, name))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"ParallelLayout: {exc}") from None
         if self.world_size % self.ep_size:
             raise ValueError(f"ParallelLayout: world_size={self.world_size} is not divisible by ep_size={self.ep_size}")
         if not 0 <= self.rank < self.world_size:
@@ -123,13 +126,18 @@ def _all_reduce_mean(params: list[nn.Parameter], group, world_size: int) -> None
 
 
 def all_reduce_gradients(model: nn.Module, layout: ParallelLayout) -> None:
-    """Make gradients those of the mean loss over the global batch.
+    """Once per optimizer step, after backward: make gradients those of the mean loss over the
+    global batch, and move every MoE layer's balance state (`MoELayer.update_balance`).
 
     Each rank's loss is the mean over its own tokens. A dense parameter's gradient is the average
     over all ranks. An expert's gradient already sums every rank's contribution (the all-to-all
     backward brought them to the owner), so it is summed over its replicas only and divided by the
-    same world size.
+    same world size. Balance terms see the step's expert choices summed over the data-parallel
+    replicas, so their state stays identical on every rank.
     """
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.update_balance(layout.expert_dp_group, layout.dp_size)
     if layout.world_size == 1:
         return
     _all_reduce_mean([p for _, p in dense_parameters(model)], None, layout.world_size)

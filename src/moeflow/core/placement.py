@@ -1,6 +1,6 @@
 """Where experts live: `Placement` (owner + holders) and the dispatch plan derived from it.
 
-Every strategy in moeflow is a planner that returns a `Placement` (SPEC.md §6): plain expert
+Every strategy in moeflow is a planner that returns a `Placement` (docs/architecture.md): plain expert
 parallelism materializes each expert only on its owner; FasterMoE shadowing, Pro-Prophet and
 Hecate add holders. The dispatch plan (`dispatch_counts`) then decides, for each source rank and
 expert, how many assignments go to each holder — local first, then the same node, then remote,
@@ -20,6 +20,42 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from moeflow.core.checks import positive_int
+
+
+def plain_ep_owners(num_experts: int, world_size: int) -> np.ndarray:
+    """owner_E of plain expert parallelism: rank r owns experts `[r·E/W, (r+1)·E/W)` (the one
+    formula every planner, gate, balance term and simulator uses)."""
+    positive_int("num_experts", num_experts)
+    positive_int("world_size", world_size)
+    if num_experts % world_size:
+        raise ValueError(
+            f"num_experts={num_experts} must be a positive multiple of the expert-parallel size {world_size}"
+        )
+    return np.arange(num_experts, dtype=np.int64) // (num_experts // world_size)
+
+
+def send_by_owner(flow_WE: np.ndarray, owner_E: np.ndarray) -> np.ndarray:
+    """Tokens `[..., W, W]` each rank sends to each rank when every expert is computed by its owner
+    alone (plain EP): the flow summed over each rank's experts."""
+    flow = np.asarray(flow_WE)
+    W = flow.shape[-2]
+    return flow @ np.eye(W, dtype=flow.dtype)[np.asarray(owner_E)]
+
+
+def cross_node_share(send_WW: np.ndarray, node_of: Sequence[int] | None) -> float:
+    """Share of the rank-to-rank traffic `send_WW[src, dst]` (tokens, or a pattern such as TA-MoE's
+    target) that crosses nodes; 0.0 without a node layout or without traffic. What the layer reports
+    as `stats.cross_node_share` (its dispatch plan); for a flow under plain EP use `send_by_owner`."""
+    send = np.asarray(send_WW, dtype=np.float64)
+    total = send.sum()
+    if node_of is None or total == 0:
+        return 0.0
+    node_W = np.asarray(node_of)
+    if send.shape != (node_W.size, node_W.size):
+        raise ValueError(f"send_WW shape {send.shape}: expected one row and column per rank of node_of={list(node_of)}")
+    return float(send[node_W[:, None] != node_W[None, :]].sum() / total)
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,12 +95,7 @@ class Placement:
     @classmethod
     def expert_parallel(cls, num_experts: int, world_size: int) -> Placement:
         """Plain EP: rank r owns experts [r·E_local, (r+1)·E_local) and holds nothing else."""
-        if world_size < 1 or num_experts < 1 or num_experts % world_size:
-            raise ValueError(
-                f"num_experts={num_experts} must be a positive multiple of the expert-parallel size {world_size}"
-            )
-        owner = np.arange(num_experts, dtype=np.int64) // (num_experts // world_size)
-        return cls.owners_only(owner, world_size)
+        return cls.owners_only(plain_ep_owners(num_experts, world_size), world_size)
 
     @classmethod
     def owners_only(cls, owner_E: np.ndarray, world_size: int) -> Placement:

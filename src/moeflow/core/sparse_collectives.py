@@ -1,4 +1,4 @@
-"""Sparse collectives over a `Placement` (SPEC.md §6; Hecate §3 spAG/spRS; Pro-Prophet Trans/Agg).
+"""Sparse collectives over a `Placement` (Hecate §3 spAG/spRS; Pro-Prophet §IV-A Trans/Agg).
 
 `materialize` copies each expert's parameters from its owner to the other holders; its backward is
 `reduce_to_owner`: every holder's gradient for a copy is sent back and summed into the owner's
@@ -9,7 +9,7 @@ held by every rank (FasterMoE shadowing) move as one message per owner: through 
 per owner (a pipelined ring with NCCL), or, with gloo across nodes, through the two-level tree of
 `placement.broadcast_tree` (each inter-node link carries them once; all owners at the same time).
 
-Shape suffixes: L experts owned by this rank, H experts held (computed) by this rank, P flattened
+Shape suffixes: L experts owned by this rank, J experts held (computed) by this rank, P flattened
 parameters of one expert, M messages (copies received by this rank).
 """
 
@@ -88,18 +88,50 @@ def _p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tenso
             work.wait()
 
 
+@dataclass
+class _Layout:
+    """Where each held expert's weights come from, and the flat message layout of one expert."""
+
+    owned_pos: torch.Tensor
+    """Positions in `held_J` of the experts this rank owns."""
+    owned_rows: torch.Tensor
+    """Their rows in the local parameters."""
+    recv_pos: torch.Tensor
+    """Positions in `held_J` of the received copies, in the order of `_Transfers.received`."""
+    sent_rows: list[int]
+    """Local rows this rank sends (to partial replica sets, or held everywhere): only these are
+    flattened into messages."""
+    widths: list[int]
+    """Elements of one expert in each parameter (the columns of a flat message)."""
+    first_expert: int
+    """Global id of local row 0."""
+
+
+def _columns(widths: list[int]) -> list[slice]:
+    offsets = np.concatenate([[0], np.cumsum(widths)])
+    return [slice(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
 class _Materialize(torch.autograd.Function):
-    """forward: owner → holders copies; backward: holders → owner gradient sums."""
+    """forward: owner → holders copies, returning the weights of the held experts; backward:
+    holders → owner gradient sums, written with the held experts' own gradients into one gradient
+    per parameter (no full-size zero gradient beside the owned experts', nothing flattened but the
+    experts that travel)."""
 
     @staticmethod
-    def forward(ctx, plan, group, first_expert, *local_params):
-        me = plan.me
-        ctx.plan, ctx.group, ctx.first = plan, group, first_expert
+    def forward(ctx, plan, group, layout, *local_params):
+        me, first = plan.me, layout.first_expert
+        ctx.plan, ctx.group, ctx.layout = plan, group, layout
         ctx.shapes = [p.shape for p in local_params]
-        flat_LP = torch.cat([p.detach().reshape(p.shape[0], -1) for p in local_params], dim=1)
-        recv_MP = flat_LP.new_empty((len(plan.received), flat_LP.shape[1]))
+        cols = _columns(layout.widths)
+        sent_index = {row: i for i, row in enumerate(layout.sent_rows)}
+        rows = torch.tensor(layout.sent_rows, dtype=torch.long, device=local_params[0].device)
+        flat_sent = torch.cat(
+            [p.detach().index_select(0, rows).reshape(len(rows), w) for p, w in zip(local_params, layout.widths)], dim=1
+        )
+        recv_MP = flat_sent.new_empty((len(plan.received), sum(layout.widths)))
         _p2p(
-            [(peer, flat_LP[e - first_expert].contiguous()) for e, peer in plan.sends],
+            [(peer, flat_sent[sent_index[e - first]]) for e, peer in plan.sends],
             [(peer, recv_MP[i]) for i, (_, peer) in enumerate(plan.recvs)],
             group,
         )
@@ -107,7 +139,7 @@ class _Materialize(torch.autograd.Function):
         def message(owner: int) -> torch.Tensor:
             """`owner`'s everywhere-experts: the local rows on the owner, the received rows elsewhere."""
             if owner == me:
-                return flat_LP[[e - first_expert for e in plan.everywhere[owner]]].contiguous()
+                return flat_sent[[sent_index[e - first] for e in plan.everywhere[owner]]]
             return recv_MP[plan.rows(owner)]
 
         if plan.tree is None:
@@ -120,14 +152,36 @@ class _Materialize(torch.autograd.Function):
                     [(src, recv_MP[plan.rows(owner)]) for owner, src, dst in stage if dst == me],
                     group,
                 )
-        return recv_MP
+        held = []
+        for p, col in zip(local_params, cols):
+            out = p.new_empty((len(layout.owned_pos) + len(layout.recv_pos), *p.shape[1:]))
+            out.index_copy_(0, layout.owned_pos, p.detach().index_select(0, layout.owned_rows))
+            out.index_copy_(0, layout.recv_pos, recv_MP[:, col].reshape(-1, *p.shape[1:]))
+            held.append(out)
+        return tuple(held)
 
     @staticmethod
-    def backward(ctx, grad_MP):
-        plan, group, first, me = ctx.plan, ctx.group, ctx.first, ctx.plan.me
-        grad_MP = grad_MP.contiguous()
+    def backward(ctx, *grad_held):
+        plan, group, layout, me = ctx.plan, ctx.group, ctx.layout, ctx.plan.me
+        first = layout.first_expert
+        cols = _columns(layout.widths)
+        grads = []
+        for shape, g in zip(ctx.shapes, grad_held):
+            grad = g.new_zeros(shape)
+            grad.index_add_(0, layout.owned_rows, g.index_select(0, layout.owned_pos))
+            grads.append(grad)
+        # The copies' gradients, one flat row per received expert (the messages' layout).
+        n_recv = len(layout.recv_pos)
+        grad_MP = torch.cat(
+            [g.index_select(0, layout.recv_pos).reshape(n_recv, w) for g, w in zip(grad_held, layout.widths)], 1
+        )
         width = grad_MP.shape[1]
-        grad_LP = grad_MP.new_zeros((ctx.shapes[0][0], width))
+
+        def add_rows(rows: list[int], flat: torch.Tensor) -> None:
+            index = torch.tensor(rows, dtype=torch.long, device=flat.device)
+            for grad, col in zip(grads, cols):
+                grad.index_add_(0, index, flat[:, col].reshape(len(rows), *grad.shape[1:]))
+
         # reduce_to_owner: every holder's gradient for a copy is summed into the owner's row.
         incoming = grad_MP.new_empty((len(plan.sends), width))
         _p2p(
@@ -136,11 +190,11 @@ class _Materialize(torch.autograd.Function):
             group,
         )
         if plan.sends:
-            grad_LP.index_add_(0, torch.tensor([e - first for e, _ in plan.sends], device=grad_LP.device), incoming)
+            add_rows([e - first for e, _ in plan.sends], incoming)
         # Per owner of everywhere-experts: this rank's partial sum of their gradients.
         partial = {
-            owner: grad_MP.new_zeros((len(experts), width)) if owner == me else grad_MP[plan.rows(owner)].clone()
-            for owner, experts in plan.everywhere.items()
+            owner: grad_MP.new_zeros((len(rows), width)) if owner == me else grad_MP[plan.rows(owner)].clone()
+            for owner, rows in plan.everywhere.items()
         }
         if plan.tree is None:
             for owner in plan.everywhere:
@@ -156,12 +210,7 @@ class _Materialize(torch.autograd.Function):
                 for owner, _, buf in inbox:
                     partial[owner] += buf
         if me in plan.everywhere:
-            grad_LP[[e - first for e in plan.everywhere[me]]] += partial[me]
-        grads, offset = [], 0
-        for s in ctx.shapes:
-            n = int(np.prod(s[1:]))
-            grads.append(grad_LP[:, offset : offset + n].reshape(s))
-            offset += n
+            add_rows([e - first for e in plan.everywhere[me]], partial[me])
         return (None, None, None, *grads)
 
 
@@ -170,11 +219,11 @@ def materialize(
     placement: Placement,
     group,
     first_expert: int,
-    held_H: np.ndarray,
+    held_J: np.ndarray,
     node_of: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Weights `[H, ...]` of the experts this rank holds (in `held_H` order), differentiable:
-    owned experts are slices of `weights`; the others arrive from their owners, and their
+    """Weights `[J, ...]` of the experts this rank holds (in `held_J` order), differentiable:
+    owned experts are this rank's own rows; the others arrive from their owners, and their
     gradients flow back to the owners (reduce_to_owner) in backward.
 
     `node_of` (node of every rank; None: one node) routes copies of experts held everywhere through
@@ -185,19 +234,24 @@ def materialize(
     names = list(weights)
     local = [weights[n] for n in names]
     plan = _transfers(placement, dist.get_rank(group), node_of, dist.get_backend(group))
-    recv_MP = _Materialize.apply(plan, group, first_expert, *local)
-    received = {e: i for i, e in enumerate(plan.received)}
     num_local = local[0].shape[0]
-    owned = [int(e) for e in held_H if first_expert <= e < first_expert + num_local]
-    owned_rows = torch.tensor([e - first_expert for e in owned], dtype=torch.long, device=local[0].device)
-    # Position of each held expert in cat([owned rows, received rows]).
-    index = {e: i for i, e in enumerate(owned)}
-    index.update({e: len(owned) + received[e] for e in held_H if int(e) in received})
-    order_H = torch.tensor([index[int(e)] for e in held_H], dtype=torch.long, device=local[0].device)
-    out, offset = {}, 0
-    for name, w in zip(names, local):
-        n = int(np.prod(w.shape[1:]))
-        copies = recv_MP[:, offset : offset + n].reshape(-1, *w.shape[1:])
-        out[name] = torch.cat([w.index_select(0, owned_rows), copies], dim=0).index_select(0, order_H)
-        offset += n
-    return out
+    device = local[0].device
+    held = [int(e) for e in held_J]
+    received = {e: i for i, e in enumerate(plan.received)}
+    owned = [j for j, e in enumerate(held) if first_expert <= e < first_expert + num_local]
+    recv_pos = [0] * len(received)
+    for j, e in enumerate(held):
+        if e in received:
+            recv_pos[received[e]] = j
+    sent_rows = sorted(
+        {e - first_expert for e, _ in plan.sends} | {e - first_expert for e in plan.everywhere.get(plan.me, [])}
+    )
+    layout = _Layout(
+        owned_pos=torch.tensor(owned, dtype=torch.long, device=device),
+        owned_rows=torch.tensor([held[j] - first_expert for j in owned], dtype=torch.long, device=device),
+        recv_pos=torch.tensor(recv_pos, dtype=torch.long, device=device),
+        sent_rows=sent_rows,
+        widths=[int(np.prod(w.shape[1:])) for w in local],
+        first_expert=first_expert,
+    )
+    return dict(zip(names, _Materialize.apply(plan, group, layout, *local)))

@@ -1,13 +1,16 @@
-"""One cost model for planners, simulator and roofline (SPEC §1.1, §3.2, §4.3; DESIGN.md §2).
+"""One cost model for planners, simulator and roofline (docs/performance.md).
 
-Three families of formulas live behind one object:
+Two families of formulas live behind one object:
 
 * α-β fits per operation kind, ``t = α + β·n`` with n in bytes (collectives) or FLOPs (GEMM) —
-  FSMoE §4.1 Eq. 1, fitted by ``moeflow profile`` or taken from published constants;
+  FSMoE §4.1 Eq. 1, fitted by ``moeflow profile`` or taken from published constants
+  (``moeflow.perf.alpha_beta``);
 * the topology-aware link model of FasterMoE §3 (Eq. 1-2): compute time is the slowest device's
   ``4·B_w·h·d / P``; communication time is ``max_l T_l / W_l`` over *directed* links, where
-  ``T_l`` is the traffic the collective puts on link l (tree routing, see ``Topology``);
-* Pro-Prophet's planner model (§IV-B Eq. 1-8) and FasterMoE's shadowing model (Eq. 7-8).
+  ``T_l`` is the traffic the collective puts on link l (tree routing, see ``Topology``).
+
+Planners and the simulator price a layer with the same methods (``compute_time``, ``a2a_time``,
+``copies_time``, ``count_exchange_time``), so a plan is chosen on the numbers it is simulated with.
 
 When both a profile fit and the topology are known, the all-to-all-v time is the link model
 calibrated on the fitted uniform all-to-all: ``t(flow) = α_a2a + η·max_l T_l(flow)/W_l`` with
@@ -28,125 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import optimize
 
+from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import broadcast_tree, copies_by_tree
-from moeflow.perf.topology import Topology, preset_peak_flops
-
-OP_KINDS = (
-    "a2a",
-    "all_gather",
-    "reduce_scatter",
-    "all_reduce",
-    "broadcast",
-    "reduce",
-    "p2p_intra",
-    "p2p_inter",
-    "copies",
-    "gemm",
-    "elementwise",
-)
-"""Operation kinds the profiler measures and the cost model prices."""
+from moeflow.perf.alpha_beta import OP_KINDS, AlphaBeta, published_fits
+from moeflow.perf.topology import Topology
+from moeflow.perf.topology_presets import PRESETS, preset_peak_flops
 
 # FasterMoE §3.1: "a V100 GPU can achieve more than 90% of its peak throughput when running
 # GeMMs"; the paper's model uses 90% of peak as P.
 GEMM_PEAK_FRACTION = 0.9
-
-# GEMMs per expert and FLOPs per token, forward (SPEC notation: 2-layer FFN = 4·d·h FLOPs/token;
-# gated SwiGLU FFN has three d×h matrices = 6·d·h).
-_EXPERT_GEMMS = {"ffn": 2, "swiglu": 3}
-_EXPERT_FLOPS_PER_DH = {"ffn": 4, "swiglu": 6}
-
-
-# Memory-bound work per assignment outside the GEMMs, forward, in elements: dispatch copy
-# (read+write d), bias + activation on the hidden (read+write h, twice), second bias and the
-# weighted combine (read+write d, twice). Backward touches about twice as much. FasterMoE's model
-# leaves this out (GPU kernels fuse it and GEMMs dominate); on CPU it is 10-40% of a layer, so it
-# is priced when the profile has an ``elementwise`` fit and ignored otherwise.
-def elementwise_elements_per_assignment(d_model: int, d_hidden: int) -> int:
-    return 6 * d_model + 4 * d_hidden
-
-
-@dataclass(frozen=True)
-class AlphaBeta:
-    """``t = α + β·n`` for one operation kind (FSMoE §4.1 Eq. 1; TA-MoE Eq. 2)."""
-
-    alpha_s: float
-    """Start-up time in seconds."""
-    beta_s_per_unit: float
-    """Seconds per byte (collectives) or per FLOP (GEMM)."""
-    unit: str = "byte"
-    """``byte`` or ``flop``."""
-    r2: float | None = None
-    """Coefficient of determination of the least-squares fit (None for published constants)."""
-    source: str = ""
-    """Where the constants come from (profile file, paper figure)."""
-
-    def __post_init__(self) -> None:
-        if self.unit not in ("byte", "flop"):
-            raise ValueError(f"AlphaBeta unit={self.unit!r}: expected 'byte' or 'flop'")
-        for name in ("alpha_s", "beta_s_per_unit"):
-            v = getattr(self, name)
-            if not math.isfinite(v):
-                raise ValueError(f"AlphaBeta {name}={v!r}: must be finite")
-
-    def __call__(self, n: Any) -> Any:
-        return self.alpha_s + self.beta_s_per_unit * np.asarray(n, dtype=np.float64)
-
-    @classmethod
-    def fit(cls, sizes: Sequence[float], times_s: Sequence[float], unit: str = "byte", source: str = "") -> AlphaBeta:
-        """Least-squares line through (size, time) with an intercept, constrained to α, β >= 0
-        (``scipy.optimize.lsq_linear``): a start-up time or a cost per byte cannot be negative, and
-        an unconstrained fit on noisy small sizes can give α < 0 and negative predictions.
-        r² is the coefficient of determination of the fitted line."""
-        x, y = np.asarray(sizes, dtype=np.float64), np.asarray(times_s, dtype=np.float64)
-        if x.shape != y.shape or x.size < 2 or np.unique(x).size < 2:
-            raise ValueError(f"AlphaBeta.fit: need >= 2 distinct sizes with one time each, got sizes={x.tolist()}")
-        scale = float(np.abs(x).max())  # columns of similar magnitude for the solver
-        A = np.stack([np.ones_like(x), x / scale], axis=1)
-        res = optimize.lsq_linear(A, y, bounds=(0.0, np.inf))
-        alpha, beta = float(res.x[0]), float(res.x[1] / scale)
-        ss_tot = float(np.sum((y - y.mean()) ** 2))
-        r2 = 1.0 - float(np.sum((y - A @ res.x) ** 2)) / ss_tot if ss_tot > 0 else 1.0
-        return cls(alpha, beta, unit, r2, source)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "alpha_s": self.alpha_s,
-            "beta_s_per_unit": self.beta_s_per_unit,
-            "unit": self.unit,
-            "r2": self.r2,
-            "source": self.source,
-        }
-
-
-# FSMoE Fig. 5 (§6.2): published fits, α in ms, β in ms per float32 element (comm) or per FLOP
-# (GEMM). Converted below to seconds and seconds per byte.
-_FSMOE_FIG5 = {
-    "fsmoe_a": {
-        "gemm": (4.26e-2, 2.29e-11),
-        "a2a": (2.87e-1, 2.21e-7),
-        "all_gather": (3.37e-1, 2.32e-6),
-        "reduce_scatter": (3.95e-1, 2.34e-7),
-        "all_reduce": (5.11e-1, 4.95e-6),
-    },
-    "fsmoe_b": {
-        "gemm": (9.24e-2, 4.42e-11),
-        "a2a": (1.75e-1, 3.06e-7),
-        "all_gather": (3.20e-2, 1.68e-7),
-        "reduce_scatter": (3.91e-2, 1.67e-7),
-        "all_reduce": (8.37e-2, 5.99e-7),
-    },
-}
-
-
-def _published_fits(preset: str) -> dict[str, AlphaBeta]:
-    out = {}
-    for kind, (a_ms, b_ms) in _FSMOE_FIG5.get(preset, {}).items():
-        unit = "flop" if kind == "gemm" else "byte"
-        beta = b_ms * 1e-3 if unit == "flop" else b_ms * 1e-3 / 4  # per element of 4 bytes
-        out[kind] = AlphaBeta(a_ms * 1e-3, beta, unit, None, f"FSMoE Fig. 5 ({preset})")
-    return out
 
 
 @dataclass
@@ -167,7 +61,7 @@ class CostModel:
     """CPU runs only: every device is a process on one host with this many cores (gloo on one
     machine, the netns testbed). Profiled compute times were measured with all ranks busy at once;
     with uneven loads the busiest rank speeds up as the others finish (processor sharing, see
-    ``layer_compute_time``). None: each device computes on its own hardware (GPUs)."""
+    ``slowest``). None: each device computes on its own hardware (GPUs)."""
     a2a_calibration: bool = True
     """With an ``a2a`` fit: scale the link model so that a uniform exchange costs exactly the fit
     (module docstring). False: FasterMoE Eq. 2 as published — link bandwidths (from the topology
@@ -199,9 +93,8 @@ class CostModel:
         if W > 1:
             bw = [topo.path_bandwidth(i, j) for i in range(W) for j in range(W) if i != j]
             self.mean_bandwidth_bytes_per_s = float(np.mean(bw))
-            self.net_bandwidth_bytes_per_s = float(topo.bandwidth_L.min())
         else:
-            self.mean_bandwidth_bytes_per_s = self.net_bandwidth_bytes_per_s = math.inf
+            self.mean_bandwidth_bytes_per_s = math.inf
         # Calibration of the link model on the fitted uniform all-to-all (module docstring).
         self._a2a_eta = 1.0
         if "a2a" in self.fits and W > 1 and self.a2a_calibration:
@@ -236,48 +129,101 @@ class CostModel:
             return f.alpha_s * np.asarray(calls) * (flops > 0) + f.beta_s_per_unit * flops
         return flops / self.gemm_flops_per_s
 
-    def expert_forward_time(
-        self, tokens_W: Any, d_model: int, d_hidden: int, expert: str = "ffn", gemm_calls: Any = None
-    ) -> np.ndarray:
-        """Per-device forward expert time ``[..., W]``; FasterMoE Eq. 1 (``4·B_w·h·d / P`` for ffn).
+    def expert_forward_time(self, tokens_W: Any, shape: ExpertShape, gemm_calls: Any = None) -> np.ndarray:
+        """Per-device forward expert GEMM time ``[..., W]``; FasterMoE Eq. 1 (``4·B_w·h·d / P`` for ffn).
 
         ``gemm_calls`` (per device) prices the α of a fitted GEMM model; default: one launch of each
         of the expert's GEMMs per device.
         """
-        if expert not in _EXPERT_GEMMS:
-            raise ValueError(f"expert={expert!r}: expected one of {sorted(_EXPERT_GEMMS)}")
-        tokens = np.asarray(tokens_W, dtype=np.float64)
-        flops = _EXPERT_FLOPS_PER_DH[expert] * d_model * d_hidden * tokens
-        calls = _EXPERT_GEMMS[expert] if gemm_calls is None else gemm_calls
-        return self.gemm_time(flops, calls)
+        flops = shape.forward_flops_per_token * np.asarray(tokens_W, dtype=np.float64)
+        return self.gemm_time(flops, shape.gemms if gemm_calls is None else gemm_calls)
 
-    def elementwise_time(self, tokens_W: Any, d_model: int, d_hidden: int) -> np.ndarray:
-        """Per-device forward time of the memory-bound part of the experts ``[..., W]`` (0 without an
-        ``elementwise`` fit; see ``elementwise_elements_per_assignment``)."""
+    def elementwise_time(self, tokens_W: Any, shape: ExpertShape) -> np.ndarray:
+        """Per-device forward time of the memory-bound part of the experts ``[..., W]``
+        (``ExpertShape.elementwise_elements_per_token``), priced when the profile has an
+        ``elementwise`` fit and 0 otherwise (GPU kernels fuse it)."""
         tokens = np.asarray(tokens_W, dtype=np.float64)
         if "elementwise" not in self.fits:
             return np.zeros_like(tokens)
-        nbytes = tokens * elementwise_elements_per_assignment(d_model, d_hidden) * self.bytes_per_element
+        nbytes = tokens * shape.elementwise_elements_per_token * self.bytes_per_element
         return np.where(tokens > 0, self.fits["elementwise"](nbytes), 0.0)
 
-    def layer_compute_time(
-        self, tokens_W: Any, d_model: int, d_hidden: int, expert: str = "ffn", gemm_calls: Any = None
-    ) -> np.ndarray:
-        """FasterMoE Eq. 1: ``Lat_comp = max_w`` forward expert time -> ``[...]`` (GEMMs, plus the
-        memory-bound part when profiled)."""
-        t_W = self.expert_forward_time(tokens_W, d_model, d_hidden, expert, gemm_calls)
-        t_W = t_W + self.elementwise_time(tokens_W, d_model, d_hidden)
+    def device_compute_time(self, tokens_WE: Any, shape: ExpertShape) -> np.ndarray:
+        """Forward expert time of every device ``[..., W]`` from the tokens it computes for each
+        expert ``[..., W, E]``: GEMMs plus the memory-bound part, with a fitted GEMM's α paid once per
+        GEMM of every expert that has tokens (the per-expert kernels launch one each)."""
+        tokens_WE = np.asarray(tokens_WE, dtype=np.float64)
+        tokens_W = tokens_WE.sum(-1)
+        calls_W = (tokens_WE > 0).sum(-1) * shape.gemms
+        return self.expert_forward_time(tokens_W, shape, calls_W) + self.elementwise_time(tokens_W, shape)
+
+    def compute_time(self, tokens_WE: Any, shape: ExpertShape) -> np.ndarray:
+        """FasterMoE Eq. 1, ``Lat_comp`` ``[...]``: the forward expert time of the slowest device
+        (``device_compute_time``), with processor sharing when the devices share a host's cores."""
+        return self.slowest(self.device_compute_time(tokens_WE, shape))
+
+    def slowest(self, t_W: Any) -> np.ndarray:
+        """``max_w t_w`` of per-device compute times ``[..., W]``; when W processes share a host's C
+        cores (``host_cores``) the profiled times are "all busy" times and the busiest rank speeds up
+        as the others finish (processor sharing)."""
+        t_W = np.asarray(t_W, dtype=np.float64)
         W = t_W.shape[-1]
         C = self.host_cores
         if C is None or W <= C:
             return t_W.max(axis=-1)
-        # W processes share C cores. The profiled times t_w are "all W busy" times, i.e. full-core
-        # work w = t·C/W. Processor sharing: in the phase where n ranks are still busy each runs at
+        # Full-core work of rank w is t_w·C/W. In the phase where n ranks are still busy each runs at
         # min(1, C/n); the phases end as ranks finish in ascending order of work.
         w_W = np.sort(t_W, axis=-1) * (C / W)
         dw_W = np.diff(w_W, axis=-1, prepend=0.0)
         active_W = W - np.arange(W)
         return (dw_W * np.maximum(1.0, active_W / C)).sum(axis=-1)
+
+    def sync_step_times(
+        self, send_tokens_WW: Any, computed_WE: Any, shape: ExpertShape
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(compute, all-to-all) seconds ``[...]`` of one synchronous training step of a layer,
+        FasterMoE §3.3: ``3·Lat_comp`` (forward + 2× backward) and four all-to-all-v (dispatch and
+        combine, forward and backward; the combine is the dispatch reversed). ``send_tokens_WW``:
+        tokens each rank sends each rank ``[..., W, W]`` (the diagonal stays local and is ignored);
+        ``computed_WE``: tokens each rank computes per expert ``[..., W, E]``. The shadow planner
+        and the simulator price a step with this one function."""
+        send = np.asarray(send_tokens_WW, dtype=np.float64) * shape.d_model * self.bytes_per_element
+        W = send.shape[-1]
+        send = send * (1.0 - np.eye(W))
+        a2a = 2 * (self.a2a_time(send) + self.a2a_time(np.swapaxes(send, -1, -2)))
+        return 3 * self.compute_time(computed_WE, shape), a2a
+
+    def count_exchange_time(self, num_experts: int, rows: int = 1) -> float:
+        """The count exchange before every dispatch (``core.dispatch.exchange_counts``): one
+        all-gather in which every rank contributes ``rows × E`` int64 counts."""
+        W = self.topology.num_devices
+        return self.collective_time("all_gather", 8.0 * rows * num_experts * W)
+
+    def pair_costs(self) -> tuple[np.ndarray, np.ndarray]:
+        """α_WW (s) and β_WW (s/byte) of every delivery i -> j (TA-MoE §4.1 Eq. 2), from
+        ``p2p_time``: a profiled ``p2p_intra``/``p2p_inter`` fit wins over the topology's links
+        (latency + bytes / bottleneck bandwidth of the route).
+
+        The self delivery i -> i has no route; it is priced like the cheapest delivery from i to any
+        other device. Why: TA-MoE §4.2 states that on a homogeneous network *every* one of the P·P
+        deliveries shares the same α, β and the target is uniform; and the 2-level closed form counts
+        the sender among the m devices of its node at the intra-node cost. Pricing the self copy at 0
+        instead would make "keep everything local" optimal on any network.
+        """
+        W = self.topology.num_devices
+        alpha_WW, beta_WW = np.zeros((W, W)), np.zeros((W, W))
+        probe = 1e9  # bytes: β from the slope over a large message, exact for an affine model
+        for i in range(W):
+            for j in range(W):
+                if i != j:
+                    alpha_WW[i, j] = float(self.p2p_time(0.0, i, j))
+                    beta_WW[i, j] = (float(self.p2p_time(probe, i, j)) - alpha_WW[i, j]) / probe
+        if W > 1:
+            off_WW = ~np.eye(W, dtype=bool)
+            for i in range(W):
+                cheapest = np.flatnonzero(off_WW[i])[np.argmin(beta_WW[i, off_WW[i]])]
+                alpha_WW[i, i], beta_WW[i, i] = alpha_WW[i, cheapest], beta_WW[i, cheapest]
+        return alpha_WW, beta_WW
 
     # ---- collectives ------------------------------------------------------------------------
     def a2a_time(self, bytes_WW: np.ndarray) -> np.ndarray:
@@ -449,65 +395,6 @@ class CostModel:
                     flow[src, dst] += bytes_per_owner_W[o]
         return flows
 
-    # ---- paper formulas for planners ------------------------------------------------------------
-    def fastermoe_imbalance_time(self, tokens_W: Any, d_model: int, d_hidden: int) -> np.ndarray:
-        """FasterMoE Eq. 7: ``max_w (3·4·B_w·h·d/P + 4·B_w·d·bytes/W_net)``."""
-        B = np.asarray(tokens_W, dtype=np.float64)
-        comp = 3 * self.expert_forward_time(B, d_model, d_hidden)
-        comm = 4 * B * d_model * self.bytes_per_element / self.net_bandwidth_bytes_per_s
-        return (comp + comm).max(axis=-1)
-
-    def fastermoe_shadow_time(self, tokens_W: Any, num_shadowed: Any, d_model: int, d_hidden: int) -> np.ndarray:
-        """FasterMoE Eq. 8: ``max_w 3·4·B'_w·h·d/P + 2·r·(2·h·d·bytes)/W_net`` (broadcast params
-        forward, reduce grads backward; an expert has 2·h·d parameters)."""
-        comp = 3 * self.layer_compute_time(tokens_W, d_model, d_hidden)
-        param_bytes = 2 * d_model * d_hidden * self.bytes_per_element
-        return comp + 2 * np.asarray(num_shadowed) * param_bytes / self.net_bandwidth_bytes_per_s
-
-    def prophet_times(
-        self,
-        recv_tokens_W: Any,
-        compute_tokens_W: Any,
-        num_transferred: Any,
-        num_not_transferred: Any,
-        d_model: int,
-        d_hidden: int,
-        nonmoe_forward_s: float = 0.0,
-        nonmoe_backward_s: float = 0.0,
-    ) -> dict[str, np.ndarray]:
-        """Pro-Prophet §IV-B Eq. 1-8 for one layer. Returns every term and both totals:
-
-        ``a2a = max_i R_i·tok_bytes/B̄`` (Eq. 1), ``fec = max_i H_i/t`` with t tokens/s (Eq. 2),
-        ``bec = 2·fec`` (Eq. 3), ``trans = s·(D−n)·size/(D·B̄)`` (Eq. 4), ``agg`` likewise (Eq. 5),
-        ``total = 4·a2a + 3·fec + trans + agg`` (Eq. 6), ``overlapped`` with
-        ``max(0, trans − fec − fnec)`` and ``max(0, agg − bec − bnec)`` (Eq. 7-8).
-        """
-        D = self.topology.num_devices
-        bbar = self.mean_bandwidth_bytes_per_s
-        tok_bytes = d_model * self.bytes_per_element
-        size = 2 * d_model * d_hidden * self.bytes_per_element
-        a2a = np.asarray(recv_tokens_W, dtype=np.float64).max(axis=-1) * tok_bytes / bbar
-        fec = self.layer_compute_time(compute_tokens_W, d_model, d_hidden)
-        bec = 2 * fec
-        s, n = (
-            np.asarray(num_transferred, dtype=np.float64),
-            np.asarray(num_not_transferred, dtype=np.float64),
-        )
-        trans = s * (D - n) * size / (D * bbar)
-        agg = trans
-        total = 4 * a2a + 3 * fec + trans + agg
-        ptrans = np.maximum(0.0, trans - fec - nonmoe_forward_s)
-        pagg = np.maximum(0.0, agg - bec - nonmoe_backward_s)
-        return {
-            "a2a": a2a,
-            "fec": fec,
-            "bec": bec,
-            "trans": trans,
-            "agg": agg,
-            "total": total,
-            "overlapped": 4 * a2a + 3 * fec + ptrans + pagg,
-        }
-
     # ---- construction and JSON --------------------------------------------------------------------
     @classmethod
     def from_preset(
@@ -517,7 +404,7 @@ class CostModel:
         also carry the α-β constants of FSMoE Fig. 5 unless ``with_published_fits=False``."""
         topo = Topology.preset(name)
         flops = gemm_flops_per_s if gemm_flops_per_s is not None else GEMM_PEAK_FRACTION * preset_peak_flops(name)
-        fits = _published_fits(topo.name) if with_published_fits else {}
+        fits = published_fits(topo.name) if with_published_fits else {}
         return cls(topo, flops, fits, name=topo.name)
 
     def to_dict(self) -> dict[str, Any]:
@@ -575,8 +462,6 @@ class CostModel:
     @classmethod
     def resolve(cls, value: str, gemm_flops_per_s: float | None = None) -> CostModel:
         """CLI helper: a topology preset name or a profile/cost-model JSON file."""
-        from moeflow.perf.topology import PRESETS
-
         if value.lower().replace("-", "_") in PRESETS:
             return cls.from_preset(value, gemm_flops_per_s)
         if Path(value).is_file():

@@ -1,4 +1,4 @@
-"""DDL-Roofline (FasterMoE §3.3, SPEC §1.1).
+"""DDL-Roofline (FasterMoE §3.3).
 
 x axis: ``R_CC = Lat_comp / Lat_comm`` (forward expert time of the slowest device over one
 all-to-all); y axis: average achieved throughput per device
@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from moeflow.perf.simulator import Breakdown, ModelConfig
-
-_FLOPS_PER_TOKEN_DH = {"ffn": 4, "swiglu": 6}
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.perf.simulator import Breakdown
 
 
 @dataclass
@@ -43,13 +42,13 @@ class RooflinePoint:
     """``predicted`` (simulator) or ``measured``."""
 
 
-def throughput(tokens: Any, lat_e2e_s: Any, world_size: int, model: ModelConfig) -> np.ndarray:
+def throughput(tokens: Any, lat_e2e_s: Any, world_size: int, shape: ExpertShape) -> np.ndarray:
     """FasterMoE §3.3: ``P̄ = 3·f·Σ_w B_w / (N·Lat_e2e)``."""
-    f = _FLOPS_PER_TOKEN_DH[model.expert] * model.d_model * model.d_hidden
+    f = shape.forward_flops_per_token
     return 3 * f * np.asarray(tokens, dtype=np.float64) / (world_size * np.asarray(lat_e2e_s, dtype=np.float64))
 
 
-def points_from_simulation(results: Sequence[Breakdown], model: ModelConfig, world_size: int) -> list[RooflinePoint]:
+def points_from_simulation(results: Sequence[Breakdown], shape: ExpertShape, world_size: int) -> list[RooflinePoint]:
     """One point per (strategy, schedule): means over iterations and layers."""
     out = []
     for r in results:
@@ -61,7 +60,7 @@ def points_from_simulation(results: Sequence[Breakdown], model: ModelConfig, wor
             RooflinePoint(
                 f"{r.strategy}/{r.schedule}",
                 comp / comm if comm > 0 else float("inf"),
-                float(throughput(tokens, e2e, world_size, model)),
+                float(throughput(tokens, e2e, world_size, shape)),
                 comp,
                 comm,
                 e2e,

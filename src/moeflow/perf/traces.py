@@ -1,14 +1,20 @@
-"""Routing traces: load recorded ones, generate synthetic ones (input of ``moeflow simulate``).
+"""Routing traces: record, load, rescale and generate them (the input of ``moeflow simulate``).
 
 A trace is the global flow matrix of every (iteration, layer): ``flow[i, l, w, e]`` = assignments
-(all k choices) that rank w sends to expert e. Sources:
+(all k choices) that rank w sends to expert e (format: docs/traces.md). Sources:
 
-* ``moeflow train --record-routing`` writes ``.npz`` with ``flow`` int32 [steps, layers, W, E],
-  ``steps`` int64 [steps] and ``meta`` (JSON: num_experts, top_k, world_size, d_model, d_hidden,
-  tokens_per_rank);
-* the SmartMoE trace (``../shared/traces/smartmoe-gpt-16ranks-32experts.npz``): ``counts`` uint16
-  [iteration, layer, source_rank, micro_batch, expert] — summed over micro_batch here;
+* ``moeflow train --record-routing`` (``TraceRecorder``) writes ``.npz`` with ``flow`` int32
+  [steps, layers, W, E], ``steps`` int64 [steps] and ``meta`` (JSON: num_experts, top_k,
+  world_size, d_model, d_hidden, expert, tokens_per_rank, layers);
+* the SmartMoE excerpt shipped with the package (``SMARTMOE_TRACE``, ``--trace smartmoe``): a real
+  GPT-MoE training run, 16 ranks × 32 experts, in the same format (docs/traces.md: source, licence);
+* SmartMoE's own ``counts`` arrays [iteration, layer, source_rank, micro_batch, expert], summed over
+  micro-batches;
 * synthetic: ``uniform``, ``zipf`` (skew s), ``drift`` (hot experts that move over time).
+
+``Trace.rescale`` replays a trace at another scale: source ranks and experts are folded (summed in
+contiguous blocks) or unfolded (split evenly), so a 16-rank trace prices a 4-rank testbed or a
+64-device cluster.
 
 Shape suffixes: I iterations, L layers, W ranks, E experts.
 """
@@ -23,11 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from moeflow.core.checks import positive_int
+
 SYNTHETIC = ("uniform", "zipf", "drift")
 """Names of the synthetic generators."""
 
-SMARTMOE_TRACE = Path("../shared/traces/smartmoe-gpt-16ranks-32experts.npz")
-"""The real 16-rank trace, relative to the repository root (read in place, never copied)."""
+SMARTMOE_TRACE = Path(__file__).resolve().parents[1] / "data" / "smartmoe_gpt_excerpt.npz"
+"""The real 16-rank SmartMoE trace excerpt that ships with the package (docs/traces.md)."""
 
 
 @dataclass
@@ -70,6 +78,22 @@ class Trace:
     def num_experts(self) -> int:
         return self.flow_ILWE.shape[3]
 
+    def rescale(self, world_size: int, num_experts: int | None = None) -> Trace:
+        """The same routing at another scale (docs/traces.md): source ranks folded (contiguous blocks
+        of W/W' ranks summed, as their tokens would be batched together) or unfolded (each rank's
+        counts split evenly over W'/W ranks, remainders to the first), and experts likewise when
+        `num_experts` is given. The expert load shares are kept exactly when folding and up to
+        rounding when unfolding; `tokens_per_rank` follows."""
+        positive_int("world_size", world_size)
+        num_experts = self.num_experts if num_experts is None else positive_int("num_experts", num_experts)
+        flow = _resize_axis(self.flow_ILWE, 2, world_size, "world_size")
+        flow = _resize_axis(flow, 3, num_experts, "num_experts")
+        meta = dict(self.meta, world_size=world_size, num_experts=num_experts)
+        meta.setdefault("rescaled_from", [self.world_size, self.num_experts])
+        if "tokens_per_rank" in meta:
+            meta["tokens_per_rank"] = int(meta["tokens_per_rank"]) * self.world_size // world_size
+        return Trace(flow, self.steps_I.copy(), meta)
+
     def load_imbalance(self) -> np.ndarray:
         """max/mean expert load per (iteration, layer) -> [I, L]."""
         load_ILE = self.flow_ILWE.sum(axis=2)
@@ -90,6 +114,26 @@ class Trace:
         os.replace(tmp, path)
 
 
+def _resize_axis(flow: np.ndarray, axis: int, size: int, name: str) -> np.ndarray:
+    """Fold (sum contiguous blocks) or unfold (split evenly) one axis of a flow to `size`."""
+    n = flow.shape[axis]
+    if size == n:
+        return flow
+    moved = np.moveaxis(flow, axis, -1)
+    if n % size == 0:
+        out = moved.reshape(*moved.shape[:-1], size, n // size).sum(-1)
+    elif size % n == 0:
+        parts = size // n
+        base, rem = moved // parts, moved % parts
+        pieces = base[..., None] + (np.arange(parts) < rem[..., None])
+        out = pieces.reshape(*moved.shape[:-1], size)
+    else:
+        raise ValueError(
+            f"{name}={size}: a trace with {n} cannot be folded or unfolded onto it (one must divide the other)"
+        )
+    return np.moveaxis(out, -1, axis)
+
+
 def load_trace(path: str | Path) -> Trace:
     """Load a moeflow (``flow``) or SmartMoE (``counts``) trace; see the module docstring."""
     p = Path(path)
@@ -107,8 +151,7 @@ def load_trace(path: str | Path) -> Trace:
             flow = counts.astype(np.int64).sum(axis=3)  # one iteration = all its micro-batches
             steps = data["iterations"] if "iterations" in data.files else np.arange(flow.shape[0])
             meta = {k: v for k, v in meta.items() if isinstance(v, (int, float, str))}
-            # The SmartMoE trace's README (../shared/traces/README.md) states top-2 routing; its meta
-            # JSON does not carry top_k as a field.
+            # SmartMoE's GPT-MoE traces are top-2 (SmartMoE §6); their meta does not carry top_k.
             meta.setdefault("top_k", 2)
             meta.setdefault("tokens_per_rank", int(flow[0, 0, 0].sum()) // int(meta.get("top_k", 2)))
         else:
@@ -153,8 +196,7 @@ def synthetic_trace(
         ("top_k", top_k),
         ("drift_period", drift_period),
     ):
-        if not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name}={v!r}: must be a positive int")
+        positive_int(name, v)
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k}: must be <= num_experts={num_experts}")
     if not 0 <= hot_share <= 1 or not 1 <= hot_experts <= num_experts:
@@ -189,3 +231,43 @@ def synthetic_trace(
         "seed": seed,
     }
     return Trace(flow, np.arange(iterations), meta)
+
+
+class TraceRecorder:
+    """Per-step, per-MoE-layer flow matrices `[L, W, E]` of a training run (`moeflow train
+    --record-routing`), written as one `.npz` in the format above. Flows are global (identical on
+    every rank), so one rank records."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self.meta = meta
+        self.steps: list[int] = []
+        self.flows: list[np.ndarray] = []
+
+    def append(self, step: int, flow_LWE: np.ndarray) -> None:
+        self.steps.append(step)
+        self.flows.append(np.asarray(flow_LWE).astype(np.int32))
+
+    def write(self, path: str | Path) -> None:
+        """Atomically replace `path` with the trace so far."""
+        L, W, E = len(self.meta["layers"]), self.meta["world_size"], self.meta["num_experts"]
+        flow = np.stack(self.flows) if self.flows else np.zeros((0, L, W, E), np.int32)
+        Trace(flow, np.asarray(self.steps, np.int64), dict(self.meta)).save(path)
+
+    def load_until(self, path: str | Path, last_step: int) -> None:
+        """On resume: keep the recorded steps up to the checkpoint's. A trace recorded with other
+        dimensions (a different world size) is kept aside as `<name>.until_step<N>.npz`."""
+        path = Path(path)
+        if not path.exists():
+            return
+        trace = load_trace(path)
+        if trace.meta != self.meta:
+            os.replace(path, path.with_name(f"{path.stem}.until_step{last_step}{path.suffix}"))
+            return
+        keep = trace.steps_I <= last_step
+        self.steps = trace.steps_I[keep].tolist()
+        self.flows = list(trace.flow_ILWE[keep].astype(np.int32))
+
+
+def resolve_trace(value: str) -> Trace:
+    """CLI helper: `smartmoe` (the shipped excerpt) or a trace `.npz` path."""
+    return load_trace(SMARTMOE_TRACE if value == "smartmoe" else Path(value))

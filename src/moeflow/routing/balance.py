@@ -1,23 +1,30 @@
-"""Load-balancing objectives: `balance="gshard" | "aux_free" | "none" | "ta_moe"` and the router z-loss.
+"""Load-balancing terms (`balance="gshard" | "aux_free" | "none"`, and `ta_moe` in `ta_moe.py`)
+and the router z-loss.
 
-A balance module returns the auxiliary loss of one rank's routing (unweighted; the layer applies
-`balance_weight`), may bias expert *selection* of a rank (aux-free, TA-MoE steering), and observes
-the global flow matrix after the count exchange (identical on every rank, so replicated state —
-even a per-rank table — stays identical everywhere and checkpoints like any replicated buffer).
+A balance term returns the auxiliary loss of one rank's routing (unweighted; the layer applies
+`balance_weight`), may bias expert *selection* (aux-free, TA-MoE steering), and may keep state
+updated from the expert choices of a whole optimizer step:
 
-Shape suffixes: T tokens on this rank, E experts, A assignments.
+    loss(routing, rank)      every forward; `rank` = this rank in the expert-parallel group, or
+                             None when the cluster is unknown (one process, or a cost model of
+                             another size): topology-aware terms then act as GShard's
+    selection_bias(rank)     [E] added to the routing scores for top-k selection only, or None
+    observe(choices_WE)      once per optimizer step (`MoELayer.update_balance`, called by
+                             `all_reduce_gradients`): every rank's expert choices *before* capacity
+                             drops, summed over the step's training forwards and over the
+                             data-parallel replicas, so replicated state stays identical everywhere
+
+Shape suffixes: T tokens on this rank, E experts, A assignments, W ranks of the EP group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from moeflow.core.registry import build_named
+from moeflow.core.checks import finite_number
 from moeflow.routing.gates import Routing
 
 
@@ -27,93 +34,80 @@ def assignment_share_E(routing: Routing, num_experts: int) -> torch.Tensor:
     return counts_E / max(routing.expert_A.numel(), 1)
 
 
-class GShardBalance(nn.Module):
-    """GShard / Switch balance loss `E · Σ_e f_e · P_e` (P_e: mean router probability of e).
+def gshard_loss(routing: Routing, num_experts: int) -> torch.Tensor:
+    """GShard / Switch balance loss `E · Σ_e f_e · P_e` (P_e: mean router probability of e);
+    equals 1 under perfect balance, its gradient flows through P_e only (f_e is a count)."""
+    if routing.num_tokens == 0:
+        return routing.probs_TE.sum() * 0.0
+    return num_experts * (assignment_share_E(routing, num_experts) * routing.probs_TE.mean(0)).sum()
 
-    Equals 1 under perfect balance; its gradient flows through P_e only (f_e is a count).
-    """
+
+class BalanceTerm(nn.Module):
+    """Base of every balance term: no loss, no bias, no state (the module docstring's interface)."""
+
+    observes = False
+    """Whether `observe` uses the step's expert choices (the layer accumulates them only then)."""
+    topology_aware = False
+    """Whether its bias and state belong to its loss term and to the cluster (TA-MoE): the layer
+    then uses it only with `balance_weight > 0` and a cost model that describes its group, and
+    otherwise calls `loss(routing, None)` (the topology-free form)."""
 
     def __init__(self, num_experts: int) -> None:
         super().__init__()
         self.num_experts = num_experts
 
-    def selection_bias(self, rank: int = 0) -> torch.Tensor | None:
-        """`[E]` added to rank `rank`'s routing scores for top-k selection only (None: no bias)."""
+    def selection_bias(self, rank: int | None = None) -> torch.Tensor | None:
         return None
 
-    def loss(self, routing: Routing, rank: int = 0) -> torch.Tensor:
-        """This rank's term; `rank` (in the EP group) matters to topology-aware losses only."""
-        if routing.num_tokens == 0:
-            return routing.probs_TE.sum() * 0.0
-        f_E = assignment_share_E(routing, self.num_experts)
-        p_E = routing.probs_TE.mean(0)
-        return self.num_experts * (f_E * p_E).sum()
+    def loss(self, routing: Routing, rank: int | None = None) -> torch.Tensor:
+        return routing.probs_TE.sum() * 0.0
 
-    def observe(self, flow_WE: torch.Tensor) -> None:
-        """After a training forward: the global flow `[W, E]` (assignments rank w sent to expert e)."""
-        del flow_WE
+    def observe(self, choices_WE: torch.Tensor) -> None:
+        del choices_WE
 
 
-class NoBalance(GShardBalance):
+class GShardBalance(BalanceTerm):
+    """`balance="gshard"`: `E · Σ_e f_e · P_e` (`gshard_loss`)."""
+
+    def loss(self, routing: Routing, rank: int | None = None) -> torch.Tensor:
+        return gshard_loss(routing, self.num_experts)
+
+
+class NoBalance(BalanceTerm):
     """`balance="none"`: no auxiliary term."""
-
-    def loss(self, routing: Routing, rank: int = 0) -> torch.Tensor:
-        return routing.probs_TE.sum() * 0.0
-
-
-class AuxFreeBalance(GShardBalance):
-    """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert bias added to the routing
-    scores for top-k *selection only*; after each training forward, `b_e += u · sign(mean − count_e)`
-    from the global counts, so overloaded experts become less likely to be picked."""
-
-    def __init__(self, num_experts: int, update_rate: float = 1e-3) -> None:
-        super().__init__(num_experts)
-        if update_rate < 0:
-            raise ValueError(f"update_rate={update_rate} must be >= 0")
-        self.update_rate = update_rate
-        self.register_buffer("bias_E", torch.zeros(num_experts))
-
-    def selection_bias(self, rank: int = 0) -> torch.Tensor:
-        return self.bias_E
-
-    def loss(self, routing: Routing, rank: int = 0) -> torch.Tensor:
-        return routing.probs_TE.sum() * 0.0
-
-    @torch.no_grad()
-    def observe(self, flow_WE: torch.Tensor) -> None:
-        if not self.training or self.update_rate == 0:
-            return
-        counts_E = flow_WE.to(self.bias_E.device, torch.float32).sum(0)
-        self.bias_E += self.update_rate * torch.sign(counts_E.mean() - counts_E)
 
 
 @dataclass(frozen=True)
-class BalanceContext:
-    """What a balance objective may need from its layer to be built by name."""
+class AuxFreeOptions:
+    """Options of `balance="aux_free"`."""
 
-    num_experts: int
-    top_k: int
-    d_model: int
-    cost_model: Any = None
-    """The layer's `moeflow.perf.costmodel.CostModel` (topology-aware objectives need it), or None."""
+    update_rate: float = 1e-3
+    """u: step of the bias per optimizer step (DeepSeek-V3 §2.1.2 uses 0.001)."""
 
-
-def _ta_moe(ctx: BalanceContext) -> nn.Module:
-    from moeflow.routing.ta_moe import balance_from_context  # scipy's LP solver: imported only when used
-
-    return balance_from_context(ctx)
+    def __post_init__(self) -> None:
+        finite_number("update_rate", self.update_rate, low=0.0)
 
 
-BALANCES: dict[str, Callable[[BalanceContext], nn.Module]] = {
-    "gshard": lambda ctx: GShardBalance(ctx.num_experts),
-    "aux_free": lambda ctx: AuxFreeBalance(ctx.num_experts),
-    "none": lambda ctx: NoBalance(ctx.num_experts),
-    "ta_moe": _ta_moe,
-}
+class AuxFreeBalance(BalanceTerm):
+    """`balance="aux_free"`: auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2). A per-expert bias
+    is added to the routing scores for top-k *selection only*; at the end of each step,
+    `b_e += u · sign(mean − count_e)` from the step's global counts, so overloaded experts become
+    less likely to be picked. The bias is part of the model's routing: it applies at inference too."""
 
+    observes = True
 
-def build_balance(balance: str | nn.Module, ctx: BalanceContext) -> nn.Module:
-    return build_named("balance", balance, BALANCES, ctx, lambda value: isinstance(value, nn.Module))
+    def __init__(self, num_experts: int, update_rate: float = 1e-3) -> None:
+        super().__init__(num_experts)
+        self.update_rate = finite_number("update_rate", update_rate, low=0.0)
+        self.register_buffer("bias_E", torch.zeros(num_experts))
+
+    def selection_bias(self, rank: int | None = None) -> torch.Tensor:
+        return self.bias_E
+
+    @torch.no_grad()
+    def observe(self, choices_WE: torch.Tensor) -> None:
+        counts_E = choices_WE.to(self.bias_E.device, torch.float32).sum(0)
+        self.bias_E += self.update_rate * torch.sign(counts_E.mean() - counts_E)
 
 
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:

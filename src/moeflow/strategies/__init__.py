@@ -1,0 +1,66 @@
+"""Strategies: where experts are materialized (`strategy`), the order and overlap of a layer's
+block (`schedule`) and how tokens travel (`dispatch`) — three axes of a MoE layer.
+
+Every name in these registries works unchanged in `MoELayer(strategy=..., schedule=...,
+dispatch=...)`, the config (`moe.strategy`, `moe.strategy_options`, ...), `moeflow train | bench |
+simulate` and the docs. Planners are pure functions of numbers (testable without processes);
+schedules run a block and predict its time; dispatchers move rows and price the exchange.
+"""
+
+from __future__ import annotations
+
+from moeflow.core.registry import Component, Registry
+from moeflow.strategies.dispatchers import A2ADispatcher
+from moeflow.strategies.planners import Planner
+from moeflow.strategies.planners.ep import plan_ep
+from moeflow.strategies.planners.shadow import ShadowGreedyOptions, ShadowOptions, ShadowPlanner
+from moeflow.strategies.schedules.base import Schedule
+from moeflow.strategies.schedules.pairwise import PairwiseOptions, PairwiseSchedule
+from moeflow.strategies.schedules.sync import SyncSchedule
+
+PLANNERS = Registry(
+    "strategy",
+    [
+        Component("ep", lambda ctx, o: plan_ep, summary="plain expert parallelism: every expert only on its owner"),
+        Component(
+            "shadow",
+            lambda ctx, o: ShadowPlanner(ctx.expert, o),
+            ShadowOptions,
+            "FasterMoE dynamic shadowing: hot experts replicated on every rank (cheapest prefix, 5% margin)",
+            needs_cost_model=True,
+        ),
+        Component(
+            "shadow_greedy",
+            lambda ctx, o: ShadowPlanner(ctx.expert, o),
+            ShadowGreedyOptions,
+            "FasterMoE shadowing with Algorithm 1 as published (stop rule, no margin)",
+            needs_cost_model=True,
+        ),
+    ],
+    is_object=callable,
+)
+"""The `strategy` axis: planners by name."""
+
+SCHEDULES = Registry(
+    "schedule",
+    [
+        Component("sync", lambda ctx, o: SyncSchedule(), summary="one exchange out, the experts, one back"),
+        Component(
+            "pairwise",
+            lambda ctx, o: PairwiseSchedule(o),
+            PairwiseOptions,
+            "FasterMoE smart schedule: grouped pairwise steps overlapping exchanges with expert compute",
+        ),
+    ],
+    is_object=lambda value: isinstance(value, Schedule),
+)
+"""The `schedule` axis: schedules by name."""
+
+DISPATCHERS = Registry(
+    "dispatch",
+    [Component("a2a", lambda ctx, o: A2ADispatcher(), summary="one all-to-all-v each way")],
+    is_object=lambda value: hasattr(value, "exchange") and hasattr(value, "price"),
+)
+"""The `dispatch` axis: token transports by name."""
+
+__all__ = ["DISPATCHERS", "PLANNERS", "SCHEDULES", "Planner", "Schedule"]

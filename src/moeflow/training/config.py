@@ -8,17 +8,25 @@ key is optional and falls back to the field's default. Unknown tables or keys ar
 names the dotted key. `--set` values are parsed by the type of the field they set (`int`, `float`,
 `bool`, `str`, optionally `None` with the value `none`). Runtime handles (process groups, devices)
 are never config fields: they are arguments of the functions that need them.
+
+The MoE layer's axes (`moe.gate`, `moe.balance`, `moe.strategy`, `moe.schedule`, `moe.dispatch`) are
+names from the layer's own registries, and each has an options table validated against the chosen
+component's options dataclass (`[moe.balance_options]` / `--set moe.balance_options.smoothing=0.3`):
+one mechanism for every component, errors naming the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+
+from moeflow.core.checks import typed_value
+from moeflow.routing import BALANCES, GATES
+from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -76,9 +84,26 @@ class ModelConfig:
             raise ValueError(f"model.vocab_size must be 256 (byte tokens), got {self.vocab_size!r}")
 
 
+# The layer's axes: config key -> registry of names (moeflow.routing / moeflow.strategies).
+AXIS_REGISTRIES = {
+    "gate": GATES,
+    "balance": BALANCES,
+    "strategy": PLANNERS,
+    "schedule": SCHEDULES,
+    "dispatch": DISPATCHERS,
+}
+
+# Keys of earlier releases, and where their value lives now.
+RENAMED_KEYS = {
+    "moe.group_size": "moe.schedule_options.group_size",
+    "moe.ta_moe_smoothing": "moe.balance_options.smoothing",
+    "moe.ta_moe_steer_rate": "moe.balance_options.steer_rate",
+}
+
+
 @dataclass
 class MoEConfig:
-    """Arguments of every `moeflow.MoELayer` in the model (DESIGN.md §3.1)."""
+    """Arguments of every `moeflow.MoELayer` in the model (docs/architecture.md)."""
 
     num_experts: int = 4
     """Experts per MoE layer (global); `--nproc` must divide it under expert parallelism."""
@@ -87,39 +112,40 @@ class MoEConfig:
     d_hidden: int = 256
     """Hidden width of each expert."""
     gate: str = "topk"
-    """Router name, see DESIGN.md §3.1 (names are checked by `MoELayer`, the one list of them)."""
+    """Router: a name of `moeflow.routing.GATES`."""
     expert: str = "ffn"
     """Expert kind: `ffn` (GELU, biases) or `swiglu`."""
     capacity_factor: float | None = None
     """Per-expert capacity factor; `None` is dropless."""
     balance: str = "gshard"
-    """Balance loss / balancing method."""
+    """Balance term: a name of `moeflow.routing.BALANCES`."""
     balance_weight: float = 0.01
-    """Weight of the balance loss added to the training loss."""
+    """Weight of the balance loss added to the training loss (0 turns the term off)."""
     z_loss_weight: float = 0.0
     """Weight of the router z-loss (0 = off)."""
     strategy: str = "ep"
-    """Expert placement strategy (`ep` = plain expert parallelism)."""
+    """Expert placement: a name of `moeflow.strategies.PLANNERS` (`ep` = plain expert parallelism)."""
     schedule: str = "sync"
-    """Communication schedule of the MoE layer: `sync`, or `pairwise` (FasterMoE's smart schedule)."""
-    group_size: int | None = None
-    """Ranks per group of the pairwise schedule (None: the ranks of a node of the cost model's topology)."""
+    """Order and overlap of the layer's block: a name of `moeflow.strategies.SCHEDULES`."""
+    dispatch: str = "a2a"
+    """Token transport: a name of `moeflow.strategies.DISPATCHERS`."""
+    gate_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the chosen gate (e.g. `cross_node_ratio` of `hierarchical`)."""
+    balance_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the chosen balance term (e.g. `smoothing`, `steer_rate`, `steer_limit` of `ta_moe`)."""
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the chosen planner (e.g. `min_gain`, `search`, `max_shadowed` of `shadow`)."""
+    schedule_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the chosen schedule (e.g. `group_size` of `pairwise`)."""
+    dispatch_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the chosen dispatcher."""
     cost_model: str | None = None
     """Topology preset name or profile JSON (`moeflow profile --out`) pricing the network and GEMMs; needed by
-    `strategy="shadow"`, `gate="hierarchical"` and `balance="ta_moe"`. Its device count must equal the EP size."""
-    ta_moe_smoothing: float = 0.1
-    """λ of TA-MoE's target pattern, smoothed towards uniform: ĉ ← (1−λ)·ĉ + λ·uniform (0 < λ <= 1)."""
-    ta_moe_steer_rate: float = 1e-3
-    """Step of TA-MoE's per-rank selection bias towards the target (0: the loss alone; docs/strategies.md)."""
+    `strategy="shadow"`, `gate="hierarchical"` and `balance="ta_moe"`. It describes the cluster of a run: used
+    where its device count equals the EP size, ignored with a notice elsewhere (sampling, another process count)."""
 
     def __post_init__(self) -> None:
         _positive("moe", num_experts=self.num_experts, top_k=self.top_k, d_hidden=self.d_hidden)
-        if self.group_size is not None:
-            _positive("moe", group_size=self.group_size)
-        if not self.ta_moe_steer_rate >= 0:
-            raise ValueError(f"moe.ta_moe_steer_rate={self.ta_moe_steer_rate!r} must be >= 0")
-        if not 0 < self.ta_moe_smoothing <= 1:
-            raise ValueError(f"moe.ta_moe_smoothing={self.ta_moe_smoothing!r} must be in (0, 1]")
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}")
         if self.capacity_factor is not None:
@@ -128,6 +154,17 @@ class MoEConfig:
             raise ValueError(
                 f"moe.balance_weight={self.balance_weight!r} and moe.z_loss_weight={self.z_loss_weight!r} must be >= 0"
             )
+        for axis, registry in AXIS_REGISTRIES.items():
+            name = getattr(self, axis)
+            if name not in registry:
+                raise ValueError(f"moe.{axis}={name!r}: unknown; valid: {registry.names()}")
+            raw = getattr(self, f"{axis}_options")
+            typed = dataclasses.asdict(registry.options(name, raw, where=f"moe.{axis}_options"))
+            setattr(self, f"{axis}_options", {key: typed[key] for key in raw})  # the keys given, typed
+
+    def layer_options(self) -> dict[str, dict[str, Any]]:
+        """`MoELayer`'s `*_options` keyword arguments."""
+        return {f"{axis}_options": dict(getattr(self, f"{axis}_options")) for axis in AXIS_REGISTRIES}
 
 
 @dataclass
@@ -260,53 +297,8 @@ def _section_types(section: str) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _coerce(key: str, text: str, annotation: Any) -> Any:
-    """Parse the string `text` of `--set key=text` as the field type `annotation`."""
-    args = typing.get_args(annotation)
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType) and type(None) in args:
-        if text.strip().lower() in ("none", "null", ""):
-            return None
-        (annotation,) = [a for a in args if a is not type(None)]
-    if typing.get_origin(annotation) is Literal:
-        annotation = str
-    try:
-        if annotation is bool:
-            lowered = text.strip().lower()
-            if lowered in ("true", "1", "yes", "on"):
-                return True
-            if lowered in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        if annotation is int:
-            return int(text)
-        if annotation is float:
-            return float(text)
-        if annotation is str:
-            return text
-    except ValueError:
-        raise ValueError(f"--set {key}={text!r}: not a valid {annotation.__name__}") from None
-    raise TypeError(f"--set {key}: unsupported field type {annotation!r}")
-
-
-def _check_value(key: str, value: Any, annotation: Any) -> Any:
-    """Type-check a value read from TOML against the field type (ints are accepted for floats)."""
-    allowed = (
-        typing.get_args(annotation)
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
-        else (annotation,)
-    )
-    if value is None and type(None) in allowed:
-        return None
-    for kind in allowed:
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if kind is bool and isinstance(value, bool):
-            return value
-        if kind in (int, str) and isinstance(value, kind) and not isinstance(value, bool):
-            return value
-    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
-    raise TypeError(f"config key {key} must be {names}, got {value!r}")
+def _is_table(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is dict
 
 
 def config_from_dict(raw: dict[str, Any]) -> RunConfig:
@@ -320,9 +312,13 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
         hints = _section_types(section)
         values = {}
         for key, value in table.items():
-            if key not in hints:
-                raise ValueError(f"unknown config key {section}.{key!r}")
-            values[key] = _check_value(f"{section}.{key}", value, hints[key])
+            _check_known(section, key, hints)
+            if _is_table(hints[key]):
+                if not isinstance(value, dict):
+                    raise TypeError(f"config key {section}.{key} must be a table, got {value!r}")
+                values[key] = dict(value)
+            else:
+                values[key] = typed_value(f"{section}.{key}", value, hints[key], parse_text=False)
         sections[section] = values
     cls_of = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
     return RunConfig(**{name: cls_of[name](**sections.get(name, {})) for name in SECTIONS})
@@ -340,10 +336,28 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if section not in SECTIONS:
             raise ValueError(f"unknown config key {key!r} (sections: {', '.join(SECTIONS)})")
         hints = _section_types(section)
-        if name not in hints:
-            raise ValueError(f"unknown config key {key!r}")
-        merged.setdefault(section, {})[name] = _coerce(key, text.strip(), hints[name])
+        field_name, _, option = name.partition(".")
+        _check_known(section, field_name if option else name, hints)
+        if option:  # moe.balance_options.smoothing=0.3: typed by the component's options dataclass
+            if not _is_table(hints[field_name]):
+                raise ValueError(f"unknown config key {key!r} ({section}.{field_name} is not a table)")
+            table = dict(merged.setdefault(section, {}).get(field_name, {}))
+            table[option] = text.strip()
+            merged[section][field_name] = table
+        elif _is_table(hints[name]):
+            raise ValueError(f"--set {key}: a table; set its keys, e.g. --set {key}.KEY=VALUE")
+        else:
+            merged.setdefault(section, {})[name] = typed_value(key, text.strip(), hints[name])
     return merged
+
+
+def _check_known(section: str, key: str, hints: dict[str, Any]) -> None:
+    if key in hints:
+        return
+    moved = RENAMED_KEYS.get(f"{section}.{key}")
+    if moved:
+        raise ValueError(f"config key '{section}.{key}' is now {moved}")
+    raise ValueError(f"unknown config key '{section}.{key}'")
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -366,7 +380,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     """Nested tables for TOML; `None` values are left out (TOML has no null, the default is None)."""
     return {
-        section: {k: v for k, v in dataclasses.asdict(getattr(cfg, section)).items() if v is not None}
+        section: {k: v for k, v in dataclasses.asdict(getattr(cfg, section)).items() if v is not None and v != {}}
         for section in SECTIONS
     }
 

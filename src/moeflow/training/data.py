@@ -93,13 +93,17 @@ def read_bytes(files: list[Path], max_bytes: int) -> tuple[bytes, int]:
     return b"".join(parts)[:max_bytes], used
 
 
-def load_corpus(cfg: DataConfig, min_tokens: int = 2) -> Corpus:
-    """Read the configured text and split it; `min_tokens` is the shortest usable split (seq_len + 1)."""
+def corpus_files(cfg: DataConfig) -> tuple[list[Path], str]:
+    """(files, source label) of the configured text; a missing `data.path` raises here."""
     if cfg.path is None:
         root = sysconfig.get_paths()["stdlib"]
-        files, source = stdlib_files(root), f"stdlib:{root}"
-    else:
-        files, source = user_files(cfg.path), str(cfg.path)
+        return stdlib_files(root), f"stdlib:{root}"
+    return user_files(cfg.path), str(cfg.path)
+
+
+def load_corpus(cfg: DataConfig, min_tokens: int = 2) -> Corpus:
+    """Read the configured text and split it; `min_tokens` is the shortest usable split (seq_len + 1)."""
+    files, source = corpus_files(cfg)
     text, used = read_bytes(files, cfg.max_bytes)
     if not text:
         raise ValueError(f"data path {source!r} contains no text (no readable non-empty text files)")

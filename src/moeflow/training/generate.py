@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from moeflow.perf.costmodel import CostModel
 from moeflow.training import checkpoint
 from moeflow.training.config import load_config
 from moeflow.training.model import MoEGPT
@@ -30,7 +31,9 @@ def load_model(
     path = Path(checkpoint_dir) if checkpoint_dir is not None else checkpoint.latest_checkpoint(run_dir / "checkpoints")
     if path is None:
         raise ValueError(f"--run {str(run_dir)!r} has no complete checkpoint in checkpoints/")
-    model = MoEGPT(cfg.model, cfg.moe)
+    # The run's cluster, if it had one: the layers say once that it has another size and run without it.
+    cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None
+    model = MoEGPT(cfg.model, cfg.moe, cost_model)
     checkpoint.load_checkpoint(path, model, optimizer=None, extra={})
     step = int(path.name.rsplit("_", 1)[-1]) if path.name.startswith("step_") else -1
     return model.to(device or torch.device("cpu")).eval(), step

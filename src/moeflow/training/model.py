@@ -17,8 +17,6 @@ Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim, V vo
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,20 +56,8 @@ class DenseFFN(nn.Module):
         return self.proj(F.gelu(self.fc(x_BTD)))
 
 
-def build_moe_layer(d_model: int, moe: MoEConfig) -> MoELayer:
-    cost_model = CostModel.resolve(moe.cost_model) if moe.cost_model else None
-    balance = moe.balance
-    if balance == "ta_moe" and cost_model is not None:
-        from moeflow.routing.ta_moe import TAMoEBalance  # scipy's LP: imported only when used
-
-        balance = TAMoEBalance(
-            moe.num_experts,
-            moe.top_k,
-            d_model,
-            cost_model=cost_model,
-            smoothing=moe.ta_moe_smoothing,
-            steer_rate=moe.ta_moe_steer_rate,
-        )
+def build_moe_layer(d_model: int, moe: MoEConfig, cost_model: CostModel | None = None) -> MoELayer:
+    """One `MoELayer` from the `[moe]` config: every axis by name, with its options table."""
     return MoELayer(
         d_model,
         moe.d_hidden,
@@ -82,16 +68,17 @@ def build_moe_layer(d_model: int, moe: MoEConfig) -> MoELayer:
         capacity_factor=moe.capacity_factor,
         strategy=moe.strategy,
         schedule=moe.schedule,
-        balance=balance,
+        dispatch=moe.dispatch,
+        balance=moe.balance,
         balance_weight=moe.balance_weight,
         z_loss_weight=moe.z_loss_weight,
         cost_model=cost_model,
-        group_size=moe.group_size,
+        **moe.layer_options(),
     )
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None) -> None:
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, cost_model: CostModel | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads)
@@ -99,7 +86,7 @@ class Block(nn.Module):
         if moe is None:
             self.ffn: nn.Module = DenseFFN(cfg.d_model, cfg.d_ff)
         else:
-            self.ffn = build_moe_layer(cfg.d_model, moe)
+            self.ffn = build_moe_layer(cfg.d_model, moe, cost_model)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
@@ -112,7 +99,10 @@ def is_moe_block(index: int, moe_every: int) -> bool:
 
 
 class MoEGPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
+    """The model of `cfg` whose MoE blocks are built from `moe`; `cost_model` (the run's cluster,
+    read once) is handed to every MoE layer."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, cost_model: CostModel | None = None) -> None:
         super().__init__()
         if not any(is_moe_block(i, cfg.moe_every) for i in range(cfg.n_layers)):
             raise ValueError(f"model.moe_every={cfg.moe_every} leaves no MoE block among model.n_layers={cfg.n_layers}")
@@ -120,7 +110,7 @@ class MoEGPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(
-            Block(cfg, moe if is_moe_block(i, cfg.moe_every) else None) for i in range(cfg.n_layers)
+            Block(cfg, moe if is_moe_block(i, cfg.moe_every) else None, cost_model) for i in range(cfg.n_layers)
         )
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -152,12 +142,6 @@ class MoEGPT(nn.Module):
         for block in self.blocks:
             x_BTD = block(x_BTD)
         return self.head(self.ln_f(x_BTD))
-
-
-def check_moe_config(moe: MoEConfig) -> None:
-    """Let MoELayer validate the names (gate, expert, balance, strategy, schedule) on a minimal
-    layer, so that a typo is reported before any process is started."""
-    build_moe_layer(8, dataclasses.replace(moe, d_hidden=8))
 
 
 def parallelize(model: MoEGPT, layout) -> MoEGPT:

@@ -1,16 +1,12 @@
-"""The trainer: MoE-GPT with expert parallelism over all ranks, AdamW, warmup + cosine LR.
-
-Launch through the CLI (it starts the processes with torch's elastic launcher):
-
-    moeflow train --config configs/tiny.toml --nproc 2 --out runs/default
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
-        -m moeflow.cli train --config configs/small.toml --out /shared/runs/small
+"""One rank's training state: MoE-GPT with expert parallelism over all ranks, AdamW, warmup +
+cosine LR, sharded checkpoints, routing traces.
 
 Every rank is a data-parallel rank for the dense parameters (it trains on its own rows of the
 global batch) and owns num_experts / world_size experts of every MoE layer. Per step:
-forward → loss = CE + Σ aux → backward → all_reduce_gradients → clip (global norm over dense +
-sharded expert gradients) → AdamW → LR schedule step. Rank 0 writes metrics.jsonl, the routing
-trace and plots; every rank writes its shard of each checkpoint.
+forward → loss = CE + Σ aux → backward → all_reduce_gradients (also each layer's balance state) →
+clip (global norm over dense + sharded expert gradients) → AdamW → LR schedule step. Rank 0 writes
+the routing trace; every rank writes its shard of each checkpoint. The loop around it is
+`moeflow.training.loop`, the processes `moeflow.training.entry`.
 
 Shape suffixes: B batch rows on this rank, T sequence, V vocabulary, L MoE layers, W ranks, E experts.
 """
@@ -20,12 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import random
-import shutil
-import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,61 +26,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moeflow.core.launch import init_distributed, launch_local, resolve_world_size
-from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
-from moeflow.perf.traces import Trace, load_trace
+from moeflow.core.parallel import ParallelLayout, all_reduce_gradients
+from moeflow.perf.costmodel import CostModel
+from moeflow.perf.traces import TraceRecorder
 from moeflow.training import checkpoint
-from moeflow.training.config import RunConfig, config_from_dict, config_to_dict, write_config
-from moeflow.training.data import BatchSampler, load_corpus, validation_batches
-from moeflow.training.model import MoEGPT, check_moe_config, parallelize
+from moeflow.training.config import RunConfig, config_to_dict
+from moeflow.training.data import BatchSampler, Corpus, load_corpus, validation_batches
+from moeflow.training.metrics import StepResult
+from moeflow.training.model import MoEGPT, parallelize
+from moeflow.training.optim import build_optimizer, clip_gradients, lr_factor
+from moeflow.training.run_dir import TRACE_FILE
 
-METRICS_FILE = "metrics.jsonl"
-TRACE_FILE = "routing.npz"
 # Model-defining config sections: a checkpoint only resumes into a run with the same values.
 SHAPE_SECTIONS = ("model", "moe")
-
-
-def lr_factor(completed_steps: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """LR multiplier for the update after `completed_steps` updates: linear warmup, cosine decay."""
-    step = completed_steps + 1
-    if step <= warmup_steps:
-        return step / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _is_no_decay(name: str, param: torch.Tensor) -> bool:
-    # Biases (also the per-expert b1/b2, which are 2-D [E_local, H]) and LayerNorm gains are not decayed.
-    leaf = name.rsplit(".", 1)[-1]
-    return param.dim() < 2 or leaf in ("bias", "b1", "b2")
-
-
-def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
-    named = list(model.named_parameters())
-    groups = [
-        {"params": [p for n, p in named if not _is_no_decay(n, p)], "weight_decay": cfg.weight_decay},
-        {"params": [p for n, p in named if _is_no_decay(n, p)], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-
-def clip_gradients(model: torch.nn.Module, layout: ParallelLayout, max_norm: float) -> float:
-    """Clip to the global gradient norm and return it (before clipping).
-
-    Dense gradients are identical on every rank after all_reduce_gradients; expert gradients are
-    sharded, so their squared norms are summed over the EP group (each expert counted once).
-    """
-    dense = [p.grad for _, p in dense_parameters(model) if p.grad is not None]
-    experts = [p.grad for _, p in expert_parameters(model) if p.grad is not None]
-    device = next(model.parameters()).device
-    dense_sq = torch.nn.utils.get_total_norm(dense).float() ** 2 if dense else torch.zeros((), device=device)
-    expert_sq = torch.nn.utils.get_total_norm(experts).float() ** 2 if experts else torch.zeros((), device=device)
-    if layout.ep_size > 1:
-        dist.all_reduce(expert_sq, group=layout.ep_group)
-    total = (dense_sq + expert_sq).sqrt()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, total)
-    return float(total)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -115,86 +65,29 @@ def _seed_rank(seed: int, rank: int, step: int) -> None:
     random.seed(mixed)
 
 
-class RoutingTrace:
-    """Per-step, per-MoE-layer flow matrices [W, E] (docs/traces.md), written as one .npz file."""
-
-    def __init__(self, meta: dict[str, Any]) -> None:
-        self.meta = meta
-        self.steps: list[int] = []
-        self.flows: list[np.ndarray] = []
-
-    @classmethod
-    def for_model(cls, model: MoEGPT, world_size: int, tokens_per_rank: int) -> RoutingTrace:
-        layers = model.moe_layers()
-        first = layers[0][1]
-        return cls(
-            {
-                "num_experts": first.num_experts,
-                "top_k": first.top_k,
-                "world_size": world_size,
-                "d_model": first.d_model,
-                "d_hidden": first.experts.d_hidden,
-                "tokens_per_rank": tokens_per_rank,
-                "layers": [i for i, _ in layers],
-            }
-        )
-
-    def append(self, step: int, flow_LWE: np.ndarray) -> None:
-        self.steps.append(step)
-        self.flows.append(flow_LWE.astype(np.int32))
-
-    def write(self, path: Path) -> None:
-        """Atomically replace `path` with the trace so far (`moeflow.perf.traces` format)."""
-        L, W, E = len(self.meta["layers"]), self.meta["world_size"], self.meta["num_experts"]
-        flow = np.stack(self.flows) if self.flows else np.zeros((0, L, W, E), np.int32)
-        Trace(flow, np.asarray(self.steps, np.int64), dict(self.meta)).save(path)
-
-    def load_until(self, path: Path, last_step: int) -> None:
-        """On resume: keep the recorded steps up to the checkpoint's. A trace recorded with other
-        dimensions (a different world size) is kept aside as routing.until_step<N>.npz."""
-        if not path.exists():
-            return
-        flow, steps, meta = read_routing_trace(path)
-        if meta != self.meta:
-            os.replace(path, path.with_name(f"{path.stem}.until_step{last_step}{path.suffix}"))
-            return
-        keep = steps <= last_step
-        self.steps = steps[keep].tolist()
-        self.flows = list(flow[keep])
-
-
-def read_routing_trace(path: str | Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """(flow int32 [S, L, W, E], steps int64 [S], meta) of a routing.npz written by training."""
-    trace = load_trace(path)
-    return trace.flow_ILWE.astype(np.int32), trace.steps_I, trace.meta
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step did (losses are global means over all ranks)."""
-
-    step: int
-    loss: float
-    aux_loss: float
-    lr: float
-    grad_norm: float
-    skipped: bool
-    counts_LE: list[list[int]]
-    imbalance_L: list[float]
-    dropped: int
-    flow_LWE: np.ndarray | None = None
-    cross_node_share_L: list[float] | None = None
-    """Per layer: global share of assignments dispatched across nodes (0 without a topology)."""
-    extra_copies_L: list[int] | None = None
-    """Per layer: expert copies materialized beyond their owners (shadowing)."""
-    redirected: int = 0
-    """Assignments the hierarchical gate moved to a local expert, on this rank."""
+def routing_meta(model: MoEGPT, world_size: int, tokens_per_rank: int) -> dict[str, Any]:
+    """The `meta` of a training run's routing trace (docs/traces.md)."""
+    layers = model.moe_layers()
+    first = layers[0][1]
+    return {
+        "num_experts": first.num_experts,
+        "top_k": first.top_k,
+        "world_size": world_size,
+        "d_model": first.d_model,
+        "d_hidden": first.d_hidden,
+        "expert": first.experts.kind,
+        "tokens_per_rank": tokens_per_rank,
+        "layers": [i for i, _ in layers],
+    }
 
 
 class Trainer:
-    """One rank's training state. Build on every rank (after init_process_group), then `run()`."""
+    """One rank's training state. Build on every rank (after init_process_group), then
+    `moeflow.training.loop.run`. `corpus`: the text, when the caller already loaded it."""
 
-    def __init__(self, cfg: RunConfig, out_dir: str | Path, device: torch.device | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, out_dir: str | Path, device: torch.device | None = None, corpus: Corpus | None = None
+    ) -> None:
         self.cfg = cfg
         self.out = Path(out_dir)
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -206,7 +99,8 @@ class Trainer:
         # warn_only: an op without a deterministic kernel warns instead of stopping the run.
         torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
         torch.manual_seed(cfg.train.seed)  # identical full model on every rank before sharding
-        model = MoEGPT(cfg.model, cfg.moe)
+        cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None  # read once
+        model = MoEGPT(cfg.model, cfg.moe, cost_model)
         self.layout = ParallelLayout(ep_size=self.world_size)
         self.model = parallelize(model, self.layout).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -215,7 +109,7 @@ class Trainer:
             self.optimizer, lambda done: lr_factor(done, cfg.optim.warmup_steps, cfg.train.steps, min_ratio)
         )
 
-        corpus = load_corpus(cfg.data, min_tokens=cfg.model.seq_len + 1)
+        corpus = corpus or load_corpus(cfg.data, min_tokens=cfg.model.seq_len + 1)
         self.corpus_source = corpus.source
         self.sampler = BatchSampler(
             corpus.train, cfg.model.seq_len, cfg.train.global_batch_size, self.rank, self.world_size, cfg.train.seed
@@ -230,8 +124,9 @@ class Trainer:
         )
         self.step = 0  # completed optimizer steps
         # Flows are global (identical on every rank): rank 0 alone records them.
+        tokens_per_rank = self.sampler.local_batch_size * cfg.model.seq_len
         self.trace = (
-            RoutingTrace.for_model(self.model, self.world_size, self.sampler.local_batch_size * cfg.model.seq_len)
+            TraceRecorder(routing_meta(self.model, self.world_size, tokens_per_rank))
             if cfg.train.record_routing and self.rank == 0
             else None
         )
@@ -370,194 +265,3 @@ class Trainer:
             _seed_rank(self.cfg.train.seed, self.rank, self.step)
         if self.trace is not None:
             self.trace.load_until(self.out / TRACE_FILE, self.step)
-
-
-def metric_record(result: StepResult, tokens_per_s: float, val_loss: float | None) -> dict[str, Any]:
-    rec = {
-        "step": result.step,
-        "loss": result.loss,
-        "aux_loss": result.aux_loss,
-        "total_loss": result.loss + result.aux_loss,
-        "lr": result.lr,
-        "grad_norm": result.grad_norm,
-        "tokens_per_s": tokens_per_s,
-        "load_imbalance": float(np.mean(result.imbalance_L)),
-        "load_imbalance_per_layer": result.imbalance_L,
-        "expert_counts": result.counts_LE,
-        "dropped": result.dropped,
-        "cross_node_share": float(np.mean(result.cross_node_share_L or [0.0])),
-        "extra_copies_per_layer": result.extra_copies_L,
-        "redirected": result.redirected,
-    }
-    if result.skipped:
-        rec["skipped"] = True
-    if val_loss is not None:
-        rec["val_loss"] = val_loss
-    # json has no NaN/Infinity: non-finite values of skipped steps are written as null.
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
-
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records after `last_step` (written by a run that died after its last checkpoint)."""
-    if not path.exists():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = []
-    for ln in lines:
-        try:
-            if json.loads(ln)["step"] <= last_step:
-                kept.append(ln)
-        except (json.JSONDecodeError, KeyError):
-            break  # a torn last line from a killed writer
-    path.write_text("".join(k + "\n" for k in kept))
-
-
-def clear_run(out: Path) -> None:
-    """A fresh (not resumed) run replaces the files of an earlier run in the same folder."""
-    old = [out / METRICS_FILE, out / TRACE_FILE, out / "checkpoints"]
-    if any(p.exists() for p in old):
-        print(
-            f"note: starting a fresh run in {out} (replacing the previous run there; --resume continues it instead)",
-            flush=True,
-        )
-    for p in old:
-        if p.is_dir():
-            shutil.rmtree(p)
-        else:
-            p.unlink(missing_ok=True)
-
-
-def run(cfg: RunConfig, out_dir: str | Path, resume: bool = False, device: torch.device | None = None) -> dict:
-    """Train (or continue) a run on this rank; returns a summary (meaningful on rank 0)."""
-    from tqdm import tqdm
-
-    out = Path(out_dir)
-    trainer = Trainer(cfg, out, device)
-    rank0 = trainer.rank == 0
-    metrics_path = out / METRICS_FILE
-    if resume:
-        path = checkpoint.latest_checkpoint(trainer.ckpt_dir)
-        if path is None:
-            raise ValueError(f"--resume: no complete checkpoint in {str(trainer.ckpt_dir)!r}")
-        trainer.resume(path)
-    if rank0:
-        if resume:
-            truncate_metrics(metrics_path, trainer.step)
-        else:
-            clear_run(out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_config(cfg, out / "config.toml")
-    first_step = trainer.step
-    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
-    # mininterval: fewer redraws, since CI logs keep every one of them.
-    bar = tqdm(total=cfg.train.steps, initial=first_step, disable=not rank0, unit="step", mininterval=0.5)
-    # Throughput counts the training steps only, not evaluation and checkpoint time.
-    step_time, steps_timed = 0.0, 0
-    train_time = 0.0  # cumulative step time of this launch, for loss-vs-wall-time comparisons
-    summary: dict[str, Any] = {"first_step": first_step, "out": str(out), "corpus": trainer.corpus_source}
-    with metrics_path.open("a") if rank0 else contextlib.nullcontext() as metrics:
-        while trainer.step < cfg.train.steps:
-            started = time.perf_counter()
-            result = trainer.train_step()
-            elapsed = time.perf_counter() - started
-            step_time += elapsed
-            train_time += elapsed
-            steps_timed += 1
-            step = result.step
-            if trainer.trace is not None and rank0:
-                trainer.trace.append(step, result.flow_LWE)
-            last = step == cfg.train.steps
-            val_loss = None
-            if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
-                val_loss = trainer.evaluate()
-            if step % cfg.train.log_every == 0 or last or val_loss is not None:
-                tok_s = tokens_per_step * steps_timed / max(step_time, 1e-9)
-                step_time, steps_timed = 0.0, 0
-                rec = metric_record(result, tok_s, val_loss)
-                rec["train_time_s"] = train_time
-                if rank0:
-                    metrics.write(json.dumps(rec) + "\n")
-                    metrics.flush()
-                    bar.set_postfix_str(
-                        f"loss={result.loss:.3f} tok/s={tok_s:,.0f} imb={rec['load_imbalance']:.2f}", refresh=False
-                    )
-                summary.setdefault("first_loss", result.loss)
-                summary.update(last_loss=result.loss, val_loss=val_loss or summary.get("val_loss"))
-            bar.update(1)
-            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or last:
-                trainer.save()
-    bar.close()
-    summary["last_step"] = trainer.step
-    if rank0 and trainer.step > first_step:
-        from moeflow.training.plots import write_plots
-
-        summary["plots"] = [str(p) for p in write_plots(metrics_path, out)]
-    return summary
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The lines printed at the end of `moeflow train`: what happened and where the results are."""
-    out = Path(summary["out"])
-    lines = [f"trained steps {summary['first_step']} -> {summary['last_step']} on {summary['corpus']}"]
-    if "first_loss" in summary:
-        val = summary.get("val_loss")
-        lines.append(
-            f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}"
-            + (f" (validation {val:.3f})" if val is not None else "")
-        )
-    lines.append(f"results in {out}/:")
-    lines.append(f"  config.toml, {METRICS_FILE}" + (f", {TRACE_FILE}" if (out / TRACE_FILE).exists() else ""))
-    lines += [f"  {Path(p).name}" for p in summary.get("plots", [])]
-    newest = checkpoint.latest_checkpoint(out / "checkpoints")
-    if newest is not None:
-        lines.append(f"  checkpoints/{newest.name}  (moeflow train --out {out} --resume; moeflow generate --run {out})")
-    return "\n".join(lines)
-
-
-def worker(cfg_dict: dict, out_dir: str, resume: bool) -> dict:
-    """Entry point of every rank (elastic launcher, torchrun, or in-process for one process).
-
-    Returns the run summary, or {"error": message} for bad input / a non-finite loss: such errors
-    are reached by all ranks together (they follow from shared values), so no rank is left waiting.
-    """
-    cfg = config_from_dict(cfg_dict)
-    try:
-        device = init_distributed(cfg.train.device, cfg.train.deterministic)
-        return run(cfg, out_dir, resume=resume, device=device)
-    except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as exc:
-        return {"error": str(exc)}
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None) -> dict | None:
-    """Validate everything that can be checked before starting processes, then train: in this
-    process (one process, or one rank of an outer torchrun) or on `nproc` local processes.
-
-    Returns rank 0's summary ({"error": ...} when training failed), None on other torchrun ranks.
-    """
-    out = Path(out_dir)
-    world, under_torchrun = resolve_world_size(nproc)
-    if cfg.moe.num_experts % world:
-        raise ValueError(
-            f"--nproc {world}: moe.num_experts={cfg.moe.num_experts} experts cannot be split "
-            f"evenly over {world} processes (use a divisor of {cfg.moe.num_experts})"
-        )
-    cfg.validate_world_size(world)
-    check_moe_config(cfg.moe)
-    load_corpus(cfg.data, min_tokens=cfg.model.seq_len + 1)  # bad --data fails here, before any spawn
-    if resume and checkpoint.latest_checkpoint(out / "checkpoints") is None:
-        raise ValueError(f"--resume: no complete checkpoint in {str(out / 'checkpoints')!r}")
-    if under_torchrun or world == 1:
-        summary = worker(config_to_dict(cfg), str(out), resume)
-        return summary if not under_torchrun or int(os.environ["RANK"]) == 0 else None
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    try:
-        return launch_local(worker, world, config_to_dict(cfg), str(out), resume, name="moeflow-train")[0]
-    except ChildFailedError as exc:
-        # The failing process printed its traceback above; name it in one line.
-        rank, failure = exc.get_first_failure()
-        return {"error": f"training process {rank} failed (exit code {failure.exitcode}); see its traceback above"}

@@ -1,16 +1,16 @@
-"""FasterMoE dynamic shadowing (PPoPP'22 §4.1, Algorithm 1; SPEC.md §1.2).
+"""FasterMoE dynamic shadowing (PPoPP'22 §4.1, Algorithm 1).
 
 Every iteration and layer, from the global flow matrix that the count exchange already gave every
 rank, pick experts to replicate on *all* ranks: their parameters travel (owner → every rank in
 forward, gradients back to the owner in backward) instead of their tokens.
 
-Cost of a shadow set S, priced by the shared `CostModel` (so profiled constants are used when
-present):
+Cost of a shadow set S, priced by the shared `CostModel` with the functions the simulator uses
+(`CostModel.sync_step_times`, `copies_time`), so profiled constants are used when present:
 
-    T(S) = 3 · max_w comp(B'_w)  +  4 · a2a(tokens still sent)  +  copy(S)
+    T(S) = 3 · max_w comp(B'_w)  +  2 · (dispatch + combine)(tokens still sent)  +  copy(S)
 
-- `3 · comp` and `4 · a2a`: FasterMoE Eq. 7 (forward + 2× backward compute; dispatch and combine
-  in forward and backward), with B'_w the tokens rank w computes once S is shadowed.
+- `3 · comp` and the four all-to-alls: FasterMoE Eq. 7 (forward + 2× backward compute; dispatch
+  and combine in forward and backward), with B'_w the tokens rank w computes once S is shadowed.
 - `copy(S)`: Eq. 8's parameter term `2·r·(2αH²)/W_net`: a broadcast of the shadowed parameters in
   forward and a reduce of their gradients in backward, one of each per owner, as the sparse
   collectives run them (`CostModel.copies_time`: pipelined ring, each link carries them once).
@@ -41,19 +41,13 @@ Shape suffixes: W ranks, E experts, P candidate shadow sets (prefixes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
+from moeflow.core.checks import finite_number, positive_int
+from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
-
-
-def expert_param_count(d_model: int, d_hidden: int, expert: str) -> int:
-    """Parameters of one expert: ffn = w1, b1, w2, b2; swiglu = w1, w3, w2."""
-    if expert == "ffn":
-        return 2 * d_model * d_hidden + d_hidden + d_model
-    if expert == "swiglu":
-        return 3 * d_model * d_hidden
-    raise ValueError(f"unknown expert={expert!r}; valid: ['ffn', 'swiglu']")
 
 
 @dataclass
@@ -76,29 +70,43 @@ class ShadowDecision:
 SEARCHES = ("prefix", "greedy")
 
 
+@dataclass(frozen=True)
+class ShadowOptions:
+    """Options of `strategy="shadow"` (`--set moe.strategy_options.<key>=...`)."""
+
+    search: Literal["prefix", "greedy"] = "prefix"
+    """`prefix`: the cheapest prefix of the load order; `greedy`: Algorithm 1's stop rule."""
+    min_gain: float = 0.05
+    """Shadow only for a predicted gain of at least this fraction of plain EP's time."""
+    max_shadowed: int | None = None
+    """At most this many experts shadowed per layer (None: any number)."""
+
+    def __post_init__(self) -> None:
+        if self.search not in SEARCHES:
+            raise ValueError(f"search={self.search!r}: expected one of {list(SEARCHES)}")
+        finite_number("min_gain", self.min_gain, 0.0, 1.0)
+        if self.min_gain >= 1.0:
+            raise ValueError(f"min_gain={self.min_gain!r}: expected a fraction in [0, 1)")
+        if self.max_shadowed is not None:
+            positive_int("max_shadowed", self.max_shadowed, minimum=0)
+
+
+@dataclass(frozen=True)
+class ShadowGreedyOptions(ShadowOptions):
+    """Options of `strategy="shadow_greedy"`: Algorithm 1 as published (stop rule, no margin)."""
+
+    search: Literal["prefix", "greedy"] = "greedy"
+    min_gain: float = 0.0
+
+
 class ShadowPlanner:
     """`strategy="shadow"`: a pure function of (flow, owners, cost model) → Placement."""
 
     needs_cost_model = True
 
-    def __init__(
-        self,
-        d_model: int,
-        d_hidden: int,
-        expert: str = "ffn",
-        max_shadowed: int | None = None,
-        search: str = "prefix",
-        min_gain: float = 0.05,
-    ):
-        self.d_model, self.d_hidden, self.expert = d_model, d_hidden, expert
-        self.param_count = expert_param_count(d_model, d_hidden, expert)
-        if max_shadowed is not None and max_shadowed < 0:
-            raise ValueError(f"max_shadowed={max_shadowed} must be >= 0 or None")
-        if search not in SEARCHES:
-            raise ValueError(f"search={search!r}: expected one of {list(SEARCHES)}")
-        if not 0.0 <= min_gain < 1.0:
-            raise ValueError(f"min_gain={min_gain!r}: expected a fraction in [0, 1)")
-        self.max_shadowed, self.search, self.min_gain = max_shadowed, search, min_gain
+    def __init__(self, shape: ExpertShape, options: ShadowOptions | None = None):
+        self.shape = shape
+        self.options = options or ShadowOptions()
         self.last: ShadowDecision | None = None
         self._copies_memo: dict[tuple, float] = {}
 
@@ -117,17 +125,14 @@ class ShadowPlanner:
         owner_onehot_EW = np.eye(world)[owner_E]
         # Tokens for a shadowed expert stay on their source; the rest go to the owner.
         to_owner_PWE = np.where(shadowed_PE[..., None, :], 0.0, flow_WE)
-        local_PW = (flow_WE * shadowed_PE[..., None, :]).sum(-1)
-        computed_PW = to_owner_PWE.sum(-2) @ owner_onehot_EW + local_PW
+        local_PWE = np.where(shadowed_PE[..., None, :], flow_WE, 0.0)
+        computed_PWE = owner_onehot_EW.T * to_owner_PWE.sum(-2)[..., None, :] + local_PWE
         sent_PWW = to_owner_PWE @ owner_onehot_EW
-        sent_PWW[..., np.arange(world), np.arange(world)] = 0.0
-        token_bytes = self.d_model * cost_model.bytes_per_element
-        param_bytes = self.param_count * cost_model.bytes_per_element
-        comp = cost_model.layer_compute_time(computed_PW, self.d_model, self.d_hidden, self.expert)
-        comm = cost_model.a2a_time(sent_PWW * token_bytes)
+        compute, a2a = cost_model.sync_step_times(sent_PWW, computed_PWE, self.shape)
+        param_bytes = self.shape.param_bytes(cost_model.bytes_per_element)
         flat_PE = shadowed_PE.reshape(-1, shadowed_PE.shape[-1])
         copies = np.array([self._copies(owner_E, m, param_bytes, cost_model) for m in flat_PE])
-        return 3 * comp + 4 * comm + copies.reshape(shadowed_PE.shape[:-1])
+        return compute + a2a + copies.reshape(shadowed_PE.shape[:-1])
 
     def _copies(self, owner_E, shadowed_E, param_bytes, cost_model) -> float:
         """Parameters out in forward, gradients back in backward, as the sparse collectives run
@@ -150,17 +155,17 @@ class ShadowPlanner:
             )
         received_E = flow_WE.sum(0)  # column sums: tokens each expert receives from all senders
         order = [int(e) for e in np.argsort(-received_E, kind="stable") if received_E[e] > 0]
-        candidates = order[: self.max_shadowed]
+        candidates = order[: self.options.max_shadowed]
         # prefixes_PE[i]: the first i candidates shadowed (row 0: plain EP).
         prefixes_PE = np.zeros((len(candidates) + 1, flow_WE.shape[1]), dtype=bool)
         for i, e in enumerate(candidates):
             prefixes_PE[i + 1 :, e] = True
         predicted = self.cost(flow_WE, owner_E, prefixes_PE, cost_model)
-        if self.search == "prefix":
+        if self.options.search == "prefix":
             chosen = int(np.argmin(predicted))  # the first of equal minima: fewest copies
         else:
             worse = np.flatnonzero(np.diff(predicted) >= 0)  # Algorithm 1 stops at the first
             chosen = int(worse[0]) if worse.size else len(candidates)
-        if predicted[chosen] > (1.0 - self.min_gain) * predicted[0]:
+        if predicted[chosen] > (1.0 - self.options.min_gain) * predicted[0]:
             chosen = 0  # not worth the model's error
         return ShadowDecision(candidates[:chosen], candidates, [float(t) for t in predicted])

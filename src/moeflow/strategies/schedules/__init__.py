@@ -1,0 +1,1 @@
+"""Schedules: the order and overlap of the dispatch → experts → combine block (`schedule` axis)."""

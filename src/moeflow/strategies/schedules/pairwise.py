@@ -1,4 +1,4 @@
-"""FasterMoE's smart fine-grained schedule (PPoPP'22 §4.2; SPEC.md §1.3).
+"""`schedule="pairwise"`: FasterMoE's smart fine-grained schedule (PPoPP'22 §4.2).
 
 The W ranks form n groups of G consecutive ranks (close-connected ranks share a group). The
 dispatch → experts → combine block becomes n steps of a grouped pairwise exchange; in step s a
@@ -18,17 +18,28 @@ autograd engine runs the experts' backward of other steps in between. Every mess
 unique to (layer call, step, S/R, forward/backward), so ranks cannot mismatch messages whatever
 order their engines pick. Numerics are those of the synchronous all-to-all (tested).
 
+The sent rows are split once into one piece per target group (rows are ordered by destination, so
+a group's rows are contiguous); each step's exchange takes its piece, so the backward of a step
+returns a gradient the size of that piece and autograd concatenates them once (no buffer the size
+of all sent rows per step).
+
 Shape suffixes: A rows this rank sends (ordered by destination, then expert), R rows received,
-D d_model, S source ranks of a step, H experts held by this rank.
+D d_model, S source ranks of a step, J experts held by this rank, W ranks; ``...`` = batch dims of
+a simulation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from moeflow.core.checks import positive_int
+from moeflow.strategies.schedules.base import ExchangeBlock, PredictedBlock, Schedule, StepLoad
+from moeflow.strategies.schedules.sync import SyncSchedule
 
 # Tags: call (mod 2^20) × 64 + step × 4 + kind; kinds below. Steps are at most 16 (W / G <= 16).
 _S_FWD, _R_FWD, _S_BWD, _R_BWD = range(4)
@@ -37,8 +48,9 @@ MAX_STEPS = 16
 
 def default_group_size(world: int, node_of: Sequence[int] | None) -> int:
     """FasterMoE §4.2: close-connected workers in one group — the ranks of a node when the topology
-    is known (so step 0 stays inside the node), else one rank per group."""
-    if node_of is None:
+    has several nodes (so step 0 stays inside the node), else one rank per group (a single group
+    would leave nothing to overlap)."""
+    if node_of is None or len(set(node_of)) < 2:
         return 1
     size = sum(1 for n in node_of if n == node_of[0])
     return size if world % size == 0 else 1
@@ -64,10 +76,10 @@ class _Exchange:
         self.fwd_tag, self.bwd_tag = tags
         self.works: list = []
 
-    def _post(self, out_rows, width, src_buf, sends, recvs, tag, zeros=False):
-        # Backward of S fills only this step's rows of the sent buffer: the others must be 0
-        # (autograd sums the contributions of all steps).
-        out = src_buf.new_zeros((out_rows, width)) if zeros else src_buf.new_empty((out_rows, width))
+    def _post(self, out_rows, width, src_buf, sends, recvs, tag):
+        # Every row of `out` is received (or copied from this rank): a piece of the sent buffer
+        # holds exactly the rows of one group, so its backward fills all of them.
+        out = src_buf.new_empty((out_rows, width))
         ops = []
         for peer, off, rows in sends:
             if peer == self.me or rows == 0:
@@ -103,7 +115,7 @@ class _Exchange:
     def start_backward(self, grad_RD: torch.Tensor) -> None:
         self.src = grad_RD.contiguous()
         # Reverse: what was received is sent back, what was sent is received.
-        self.out = self._post(self.send_rows, self.width, self.src, self.recvs, self.sends, self.bwd_tag, zeros=True)
+        self.out = self._post(self.send_rows, self.width, self.src, self.recvs, self.sends, self.bwd_tag)
 
 
 class _Start(torch.autograd.Function):
@@ -130,14 +142,10 @@ class _Finish(torch.autograd.Function):
         return grad_RD.new_empty(0), None
 
 
-def _blocks(peers: list[int], splits: Sequence[int], offsets: Sequence[int]) -> list[tuple[int, int, int]]:
-    return [(p, int(offsets[p]), int(splits[p])) for p in peers]
-
-
 def pairwise_block(
     x_sent_AD: torch.Tensor,
     send_splits: Sequence[int],
-    recv_counts_SH: np.ndarray,
+    recv_counts_SJ: np.ndarray,
     compute: Callable[[torch.Tensor, np.ndarray], torch.Tensor],
     group,
     group_size: int,
@@ -147,8 +155,8 @@ def pairwise_block(
     """Dispatch → experts → combine as n overlapped pairwise steps; returns the outputs of this
     rank's sent rows, in send order (what the synchronous combine returns).
 
-    `recv_counts_SH[s, h]`: rows source s sends this rank for held expert h (source-major, held
-    experts in order, exactly as the synchronous path receives them). `compute(x_RD, counts_SH)`
+    `recv_counts_SJ[s, j]`: rows source s sends this rank for held expert j (source-major, held
+    experts in order, exactly as the synchronous path receives them). `compute(x_RD, counts_SJ)`
     runs the held experts on rows of that layout and returns outputs in the same layout.
     """
     world, me = dist.get_world_size(group), dist.get_rank(group)
@@ -158,23 +166,26 @@ def pairwise_block(
     if steps > MAX_STEPS:
         raise ValueError(f"pairwise: {steps} steps (world {world} / group_size {group_size}) exceeds {MAX_STEPS}")
     hooks = hooks or (lambda point, t: t)
-    recv_splits = recv_counts_SH.sum(1)
-    send_offsets = np.concatenate([[0], np.cumsum(send_splits)[:-1]])
+    recv_splits = recv_counts_SJ.sum(1)
     base = (call_id % (1 << 20)) * 64
     outputs: dict[int, torch.Tensor] = {}
     sent = hooks("before_dispatch", x_sent_AD)
+    group_rows = [int(sum(send_splits[g * group_size : (g + 1) * group_size])) for g in range(steps)]
+    pieces = torch.split(sent, group_rows)  # one autograd node: backward concatenates the pieces
 
     def post_s(step):
         targets, sources = step_peers(me, world, group_size, step)
+        piece = pieces[targets[0] // group_size]
+        piece_off = np.concatenate([[0], np.cumsum([send_splits[p] for p in targets])[:-1]])
         recv_off = np.concatenate([[0], np.cumsum([recv_splits[p] for p in sources])[:-1]])
         exchange = _Exchange(
             group,
-            _blocks(targets, send_splits, send_offsets),
+            [(p, int(piece_off[i]), int(send_splits[p])) for i, p in enumerate(targets)],
             [(p, int(recv_off[i]), int(recv_splits[p])) for i, p in enumerate(sources)],
             me,
             (base + 4 * step + _S_FWD, base + 4 * step + _S_BWD),
         )
-        return exchange, _Start.apply(sent, exchange), sources, targets
+        return exchange, _Start.apply(piece, exchange), sources, targets
 
     pending_s = post_s(0)
     pending_r = []
@@ -183,7 +194,7 @@ def pairwise_block(
         if step + 1 < steps:
             pending_s = post_s(step + 1)  # S_{s+1} in flight while C_s computes
         x_recv_RD = hooks("after_dispatch", _Finish.apply(token, exchange))
-        y_recv_RD = hooks("before_combine", compute(x_recv_RD, recv_counts_SH[sources]))
+        y_recv_RD = hooks("before_combine", compute(x_recv_RD, recv_counts_SJ[sources]))
         # R_s: outputs back to this step's sources; receive my outputs from this step's targets.
         recv_off = np.concatenate([[0], np.cumsum([recv_splits[p] for p in sources])[:-1]])
         out_rows = [int(send_splits[p]) for p in targets]
@@ -203,3 +214,93 @@ def pairwise_block(
             outputs[peer] = piece
     y_back_AD = torch.cat([outputs[p] for p in range(world)], dim=0)
     return hooks("after_combine", y_back_AD)
+
+
+@dataclass(frozen=True)
+class PairwiseOptions:
+    """Options of `schedule="pairwise"` (`--set moe.schedule_options.group_size=...`)."""
+
+    group_size: int | None = None
+    """G, ranks per group (close-connected ranks share one); None: the ranks of a node of the cost
+    model's topology, else 1 (`default_group_size`)."""
+
+    def __post_init__(self) -> None:
+        if self.group_size is not None:
+            positive_int("group_size", self.group_size)
+
+
+class PairwiseSchedule(Schedule):
+    """FasterMoE's smart schedule as a `schedule` axis object (module docstring)."""
+
+    def __init__(self, options: PairwiseOptions | None = None) -> None:
+        self.options = options or PairwiseOptions()
+
+    def group_size(self, world: int, node_of: Sequence[int] | None) -> int:
+        size = self.options.group_size or default_group_size(world, node_of)
+        if world % size:
+            raise ValueError(f"pairwise group_size={size} must divide the expert-parallel size {world}")
+        return size
+
+    def check_dispatcher(self, dispatcher) -> None:
+        if getattr(dispatcher, "name", None) != "a2a":
+            raise ValueError(
+                f"schedule='pairwise' exchanges point-to-point between groups and runs with dispatch='a2a' "
+                f"only (got dispatch={getattr(dispatcher, 'name', dispatcher)!r})"
+            )
+
+    def execute(self, block: ExchangeBlock) -> torch.Tensor:
+        if block.group is None:  # one process: nothing to overlap
+            return SyncSchedule().execute(block)
+        world = len(block.send_splits)
+        return pairwise_block(
+            block.x_sent_AD,
+            block.send_splits,
+            block.counts_SJ,
+            block.compute,
+            block.group,
+            self.group_size(world, block.node_of),
+            block.call_id,
+            hooks=block.hooks,
+        )
+
+    def predict(self, step: StepLoad, cost_model, dispatcher) -> PredictedBlock:
+        """FasterMoE §4.2 on every rank: n = W/G steps; in step s group g exchanges with group
+        (g − s) mod n. The step's token exchanges S_s and returns R_s are priced on the pairs they
+        use; every rank runs its own pipeline — S_0, then per step its compute C_{s,w} overlapped
+        with S_{s+1} and R_{s−1} (one communication stream), then R_{n−1} — and the block ends with
+        the slowest rank. Ranks compute independently: a rank idle in one step does not wait for
+        the slowest rank of that step (only for the exchanges). Backward mirrors it with twice the
+        compute per step."""
+        send = np.asarray(step.send_tokens_WW, dtype=np.float64)
+        W = send.shape[-1]
+        G = self.group_size(W, step.node_of)
+        n = W // G
+        lead = send.shape[:-2]
+        send_b = send * step.shape.d_model * cost_model.bytes_per_element
+        send_P = (send_b * (1.0 - np.eye(W))).reshape(*lead, W * W)
+        tokens_P = send.reshape(*lead, W * W)
+        experts_W = (np.asarray(step.computed_WE) > 0).sum(-1)  # GEMM launches: experts with tokens
+        dst = np.repeat(np.arange(W), G)  # pairs ordered by destination, G sources each
+        S, R, C = [], [], []
+        for s in range(n):
+            src = ((dst // G + s) % n) * G + np.tile(np.arange(G), W)
+            fwd, back = src * W + dst, dst * W + src
+            S.append(cost_model.a2a_time_pairs(send_P[..., fwd], fwd))
+            R.append(cost_model.a2a_time_pairs(send_P[..., fwd], back))
+            tokens_W = tokens_P[..., fwd].reshape(*lead, W, G).sum(-1)
+            calls_W = np.where(tokens_W > 0, experts_W * step.shape.gemms, 0)
+            C.append(
+                cost_model.expert_forward_time(tokens_W, step.shape, calls_W)
+                + cost_model.elementwise_time(tokens_W, step.shape)
+            )
+
+        def pipeline(scale: float) -> np.ndarray:
+            t_W = (S[0] + R[-1])[..., None]
+            for s in range(n):
+                comm = (S[s + 1] if s + 1 < n else 0.0) + (R[s - 1] if s > 0 else 0.0)
+                t_W = t_W + np.maximum(scale * C[s], np.asarray(comm)[..., None])
+            return t_W.max(axis=-1)
+
+        compute = 3 * cost_model.slowest(sum(C))
+        comm = 2 * (sum(S) + sum(R))
+        return PredictedBlock(pipeline(1.0) + pipeline(2.0), compute, comm)

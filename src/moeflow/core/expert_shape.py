@@ -1,0 +1,83 @@
+"""Expert arithmetic, in one place: parameters, FLOPs and GEMMs of one expert of each kind.
+
+Every consumer — the experts themselves (`core/experts.py`), the planners (parameter bytes a copy
+moves), the cost model (compute time), the simulator and the roofline (FLOPs) — reads these
+numbers from here, so a new expert kind is described once.
+
+`expert="ffn"`:    y = gelu(x·w1 + b1)·w2 + b2      2 matrices d×h, biases; 4·d·h FLOPs per token
+`expert="swiglu"`: y = (silu(x·w1) * (x·w3))·w2     3 matrices d×h, no biases; 6·d·h FLOPs per token
+
+A matmul of a token row through a d×h matrix costs 2·d·h FLOPs forward; backward costs twice the
+forward (input and weight gradients), FasterMoE §3.1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moeflow.core.checks import positive_int
+
+
+@dataclass(frozen=True)
+class ExpertKind:
+    """What distinguishes one expert formula from another, as numbers."""
+
+    matrices: int
+    """d×h weight matrices (each one GEMM per forward)."""
+    biases: bool
+    """Whether it has per-expert biases b1 [h] and b2 [d]."""
+
+
+EXPERT_KINDS: dict[str, ExpertKind] = {
+    "ffn": ExpertKind(matrices=2, biases=True),
+    "swiglu": ExpertKind(matrices=3, biases=False),
+}
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One expert: model dimension, hidden dimension and kind (`EXPERT_KINDS`)."""
+
+    d_model: int
+    """d: width of a token row."""
+    d_hidden: int
+    """h: hidden width of the expert."""
+    kind: str = "ffn"
+    """`ffn` (GELU, biases) or `swiglu` (gated, no biases)."""
+
+    def __post_init__(self) -> None:
+        positive_int("d_model", self.d_model)
+        positive_int("d_hidden", self.d_hidden)
+        if self.kind not in EXPERT_KINDS:
+            raise ValueError(f"unknown expert={self.kind!r}; valid: {sorted(EXPERT_KINDS)}")
+
+    @property
+    def spec(self) -> ExpertKind:
+        return EXPERT_KINDS[self.kind]
+
+    @property
+    def gemms(self) -> int:
+        """GEMMs per expert forward (one per weight matrix)."""
+        return self.spec.matrices
+
+    @property
+    def param_count(self) -> int:
+        """Parameters of one expert: ffn = w1, b1, w2, b2; swiglu = w1, w3, w2."""
+        biases = self.d_model + self.d_hidden if self.spec.biases else 0
+        return self.spec.matrices * self.d_model * self.d_hidden + biases
+
+    def param_bytes(self, bytes_per_element: int) -> int:
+        return self.param_count * bytes_per_element
+
+    @property
+    def forward_flops_per_token(self) -> int:
+        """f: forward FLOPs of one assignment (ffn 4·d·h, FasterMoE's 4·α·H²; swiglu 6·d·h)."""
+        return 2 * self.spec.matrices * self.d_model * self.d_hidden
+
+    @property
+    def elementwise_elements_per_token(self) -> int:
+        """Memory-bound work per assignment outside the GEMMs, forward, in elements read and
+        written: the dispatch copy (2·d), bias and activation on the hidden (4·h), second bias and the
+        weighted combine (4·d). Backward touches about twice as much. FasterMoE's model leaves it out
+        (GPU kernels fuse it and GEMMs dominate); on CPU it is 10-40% of a layer."""
+        return 6 * self.d_model + 4 * self.d_hidden

@@ -1,0 +1,49 @@
+"""`MoEStats`: what the last forward of a `MoELayer` did, derived from the count exchange (no extra
+collective).
+
+Shape suffixes: W ranks of the expert-parallel group, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeflow.core.placement import Placement
+
+
+@dataclass
+class MoEStats:
+    """What the last forward did."""
+
+    flow: torch.Tensor
+    """int64 `[W, E]`, global: assignments rank w sent to expert e (after capacity drops)."""
+    choices: torch.Tensor
+    """int64 `[W, E]`, global: expert choices of rank w before capacity drops (= `flow` when dropless)."""
+    device_loads: torch.Tensor
+    """int64 `[W]`: assignments each rank computed."""
+    dropped: int
+    """Assignments dropped by capacity on this rank."""
+    bytes_sent: torch.Tensor
+    """int64 `[W]`: bytes this rank sent to each peer in the dispatch exchange (0 to itself:
+    local rows never touch the network; the combine sends the same amount back)."""
+    placement: Placement
+    """Where every expert was materialized."""
+    redirected: int = 0
+    """Assignments a topology-aware gate redirected from a remote to a local expert (this rank)."""
+    cross_node_share: float = 0.0
+    """Global share of the dispatched rows that travel to a rank on another node, by the dispatch
+    plan (rows served by a local copy do not cross); 0 without a node layout."""
+
+    @property
+    def expert_counts(self) -> torch.Tensor:
+        """int64 `[E]`, global: assignments each expert received from all ranks."""
+        return self.flow.sum(0)
+
+    @property
+    def load_imbalance(self) -> float:
+        """max / mean expert load (1.0 = perfectly balanced)."""
+        counts = self.expert_counts.double()
+        mean = counts.mean().item()
+        return counts.max().item() / mean if mean > 0 else 1.0

@@ -1,0 +1,119 @@
+"""Command-line description of a simulated workload, shared by `moeflow simulate` and `moeflow
+roofline`: the cluster, the trace, the expert, and the layer's axes by their registry names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeflow.core.expert_shape import EXPERT_KINDS, ExpertShape
+from moeflow.perf.costmodel import CostModel
+from moeflow.perf.simulator import AXES, SimulatedLayer
+from moeflow.perf.topology_presets import PRESETS
+from moeflow.perf.traces import SYNTHETIC, Trace, resolve_trace, synthetic_trace
+from moeflow.routing import BALANCES, GATES
+from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
+
+
+def add_workload_arguments(parser: Any) -> None:
+    """Arguments that describe a workload: cluster, trace, expert, the layer's axes."""
+    parser.add_argument(
+        "--cluster",
+        default="johnny",
+        help=f"topology preset ({', '.join(sorted(PRESETS))}) or a `moeflow profile` JSON",
+    )
+    parser.add_argument(
+        "--trace",
+        default="zipf",
+        help="uniform | zipf | drift (synthetic), smartmoe (the real trace excerpt shipped with moeflow, "
+        "docs/traces.md) or a trace .npz path; a trace of another size is folded/unfolded onto the cluster",
+    )
+    parser.add_argument("--iterations", type=int, default=100, help="synthetic: iterations")
+    parser.add_argument("--layers", type=int, default=1, help="synthetic: MoE layers")
+    parser.add_argument(
+        "--experts", type=int, default=None, help="experts (synthetic default: 2 per device; a trace: rescale to this)"
+    )
+    parser.add_argument("--tokens-per-rank", type=int, default=4096, help="synthetic: tokens per rank")
+    parser.add_argument("--top-k", type=int, default=2, help="synthetic: experts per token")
+    parser.add_argument("--skew", type=float, default=1.2, help="zipf: exponent s")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic: RNG seed")
+    parser.add_argument("--d-model", type=int, default=None, help="model dim (default: trace meta or 1024)")
+    parser.add_argument("--d-hidden", type=int, default=None, help="expert hidden dim (default: trace meta or 4·d)")
+    parser.add_argument("--expert", choices=sorted(EXPERT_KINDS), default=None, help="default: trace meta or ffn")
+    parser.add_argument("--gate", default="topk", help=f"one of {', '.join(GATES.names())}")
+    parser.add_argument("--balance", default="gshard", help=f"one of {', '.join(BALANCES.names())}")
+    parser.add_argument("--strategy", default=None, help=f"comma list (default all: {','.join(PLANNERS.names())})")
+    parser.add_argument("--schedule", default="sync,pairwise", help=f"comma list of {','.join(SCHEDULES.names())}")
+    parser.add_argument("--dispatch", default="a2a", help=f"one of {', '.join(DISPATCHERS.names())}")
+    parser.add_argument(
+        "--option",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="AXIS.KEY=VALUE",
+        help="an option of the component on an axis, e.g. --option schedule.group_size=2 (repeatable)",
+    )
+    parser.add_argument("--gemm-flops", type=float, default=None, help="override P, FLOP/s per device")
+
+
+def parse_axis_options(items: list[str]) -> dict[str, dict[str, str]]:
+    """`["schedule.group_size=2"]` -> `{"schedule": {"group_size": "2"}}` (values are parsed by the
+    component's options dataclass)."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        axis, dot, name = key.strip().partition(".")
+        if not sep or not dot or not name:
+            raise ValueError(f"--option {item!r}: expected AXIS.KEY=VALUE, e.g. schedule.group_size=2")
+        if axis not in AXES:
+            raise ValueError(f"--option {item!r}: unknown axis {axis!r}; valid: {list(AXES)}")
+        out.setdefault(axis, {})[name] = value.strip()
+    return out
+
+
+def _names(text: str, registry, flag: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    for name in names:
+        if name in BALANCES and registry is PLANNERS:
+            raise ValueError(f"{flag}={name!r} is a balance term, not a strategy: use --balance {name}")
+        if name not in registry:
+            raise ValueError(f"{flag}={name!r}: unknown; valid: {registry.names()}")
+    return names
+
+
+def workload_from_args(args: Any) -> tuple[Trace, CostModel, SimulatedLayer, list[str], list[str]]:
+    cost_model = CostModel.resolve(args.cluster, args.gemm_flops)
+    W = cost_model.topology.num_devices
+    if args.trace in SYNTHETIC:
+        experts = args.experts if args.experts is not None else 2 * W
+        trace = synthetic_trace(
+            args.trace,
+            args.iterations,
+            args.layers,
+            W,
+            experts,
+            args.tokens_per_rank,
+            args.top_k,
+            skew=args.skew,
+            seed=args.seed,
+        )
+    else:
+        trace = resolve_trace(args.trace)
+        if trace.world_size != W or (args.experts and args.experts != trace.num_experts):
+            trace = trace.rescale(W, args.experts)
+    d_model = args.d_model or int(trace.meta.get("d_model") or 1024)
+    d_hidden = args.d_hidden or int(trace.meta.get("d_hidden") or 4 * d_model)
+    shape = ExpertShape(d_model, d_hidden, args.expert or trace.meta.get("expert") or "ffn")
+    for flag, value, registry in (("--gate", args.gate, GATES), ("--balance", args.balance, BALANCES)):
+        if value not in registry:
+            raise ValueError(f"{flag}={value!r}: unknown; valid: {registry.names()}")
+    layer = SimulatedLayer(
+        shape,
+        top_k=int(trace.meta.get("top_k", 2)),
+        gate=args.gate,
+        balance=args.balance,
+        dispatch=args.dispatch,
+        options=parse_axis_options(args.options),
+    )
+    strategies = _names(args.strategy or ",".join(PLANNERS.names()), PLANNERS, "--strategy")
+    schedules = _names(args.schedule, SCHEDULES, "--schedule")
+    return trace, cost_model, layer, strategies, schedules

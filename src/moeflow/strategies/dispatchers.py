@@ -1,0 +1,29 @@
+"""The `dispatch` axis: how token rows travel between ranks (`dispatch="a2a"`).
+
+A dispatcher moves rows with uneven splits inside autograd (`exchange`; its backward is the
+reverse exchange) and prices that exchange for planners and the simulator (`price`), so a
+transport is simulated the way it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeflow.core import dispatch
+
+
+class A2ADispatcher:
+    """`dispatch="a2a"`: one `all_to_all_single` with uneven splits each way (FSMoE §3.1's plain
+    all-to-all), priced by the cost model's link model (FasterMoE Eq. 2)."""
+
+    name = "a2a"
+
+    def exchange(self, x_AD: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any) -> torch.Tensor:
+        return dispatch.all_to_all_v(x_AD, send_splits, recv_splits, group)
+
+    def price(self, cost_model: Any, bytes_WW: np.ndarray) -> np.ndarray:
+        """Seconds ``[...]`` of one exchange of ``bytes_WW[..., src, dst]``."""
+        return cost_model.a2a_time(bytes_WW)

@@ -1,0 +1,90 @@
+"""What a schedule receives: the dispatch → experts → combine block of one forward (to run it) or
+of a replayed trace (to price it).
+
+A schedule orders and overlaps the same primitives — the dispatcher's exchange, the `compute`
+closure that regroups and runs the held experts, the hooks — and must give the numbers of `sync`
+(tested for every schedule). The simulator asks the same schedule object, by the same name, for
+its predicted time (`predict`), so a schedule is priced the way it runs.
+
+Shape suffixes: A rows this rank sends (ordered by destination, then expert), R rows received,
+D d_model, S source ranks, J experts this rank holds, W ranks, E experts; ``...`` = batch dims
+(iterations, layers) of a simulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeflow.core.expert_shape import ExpertShape
+
+
+@dataclass
+class ExchangeBlock:
+    """The block of one forward, as the layer hands it to its schedule."""
+
+    x_sent_AD: torch.Tensor
+    """Rows to send, ordered by destination rank, then expert."""
+    send_splits: list[int]
+    """Rows to each rank."""
+    recv_splits: list[int]
+    """Rows from each rank."""
+    counts_SJ: np.ndarray
+    """Rows source s sends this rank for held expert j (source-major, held experts in order)."""
+    compute: Callable[[torch.Tensor, np.ndarray], torch.Tensor]
+    """`compute(x_RD, counts_SJ)`: the held experts on rows in that layout, outputs in the same layout."""
+    group: Any
+    """Expert-parallel process group (None: one process)."""
+    node_of: Sequence[int] | None
+    """Node of every rank of the group (None: unknown)."""
+    dispatcher: Any
+    """The `dispatch` axis object: `exchange(x, send_splits, recv_splits, group)`."""
+    hooks: Callable[[str, torch.Tensor], torch.Tensor]
+    """Runs the layer's hooks at a named point (FSMoE §3.1)."""
+    call_id: int
+    """Forward calls of the layer so far (message tags of asynchronous schedules)."""
+
+
+@dataclass
+class StepLoad:
+    """One training step of a layer in a simulation, vectorised over ``...`` (iterations, layers)."""
+
+    send_tokens_WW: np.ndarray
+    """Tokens rank src sends to rank dst ``[..., W, W]``; the diagonal holds the rows a rank computes
+    from its own tokens (held locally) and never crosses the network."""
+    computed_WE: np.ndarray
+    """Tokens each rank computes for each expert ``[..., W, E]``."""
+    shape: ExpertShape
+    """The expert."""
+    node_of: Sequence[int]
+    """Node of every rank (from the cost model's topology)."""
+
+
+@dataclass
+class PredictedBlock:
+    """A schedule's predicted time of the block, forward + backward, ``[...]`` seconds."""
+
+    total_s: np.ndarray
+    """The block's time with the schedule's overlap."""
+    compute_s: np.ndarray
+    """Expert compute (forward + 2× backward) on the slowest rank."""
+    comm_s: np.ndarray
+    """Token exchanges (dispatch and combine, forward and backward), summed."""
+
+
+class Schedule:
+    """Interface of the `schedule` axis (see the module docstring)."""
+
+    def execute(self, block: ExchangeBlock) -> torch.Tensor:
+        """Outputs of this rank's sent rows, in send order (what the synchronous combine returns)."""
+        raise NotImplementedError
+
+    def predict(self, step: StepLoad, cost_model: Any, dispatcher: Any) -> PredictedBlock:
+        raise NotImplementedError
+
+    def check_dispatcher(self, dispatcher: Any) -> None:
+        """Refuse a dispatcher this schedule cannot run with (default: any works)."""

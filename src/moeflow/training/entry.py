@@ -1,0 +1,83 @@
+"""Entry points of `moeflow train`: one pre-flight validation, then the ranks.
+
+    moeflow train --config configs/tiny.toml --nproc 2 --out runs/default
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m moeflow.cli train --config configs/small.toml --out /shared/runs/small
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from moeflow.core.launch import init_distributed, launch_local, resolve_world_size
+from moeflow.perf.costmodel import CostModel
+from moeflow.training import checkpoint
+from moeflow.training.config import RunConfig, config_from_dict, config_to_dict
+from moeflow.training.data import Corpus, corpus_files, load_corpus
+from moeflow.training.loop import run
+
+
+def preflight(cfg: RunConfig, out: Path, resume: bool, world: int, in_process: bool) -> Corpus | None:
+    """Everything that can be checked before processes start, each input read once: the process
+    count against the experts and the batch, the cost model (a preset or a profile JSON), the data
+    (loaded here when training runs in this process, so the trainer reuses it; only listed when
+    worker processes will each load their own), the checkpoint to resume from. Names and options
+    of the layer's components were validated when the config was built (`MoEConfig`)."""
+    if cfg.moe.num_experts % world:
+        raise ValueError(
+            f"--nproc {world}: moe.num_experts={cfg.moe.num_experts} experts cannot be split "
+            f"evenly over {world} processes (use a divisor of {cfg.moe.num_experts})"
+        )
+    cfg.validate_world_size(world)
+    if cfg.moe.cost_model:
+        CostModel.resolve(cfg.moe.cost_model)
+    if resume and checkpoint.latest_checkpoint(out / "checkpoints") is None:
+        raise ValueError(f"--resume: no complete checkpoint in {str(out / 'checkpoints')!r}")
+    if in_process:
+        return load_corpus(cfg.data, min_tokens=cfg.model.seq_len + 1)
+    corpus_files(cfg.data)  # a bad --data fails here, before any spawn
+    return None
+
+
+def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = None) -> dict:
+    """Entry point of every rank (elastic launcher, torchrun, or in-process for one process).
+
+    Returns the run summary, or {"error": message} for bad input / a non-finite loss: such errors
+    are reached by all ranks together (they follow from shared values), so no rank is left waiting.
+    """
+    cfg = config_from_dict(cfg_dict)
+    try:
+        device = init_distributed(cfg.train.device, cfg.train.deterministic)
+        return run(cfg, out_dir, resume=resume, device=device, corpus=corpus)
+    except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as exc:
+        return {"error": str(exc)}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None) -> dict | None:
+    """Validate everything that can be checked before starting processes, then train: in this
+    process (one process, or one rank of an outer torchrun) or on `nproc` local processes.
+
+    Returns rank 0's summary ({"error": ...} when training failed), None on other torchrun ranks.
+    """
+    out = Path(out_dir)
+    world, under_torchrun = resolve_world_size(nproc)
+    in_process = under_torchrun or world == 1
+    corpus = preflight(cfg, out, resume, world, in_process)
+    if in_process:
+        summary = worker(config_to_dict(cfg), str(out), resume, corpus)
+        return summary if not under_torchrun or int(os.environ["RANK"]) == 0 else None
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        return launch_local(worker, world, config_to_dict(cfg), str(out), resume, name="moeflow-train")[0]
+    except ChildFailedError as exc:
+        # The failing process printed its traceback above; name it in one line.
+        rank, failure = exc.get_first_failure()
+        return {"error": f"training process {rank} failed (exit code {failure.exitcode}); see its traceback above"}

@@ -1,0 +1,92 @@
+"""The training loop of one rank: steps, evaluation, metrics, checkpoints, plots (`moeflow train`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeflow.training import checkpoint
+from moeflow.training.config import RunConfig, write_config
+from moeflow.training.data import Corpus
+from moeflow.training.metrics import metric_record
+from moeflow.training.run_dir import METRICS_FILE, clear_run, truncate_metrics
+from moeflow.training.trainer import Trainer
+
+
+def run(
+    cfg: RunConfig,
+    out_dir: str | Path,
+    resume: bool = False,
+    device: torch.device | None = None,
+    corpus: Corpus | None = None,
+) -> dict:
+    """Train (or continue) a run on this rank; returns a summary (meaningful on rank 0)."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    trainer = Trainer(cfg, out, device, corpus)
+    rank0 = trainer.rank == 0
+    metrics_path = out / METRICS_FILE
+    if resume:
+        path = checkpoint.latest_checkpoint(trainer.ckpt_dir)
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint in {str(trainer.ckpt_dir)!r}")
+        trainer.resume(path)
+    if rank0:
+        if resume:
+            truncate_metrics(metrics_path, trainer.step)
+        else:
+            clear_run(out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_config(cfg, out / "config.toml")
+    first_step = trainer.step
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+    # mininterval: fewer redraws, since CI logs keep every one of them.
+    bar = tqdm(total=cfg.train.steps, initial=first_step, disable=not rank0, unit="step", mininterval=0.5)
+    # Throughput counts the training steps only, not evaluation and checkpoint time.
+    step_time, steps_timed = 0.0, 0
+    train_time = 0.0  # cumulative step time of this launch, for loss-vs-wall-time comparisons
+    summary: dict[str, Any] = {"first_step": first_step, "out": str(out), "corpus": trainer.corpus_source}
+    with metrics_path.open("a") if rank0 else contextlib.nullcontext() as metrics:
+        while trainer.step < cfg.train.steps:
+            started = time.perf_counter()
+            result = trainer.train_step()
+            elapsed = time.perf_counter() - started
+            step_time += elapsed
+            train_time += elapsed
+            steps_timed += 1
+            step = result.step
+            if trainer.trace is not None and rank0:
+                trainer.trace.append(step, result.flow_LWE)
+            last = step == cfg.train.steps
+            val_loss = None
+            if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or last):
+                val_loss = trainer.evaluate()
+            if step % cfg.train.log_every == 0 or last or val_loss is not None:
+                tok_s = tokens_per_step * steps_timed / max(step_time, 1e-9)
+                step_time, steps_timed = 0.0, 0
+                rec = metric_record(result, tok_s, val_loss)
+                rec["train_time_s"] = train_time
+                if rank0:
+                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.flush()
+                    bar.set_postfix_str(
+                        f"loss={result.loss:.3f} tok/s={tok_s:,.0f} imb={rec['load_imbalance']:.2f}", refresh=False
+                    )
+                summary.setdefault("first_loss", result.loss)
+                summary.update(last_loss=result.loss, val_loss=val_loss or summary.get("val_loss"))
+            bar.update(1)
+            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or last:
+                trainer.save()
+    bar.close()
+    summary["last_step"] = trainer.step
+    if rank0 and trainer.step > first_step:
+        from moeflow.training.plots import write_plots
+
+        summary["plots"] = [str(p) for p in write_plots(metrics_path, out)]
+    return summary
