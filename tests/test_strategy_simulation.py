@@ -6,11 +6,14 @@ import numpy as np
 import pytest
 
 from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import Placement
+from moeflow.perf.alpha_beta import AlphaBeta
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.roofline import points_from_simulation
 from moeflow.perf.simulator import SimulatedLayer, simulate
 from moeflow.perf.topology import Topology
 from moeflow.perf.traces import synthetic_trace
+from moeflow.strategies.planners.shadow import ShadowPlanner
 
 SHAPE = ExpertShape(d_model=1024, d_hidden=4096)
 MODEL = SimulatedLayer(SHAPE)
@@ -57,3 +60,19 @@ def test_ta_moe_routing_cuts_all_to_all_time_on_a_slow_inter_node_link():
     assert ta_moe.a2a_I.mean() < 0.6 * gshard.a2a_I.mean()
     # The expert load stays balanced: same tokens computed in total.
     assert ta_moe.tokens_IL.sum() == pytest.approx(gshard.tokens_IL.sum())
+
+
+def test_planner_and_simulator_price_a_step_alike():
+    """One pricing: the shadow planner's predicted time of a shadow set is what the simulator
+    predicts for the placement it runs (the count exchange, the same for every set, aside) — GEMM
+    start-ups per expert with tokens, four all-to-alls, copies as the sparse collectives move them."""
+    fits = {"gemm": AlphaBeta(2e-4, 2e-11, "flop")}  # a GEMM start-up cost, paid per expert with tokens
+    cm = CostModel(Topology([[0, 1], [2, 3]], [2e8, 2e9]), gemm_flops_per_s=5e10, fits=fits)
+    trace = synthetic_trace("zipf", 4, 1, 4, 8, tokens_per_rank=1024, skew=1.6, seed=5)
+    layer = SimulatedLayer(ExpertShape(256, 512))
+    (shadow,) = simulate(trace, cm, layer, ["shadow"], ["sync"])
+    planner = ShadowPlanner(layer.shape)
+    for i in range(4):
+        planner(trace.flow_ILWE[i, 0], Placement.expert_parallel(8, 4), cm)
+        assert planner.last.best_s == pytest.approx(shadow.total_I[i] - cm.count_exchange_time(8), rel=1e-9)
+    assert shadow.replicated_IL.sum() > 0

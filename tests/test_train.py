@@ -24,6 +24,7 @@ def read_routing_trace(path):
     trace = load_trace(path)
     return trace.flow_ILWE.astype(np.int32), trace.steps_I, trace.meta
 
+
 # A model small enough for a few seconds of CPU; balance weight 0 makes 1- and 2-process runs
 # mathematically identical (the balance loss is per rank), so their losses can be compared.
 TINY = [

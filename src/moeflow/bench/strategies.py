@@ -107,7 +107,8 @@ def _sum_over_ranks(value: float) -> float:
 
 
 def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
-    """Run on every rank of the initialized default group; returns rows (identical on all ranks)."""
+    """Run on every rank of the initialized default group; returns rows (identical on all ranks).
+    Long: the variants are interleaved iteration by iteration in one loop, so noise hits them alike."""
     world, rank = dist.get_world_size(), dist.get_rank()
     num_experts = cfg.experts_per_rank * world
     cases = [(f"zipf-{s:g}", zipf_probabilities(num_experts, s, cfg.seed)) for s in cfg.skews]

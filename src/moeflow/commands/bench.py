@@ -83,57 +83,63 @@ def _print_strategy_rows(rows: list[dict]) -> None:
         )
 
 
-def run(args) -> int:
-    import json
+def _strategy_result(args, world: int, outer: bool) -> dict | None:
+    """The strategy benchmark on `world` ranks (None on ranks other than 0 of an outer torchrun)."""
     import os
 
-    from moeflow.core.launch import launch_local, resolve_world_size
+    from moeflow.bench.strategies import StrategyBenchConfig
+    from moeflow.core.launch import launch_local
+
+    variants = _variants(args.variants)
+    if any(s != "ep" for s, _ in variants) and not args.cost_model:
+        raise ValueError("--cost-model is required for planners other than ep (a preset name or a profile JSON)")
+    cfg = StrategyBenchConfig(
+        tokens_per_rank=args.tokens,
+        d_model=args.d_model,
+        d_hidden=args.d_hidden,
+        experts_per_rank=args.experts,
+        top_k=args.top_k,
+        expert=args.expert or "ffn",
+        skews=tuple(args.skews),
+        trace=args.trace,
+        variants=variants,
+        schedule_options=None if args.group_size is None else {"group_size": args.group_size},
+        iterations=args.iterations,
+    )
+    if outer:
+        rows = _strategy_worker(cfg, args.cost_model)
+        if int(os.environ["RANK"]) != 0:
+            return None
+    else:
+        rows = launch_local(_strategy_worker, world, cfg, args.cost_model, name="moeflow-bench")[0]
+    return {"config": cfg.__dict__ | {"variants": [list(v) for v in cfg.variants]}, "world_size": world, "rows": rows}
+
+
+def _layer_result(args) -> dict:
+    from moeflow.bench.layer import LayerBenchConfig, run_layer_bench
+
+    cfg = LayerBenchConfig(
+        tokens=args.tokens,
+        d_model=args.d_model,
+        d_hidden=args.d_hidden,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        dtype=args.dtype,
+        expert=args.expert or "swiglu",
+        min_run_time_s=args.min_run_time,
+    )
+    return run_layer_bench(cfg, compare_hf=not args.no_hf)
+
+
+def run(args) -> int:
+    import json
+
+    from moeflow.core.launch import resolve_world_size
 
     world, outer = resolve_world_size(args.nproc)
-    if world > 1:
-        from moeflow.bench.strategies import StrategyBenchConfig
-
-        variants = _variants(args.variants)
-        if any(s != "ep" for s, _ in variants) and not args.cost_model:
-            raise ValueError("--cost-model is required for planners other than ep (a preset name or a profile JSON)")
-        cfg = StrategyBenchConfig(
-            tokens_per_rank=args.tokens,
-            d_model=args.d_model,
-            d_hidden=args.d_hidden,
-            experts_per_rank=args.experts,
-            top_k=args.top_k,
-            expert=args.expert or "ffn",
-            skews=tuple(args.skews),
-            trace=args.trace,
-            variants=variants,
-            schedule_options=None if args.group_size is None else {"group_size": args.group_size},
-            iterations=args.iterations,
-        )
-        if outer:
-            rows = _strategy_worker(cfg, args.cost_model)
-            if int(os.environ["RANK"]) != 0:
-                return 0
-        else:
-            rows = launch_local(_strategy_worker, world, cfg, args.cost_model, name="moeflow-bench")[0]
-        result = {
-            "config": cfg.__dict__ | {"variants": [list(v) for v in cfg.variants]},
-            "world_size": world,
-            "rows": rows,
-        }
-    else:
-        from moeflow.bench.layer import LayerBenchConfig, run_layer_bench
-
-        cfg = LayerBenchConfig(
-            tokens=args.tokens,
-            d_model=args.d_model,
-            d_hidden=args.d_hidden,
-            num_experts=args.experts,
-            top_k=args.top_k,
-            dtype=args.dtype,
-            expert=args.expert or "swiglu",
-            min_run_time_s=args.min_run_time,
-        )
-        result = run_layer_bench(cfg, compare_hf=not args.no_hf)
+    result = _strategy_result(args, world, outer) if world > 1 else _layer_result(args)
+    if result is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

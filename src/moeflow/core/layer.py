@@ -44,6 +44,9 @@ from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 from moeflow.strategies.planners.ep import plan_ep
 from moeflow.strategies.schedules.base import ExchangeBlock
 
+AXES = {"gate": GATES, "balance": BALANCES, "strategy": PLANNERS, "schedule": SCHEDULES, "dispatch": DISPATCHERS}
+"""The axes of a MoE layer and the registry of names of each (docs/architecture.md)."""
+
 
 class MoELayer(nn.Module):
     """A Mixture-of-Experts FFN layer (docs/architecture.md).
@@ -105,6 +108,7 @@ class MoELayer(nn.Module):
         schedule_options: Mapping[str, Any] | None = None,
         dispatch_options: Mapping[str, Any] | None = None,
     ) -> None:
+        # Long: one checked argument per shape, axis and option (the class docstring lists them).
         super().__init__()
         self.d_model = positive_int("d_model", d_model)
         self.d_hidden = positive_int("d_hidden", d_hidden)
@@ -119,24 +123,14 @@ class MoELayer(nn.Module):
         self.z_loss_weight = finite_number("z_loss_weight", z_loss_weight, low=0.0)
         self.check_finite = check_finite
         ctx = LayerContext(num_experts, top_k, ExpertShape(d_model, d_hidden, expert), cost_model, self.balance_weight)
-        self.gate = GATES.build(gate, ctx, gate_options)
-        self.balance = BALANCES.build(balance, ctx, balance_options)
-        self.planner = PLANNERS.build(strategy, ctx, strategy_options)
-        self.schedule = SCHEDULES.build(schedule, ctx, schedule_options)
-        self.dispatcher = DISPATCHERS.build(dispatch, ctx, dispatch_options)
-        self.schedule.check_dispatcher(self.dispatcher)
-        self.axes = {
-            axis: value if isinstance(value, str) else type(value).__name__
-            for axis, value in (
-                ("gate", gate),
-                ("balance", balance),
-                ("strategy", strategy),
-                ("schedule", schedule),
-                ("dispatch", dispatch),
-            )
-        }
-        if getattr(self.planner, "needs_cost_model", False) and cost_model is None:
-            raise ValueError(f"strategy={self.axes['strategy']!r} needs cost_model= (a moeflow CostModel)")
+        self._build_axes(
+            ctx,
+            gate=(gate, gate_options),
+            balance=(balance, balance_options),
+            strategy=(strategy, strategy_options),
+            schedule=(schedule, schedule_options),
+            dispatch=(dispatch, dispatch_options),
+        )
         self.experts = GroupedExperts(num_experts, d_model, d_hidden, kind=expert)
         self.hooks = list(hooks or [])
         for hook in self.hooks:
@@ -153,6 +147,16 @@ class MoELayer(nn.Module):
         self._bind(Placement.expert_parallel(num_experts, 1))
         if group is not None:
             self.to_expert_parallel(group)
+
+    def _build_axes(self, ctx: LayerContext, **axes: tuple[Any, Any]) -> None:
+        """One component per axis, by name from its registry (with its options) or as an object."""
+        built = {axis: AXES[axis].build(value, ctx, options) for axis, (value, options) in axes.items()}
+        self.gate, self.balance, self.planner = built["gate"], built["balance"], built["strategy"]
+        self.schedule, self.dispatcher = built["schedule"], built["dispatch"]
+        self.schedule.check_dispatcher(self.dispatcher)
+        self.axes = {axis: v if isinstance(v, str) else type(v).__name__ for axis, (v, _) in axes.items()}
+        if getattr(self.planner, "needs_cost_model", False) and ctx.cost_model is None:
+            raise ValueError(f"strategy={self.axes['strategy']!r} needs cost_model= (a moeflow CostModel)")
 
     @property
     def strategy(self) -> str:
@@ -248,38 +252,20 @@ class MoELayer(nn.Module):
         # Count exchange → global flow (and choices before capacity) → plan, the same on every rank.
         counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if keep_A is not None else [])
         flow_WE, choices_WE = dispatch.exchange_counts(counts, self.group)
-        if self.cluster_mismatch:
-            placement = plan_ep(flow_WE, self.placement)
-        else:
-            placement = self.planner(flow_WE, self.placement, self.cost_model)
+        placement = self._plan(flow_WE)
         plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
 
         # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
         dest_A = dispatch.assignment_destinations(expert_A, plan_SED[me])
         order_A = torch.sort(dest_A * self.num_experts + expert_A, stable=True).indices
         token_sorted_A = token_A[order_A]
-        held_J = np.flatnonzero(placement.holders_EW[:, me])
-        counts_SJ = plan_SED[:, held_J, me]
-        weights_J = self._held_weights(placement, held_J)
-
-        def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
-            # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
-            perm = dispatch.source_major_to_expert_major(counts_SJ)
-            if perm is None:  # one source: already grouped by expert
-                return self.experts(x_recv_RD, counts_SJ.sum(0).tolist(), weights_J)
-            perm_R = torch.as_tensor(perm, device=x.device)
-            inverse_R = dispatch.inverse_permutation(perm_R)
-            x_grouped = dispatch.permute_rows(x_recv_RD, perm_R, inverse_R)
-            y_grouped = self.experts(x_grouped, counts_SJ.sum(0).tolist(), weights_J)
-            return dispatch.permute_rows(y_grouped, inverse_R, perm_R)
-
         self._calls += 1
         block = ExchangeBlock(
             x_sent_AD=x_TD.index_select(0, token_sorted_A),
             send_splits=plan_SED[me].sum(0).tolist(),
             recv_splits=plan_SED[:, :, me].sum(1).tolist(),
-            counts_SJ=counts_SJ,
-            compute=compute,
+            counts_SJ=plan_SED[:, placement.holders_EW[:, me], me],
+            compute=self._compute_held(placement, me),
             group=self.group,
             node_of=self.node_of,
             dispatcher=self.dispatcher,
@@ -294,7 +280,36 @@ class MoELayer(nn.Module):
         weighted_AD = y_back_AD.to(x.dtype) * weight_A[order_A, None].to(x.dtype)
         y_TD = torch.zeros(x_TD.shape, dtype=x.dtype, device=x.device).index_add(0, token_sorted_A, weighted_AD)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
+        self._record(block, flow_WE, choices_WE, plan_SED, placement, dropped, routing.redirected, me)
+        return y_TD.reshape(x.shape)
 
+    def _plan(self, flow_WE: np.ndarray) -> Placement:
+        """The planner's placement for this flow (plain EP where the cost model is another cluster's)."""
+        if self.cluster_mismatch:
+            return plan_ep(flow_WE, self.placement)
+        return self.planner(flow_WE, self.placement, self.cost_model)
+
+    def _compute_held(self, placement: Placement, me: int):
+        """`compute(x_RD, counts_SJ)` for the schedule: the experts this rank holds (owned, or
+        materialized by the planner's copies) on rows received source-major."""
+        held_J = np.flatnonzero(placement.holders_EW[:, me])
+        weights_J = self._held_weights(placement, held_J)
+
+        def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
+            # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
+            perm = dispatch.source_major_to_expert_major(counts_SJ)
+            if perm is None:  # one source: already grouped by expert
+                return self.experts(x_recv_RD, counts_SJ.sum(0).tolist(), weights_J)
+            perm_R = torch.as_tensor(perm, device=x_recv_RD.device)
+            inverse_R = dispatch.inverse_permutation(perm_R)
+            x_grouped = dispatch.permute_rows(x_recv_RD, perm_R, inverse_R)
+            y_grouped = self.experts(x_grouped, counts_SJ.sum(0).tolist(), weights_J)
+            return dispatch.permute_rows(y_grouped, inverse_R, perm_R)
+
+        return compute
+
+    def _record(self, block, flow_WE, choices_WE, plan_SED, placement, dropped, redirected, me) -> None:
+        """`stats` of this forward; in training, the expert choices for the step's balance update."""
         row_bytes = block.x_sent_AD.element_size() * self.d_model
         bytes_sent = torch.tensor(block.send_splits, dtype=torch.int64).index_fill(0, torch.tensor(me), 0) * row_bytes
         self.stats = MoEStats(
@@ -304,14 +319,13 @@ class MoELayer(nn.Module):
             dropped=dropped,
             bytes_sent=bytes_sent,
             placement=placement,
-            redirected=routing.redirected,
+            redirected=redirected,
             cross_node_share=cross_node_share(plan_SED.sum(1), self.node_of),
         )
         if self.training and self.balance.observes:
             choices = self.stats.choices.to(torch.float64)
             self._choices_WE = choices if self._choices_WE is None else self._choices_WE + choices
             self._forwards += 1
-        return y_TD.reshape(x.shape)
 
     def _notice_mismatch(self) -> None:
         """Say once (Python's warnings filter keeps one per place) that the cost model is unused."""

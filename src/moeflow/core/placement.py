@@ -212,3 +212,15 @@ def broadcast_tree(owner: int, node_of: Sequence[int]) -> list[list[tuple[int, i
         first.append((owner, leader))
         second += [(leader, r) for r in ranks if r != leader]
     return [first, second]
+
+
+def tree_flows(node_of: Sequence[int], bytes_per_owner_W: np.ndarray) -> list[np.ndarray]:
+    """Bytes `[W, W]` on each stage of `broadcast_tree` when owner o sends `bytes_per_owner_W[o]` to
+    every rank, all owners at once (the reduce runs the same edges reversed)."""
+    W = len(node_of)
+    flows = [np.zeros((W, W)), np.zeros((W, W))]
+    for o in np.flatnonzero(bytes_per_owner_W):
+        for flow, edges in zip(flows, broadcast_tree(int(o), node_of)):
+            for src, dst in edges:
+                flow[src, dst] += bytes_per_owner_W[o]
+    return flows

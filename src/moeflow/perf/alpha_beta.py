@@ -73,6 +73,12 @@ class AlphaBeta:
         r2 = 1.0 - float(np.sum((y - A @ res.x) ** 2)) / ss_tot if ss_tot > 0 else 1.0
         return cls(alpha, beta, unit, r2, source)
 
+    @classmethod
+    def from_dict(cls, f: dict[str, Any]) -> AlphaBeta:
+        return cls(
+            float(f["alpha_s"]), float(f["beta_s_per_unit"]), f.get("unit", "byte"), f.get("r2"), f.get("source", "")
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "alpha_s": self.alpha_s,

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import broadcast_tree, copies_by_tree
+from moeflow.core.placement import copies_by_tree, tree_flows
 from moeflow.perf.alpha_beta import OP_KINDS, AlphaBeta, published_fits
 from moeflow.perf.topology import Topology
 from moeflow.perf.topology_presets import PRESETS, preset_peak_flops
@@ -105,7 +105,7 @@ class CostModel:
         # message of n bytes from every owner at once, forward and back (``copies_time``).
         self._copies_eta = 1.0
         if "copies" in self.fits and copies_by_tree(topo.node_of, self.backend):
-            per_byte = 2 * sum(float(self.link_time(f)) for f in self._tree_flows(np.ones(W)))
+            per_byte = 2 * sum(float(self.link_time(f)) for f in tree_flows(self.topology.node_of, np.ones(W)))
             self._copies_eta = self.fits["copies"].beta_s_per_unit / per_byte
 
     # ---- building blocks --------------------------------------------------------------------
@@ -376,24 +376,13 @@ class CostModel:
         per_owner = np.bincount(owner[everywhere_E], minlength=W)
         node_of = self.topology.node_of
         if copies_by_tree(node_of, self.backend):
-            flows = [f for f in self._tree_flows(per_owner * param_bytes) if f.any()]
+            flows = [f for f in tree_flows(self.topology.node_of, per_owner * param_bytes) if f.any()]
             t = sum(float(self._copies_eta * self.link_time(f) + self._latency(f)) for f in flows)
         else:
             kind = "broadcast" if direction == "materialize" else "reduce"
             t = sum(self.collective_time(kind, int(n) * param_bytes) for n in per_owner[per_owner > 0])
         partial_EW = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
         return float(t + self.materialize_time(param_bytes, partial_EW, owner))
-
-    def _tree_flows(self, bytes_per_owner_W: np.ndarray) -> list[np.ndarray]:
-        """Bytes `[W, W]` on each stage of `placement.broadcast_tree` when owner o sends
-        `bytes_per_owner_W[o]` to every rank, all owners at once."""
-        W = self.topology.num_devices
-        flows = [np.zeros((W, W)), np.zeros((W, W))]
-        for o in np.flatnonzero(bytes_per_owner_W):
-            for flow, edges in zip(flows, broadcast_tree(int(o), self.topology.node_of)):
-                for src, dst in edges:
-                    flow[src, dst] += bytes_per_owner_W[o]
-        return flows
 
     # ---- construction and JSON --------------------------------------------------------------------
     @classmethod
@@ -425,15 +414,7 @@ class CostModel:
         for key in ("topology", "gemm_flops_per_s"):
             if key not in data:
                 raise ValueError(f"cost model JSON: missing key {key!r}")
-        fits = {}
-        for k, f in data.get("fits", {}).items():
-            fits[k] = AlphaBeta(
-                float(f["alpha_s"]),
-                float(f["beta_s_per_unit"]),
-                f.get("unit", "byte"),
-                f.get("r2"),
-                f.get("source", ""),
-            )
+        fits = {k: AlphaBeta.from_dict(f) for k, f in data.get("fits", {}).items()}
         return cls(
             Topology.from_dict(data["topology"]),
             float(data["gemm_flops_per_s"]),
@@ -469,4 +450,4 @@ class CostModel:
                 return cls.load(value)
             # override before validation: a profile without a GEMM sweep has no P of its own
             return cls.from_dict({**json.loads(Path(value).read_text()), "gemm_flops_per_s": gemm_flops_per_s})
-        raise ValueError(f"--cluster={value!r}: not a preset ({sorted(PRESETS)}) nor a profile JSON file")
+        raise ValueError(f"cost model {value!r}: not a topology preset ({sorted(PRESETS)}) nor a profile JSON file")

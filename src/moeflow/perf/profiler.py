@@ -34,9 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+from moeflow.core.launch import init_distributed, launch_local, under_torchrun
 from moeflow.core.placement import Placement, copies_by_tree
-from moeflow.perf.costmodel import OP_KINDS, AlphaBeta
+from moeflow.core.sparse_collectives import materialize
+from moeflow.perf.alpha_beta import OP_KINDS, AlphaBeta
 
 COMM_KINDS = tuple(kind for kind in OP_KINDS if kind not in ("gemm", "elementwise"))
 
@@ -88,17 +92,12 @@ def _node_key() -> str:
 
 
 def _sync(device: Any) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _timed(fn: Any, device: Any, warmup: int, repeats: int, group: Any = None) -> np.ndarray:
     """Times of ``repeats`` runs (slowest rank of each), after ``warmup`` runs."""
-    import torch
-    import torch.distributed as dist
-
     out = []
     for r in range(warmup + repeats):
         dist.barrier(group=group)
@@ -113,11 +112,132 @@ def _timed(fn: Any, device: Any, warmup: int, repeats: int, group: Any = None) -
     return np.asarray(out)
 
 
+@dataclass
+class _Sweep:
+    """What one profile run measures, and the measurements so far (by operation kind)."""
+
+    config: ProfileConfig
+    device: Any
+    rank: int
+    world: int
+    node_of: list[int]
+    measurements: dict[str, Any] = field(default_factory=dict)
+
+    def time(self, fn: Any) -> np.ndarray:
+        return _timed(fn, self.device, self.config.warmup, self.config.repeats)
+
+    def record(self, kind: str, sizes: list[int], times: list[np.ndarray], unit: str) -> None:
+        mean = np.array([t.mean() for t in times])
+        std = np.array([t.std(ddof=1) for t in times])
+        # The fit uses the median of the repeats: on a shared CPU one descheduled run can double a
+        # mean; the noise (coefficient of variation) is still reported from mean and std.
+        self.measurements[kind] = {
+            "sizes": sizes,
+            "unit": unit,
+            "median_s": [float(np.median(t)) for t in times],
+            "mean_s": mean.tolist(),
+            "std_s": std.tolist(),
+            "noise_cv": float(np.mean(std / mean)),
+        }
+
+    def wants(self, kind: str) -> bool:
+        return kind in self.config.ops
+
+    @property
+    def comm_sizes(self) -> list[int]:
+        quantum = 4 * self.world  # whole float32 elements, divisible by the ranks
+        return sorted({max(quantum, int(s) // quantum * quantum) for s in self.config.comm_sizes_bytes})
+
+
+def _measure_compute(sweep: _Sweep) -> None:
+    """GEMMs over sizes (FLOPs = 2·m·k·n) and a memory-bound kernel (exact GELU, bytes read + written)."""
+    if sweep.wants("gemm"):
+        sizes, times = [], []
+        for m, k, n in sweep.config.gemm_shapes or [(m, m, m) for m in sweep.config.gemm_sizes]:
+            a, b = torch.randn(m, k, device=sweep.device), torch.randn(k, n, device=sweep.device)
+            sizes.append(2 * m * k * n)
+            times.append(sweep.time(lambda a=a, b=b: torch.matmul(a, b)))
+        sweep.record("gemm", sizes, times, "flop")
+    if sweep.wants("elementwise"):
+        sizes, times = [], []
+        for nbytes in sweep.config.comm_sizes_bytes:
+            x = torch.randn(max(1, int(nbytes) // 8), device=sweep.device)
+            sizes.append(2 * x.numel() * 4)
+            times.append(sweep.time(lambda x=x: torch.nn.functional.gelu(x)))
+        sweep.record("elementwise", sizes, times, "byte")
+
+
+def _measure_collectives(sweep: _Sweep) -> None:
+    """The group collectives over sizes (n: see the module docstring)."""
+    # torch >= 2.13 renamed the flat-tensor collectives; same operation either way.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    for kind in ("a2a", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce"):
+        if not sweep.wants(kind) or sweep.world < 2:
+            continue
+        times = []
+        for nbytes in sweep.comm_sizes:
+            n, d = nbytes // 4, sweep.device
+            full, part = torch.randn(n, device=d), torch.randn(n // sweep.world, device=d)
+            out_full, out_part = torch.empty(n, device=d), torch.empty(n // sweep.world, device=d)
+            fn = {
+                "a2a": lambda full=full, out=out_full: dist.all_to_all_single(out, full),
+                "all_gather": lambda part=part, out=out_full: all_gather(out, part),
+                "reduce_scatter": lambda full=full, out=out_part: reduce_scatter(out, full),
+                "all_reduce": lambda full=full: dist.all_reduce(full),
+                "broadcast": lambda full=full: dist.broadcast(full, src=0),
+                "reduce": lambda full=full: dist.reduce(full, dst=0),
+            }[kind]
+            times.append(sweep.time(fn))
+        sweep.record(kind, sweep.comm_sizes, times, "byte")
+
+
+def _measure_p2p(sweep: _Sweep, nodes: list[list[int]]) -> None:
+    """send/recv between two ranks of one node and two ranks of different nodes (when there are)."""
+    pairs = {
+        "p2p_intra": next(([g[0], g[1]] for g in nodes if len(g) >= 2), None),
+        "p2p_inter": [nodes[0][0], nodes[1][0]] if len(nodes) >= 2 else None,
+    }
+    for kind, pair in pairs.items():
+        if not sweep.wants(kind) or pair is None:
+            continue
+        src, dst = pair
+        times = []
+        for nbytes in sweep.comm_sizes:
+            buf = torch.randn(nbytes // 4, device=sweep.device)
+
+            def p2p(buf: Any = buf, src: int = src, dst: int = dst) -> None:
+                if sweep.rank == src:
+                    dist.send(buf, dst)
+                elif sweep.rank == dst:
+                    dist.recv(buf, src)
+
+            times.append(sweep.time(p2p))
+        sweep.record(kind, sweep.comm_sizes, times, "byte")
+
+
+def _measure_copies(sweep: _Sweep) -> None:
+    """Shadow copies as `sparse_collectives` runs them across nodes on gloo: every rank owns one
+    expert of n bytes held everywhere; forward copies plus backward gradient sums, timed together
+    (n = bytes per owner; `CostModel.copies_time` calibrates on it)."""
+    if not sweep.wants("copies") or not copies_by_tree(sweep.node_of, dist.get_backend()):
+        return
+    W = sweep.world
+    everywhere = Placement(np.arange(W), np.ones((W, W), dtype=bool))
+    times = []
+    for nbytes in sweep.comm_sizes:
+        param = torch.randn(1, nbytes // 4, device=sweep.device, requires_grad=True)
+
+        def copies(param: Any = param) -> None:
+            held = materialize({"w": param}, everywhere, dist.group.WORLD, sweep.rank, np.arange(W), sweep.node_of)
+            held["w"].sum().backward()
+
+        times.append(sweep.time(copies))
+    sweep.record("copies", sweep.comm_sizes, times, "byte")
+
+
 def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
     """Measure on the initialised default process group; every rank returns the same dict."""
-    import torch
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         raise RuntimeError("run_profile needs an initialised torch.distributed process group")
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -127,112 +247,15 @@ def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
     order = list(dict.fromkeys(keys))
     node_of = [order.index(k) for k in keys]
     nodes = [[r for r in range(W) if node_of[r] == n] for n in range(len(order))]
-    measurements: dict[str, Any] = {}
-
-    def record(kind: str, sizes: list[int], times: list[np.ndarray], unit: str) -> None:
-        mean = np.array([t.mean() for t in times])
-        std = np.array([t.std(ddof=1) for t in times])
-        # The fit uses the median of the repeats: on a shared CPU one descheduled run can double a
-        # mean; the noise (coefficient of variation) is still reported from mean and std.
-        median = np.array([np.median(t) for t in times])
-        measurements[kind] = {
-            "sizes": sizes,
-            "unit": unit,
-            "median_s": median.tolist(),
-            "mean_s": mean.tolist(),
-            "std_s": std.tolist(),
-            "noise_cv": float(np.mean(std / mean)),
-        }
-
-    if "gemm" in config.ops:
-        sizes, times = [], []
-        shapes = config.gemm_shapes or [(m, m, m) for m in config.gemm_sizes]
-        for m, k, n in shapes:
-            a = torch.randn(m, k, device=device)
-            b = torch.randn(k, n, device=device)
-            sizes.append(2 * m * k * n)
-            times.append(_timed(lambda a=a, b=b: torch.matmul(a, b), device, config.warmup, config.repeats))
-        record("gemm", sizes, times, "flop")
-
-    # torch >= 2.13 renamed the flat-tensor collectives; same operation either way.
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    if "elementwise" in config.ops:
-        # Memory-bound kernels (activation, bias, copies): exact GELU, n = bytes read + written.
-        sizes, times = [], []
-        for nbytes in config.comm_sizes_bytes:
-            x = torch.randn(max(1, int(nbytes) // 8), device=device)
-            sizes.append(2 * x.numel() * 4)
-            times.append(_timed(lambda x=x: torch.nn.functional.gelu(x), device, config.warmup, config.repeats))
-        record("elementwise", sizes, times, "byte")
-
-    quantum = 4 * W
-    comm_sizes = sorted({max(quantum, int(s) // quantum * quantum) for s in config.comm_sizes_bytes})
-    for kind in ("a2a", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce"):
-        if kind not in config.ops or W < 2:
-            continue
-        times = []
-        for nbytes in comm_sizes:
-            n = nbytes // 4
-            full = torch.randn(n, device=device)
-            part = torch.randn(n // W, device=device)
-            out_full = torch.empty(n, device=device)
-            out_part = torch.empty(n // W, device=device)
-            fn = {
-                "a2a": lambda full=full, out=out_full: dist.all_to_all_single(out, full),
-                "all_gather": lambda part=part, out=out_full: all_gather(out, part),
-                "reduce_scatter": lambda full=full, out=out_part: reduce_scatter(out, full),
-                "all_reduce": lambda full=full: dist.all_reduce(full),
-                "broadcast": lambda full=full: dist.broadcast(full, src=0),
-                "reduce": lambda full=full: dist.reduce(full, dst=0),
-            }[kind]
-            times.append(_timed(fn, device, config.warmup, config.repeats))
-        record(kind, comm_sizes, times, "byte")
-
-    pairs = {
-        "p2p_intra": next(([g[0], g[1]] for g in nodes if len(g) >= 2), None),
-        "p2p_inter": [nodes[0][0], nodes[1][0]] if len(nodes) >= 2 else None,
-    }
-    for kind, pair in pairs.items():
-        if kind not in config.ops or pair is None:
-            continue
-        src, dst = pair
-        times = []
-        for nbytes in comm_sizes:
-            buf = torch.randn(nbytes // 4, device=device)
-
-            def p2p(buf: Any = buf, src: int = src, dst: int = dst) -> None:
-                if rank == src:
-                    dist.send(buf, dst)
-                elif rank == dst:
-                    dist.recv(buf, src)
-
-            times.append(_timed(p2p, device, config.warmup, config.repeats))
-        record(kind, comm_sizes, times, "byte")
-
-    if "copies" in config.ops and copies_by_tree(node_of, dist.get_backend()):
-        from moeflow.core.sparse_collectives import materialize
-
-        # Shadow copies as `sparse_collectives` runs them across nodes on gloo: every rank owns one
-        # expert of n bytes held everywhere; forward copies plus backward gradient sums, timed
-        # together (n = bytes per owner; CostModel.copies_time calibrates on it).
-        everywhere = Placement(np.arange(W), np.ones((W, W), dtype=bool))
-        times = []
-        for nbytes in comm_sizes:
-            param = torch.randn(1, nbytes // 4, device=device, requires_grad=True)
-
-            def copies(param: Any = param) -> None:
-                held = materialize({"w": param}, everywhere, dist.group.WORLD, rank, np.arange(W), node_of)
-                held["w"].sum().backward()
-
-            times.append(_timed(copies, device, config.warmup, config.repeats))
-        record("copies", comm_sizes, times, "byte")
-
+    sweep = _Sweep(config, device, rank, W, node_of)
+    _measure_compute(sweep)
+    _measure_collectives(sweep)
+    _measure_p2p(sweep, nodes)
+    _measure_copies(sweep)
     fits = {
         k: AlphaBeta.fit(m["sizes"], m["median_s"], m["unit"], source="moeflow profile").to_dict()
-        for k, m in measurements.items()
+        for k, m in sweep.measurements.items()
     }
-    topology = topology_from_fits(nodes, fits)
     # CPU ranks that all live on one machine share its cores (CostModel.host_cores).
     hosts = {k.split("|")[0] for k in keys}
     host_cores = len(os.sched_getaffinity(0)) if device.type == "cpu" and len(hosts) == 1 else None
@@ -250,9 +273,9 @@ def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
         "gemm_flops_per_s": flops,
         "bytes_per_element": 4,
         "host_cores": host_cores,
-        "topology": topology,
+        "topology": topology_from_fits(nodes, fits),
         "fits": fits,
-        "measurements": measurements,
+        "measurements": sweep.measurements,
     }
 
 
@@ -293,10 +316,6 @@ def topology_from_fits(nodes: list[list[int]], fits: dict[str, dict[str, Any]]) 
 
 def _worker(config: ProfileConfig, backend: str) -> dict[str, Any]:
     """Entry point of one rank (elastic launch or torchrun)."""
-    import torch.distributed as dist
-
-    from moeflow.core.launch import init_distributed
-
     created = not dist.is_initialized()
     device = init_distributed({"nccl": "cuda", "gloo": "cpu"}.get(backend, "auto"))
     try:
@@ -309,8 +328,6 @@ def _worker(config: ProfileConfig, backend: str) -> dict[str, Any]:
 def launch(config: ProfileConfig, nproc: int | None, backend: str) -> dict[str, Any]:
     """Run the profile: under torchrun (``RANK`` in the environment) on the given ranks, else on
     ``nproc`` local processes started by torch's elastic launcher (the one torchrun uses)."""
-    from moeflow.core.launch import launch_local, under_torchrun
-
     if under_torchrun():
         return _worker(config, backend)
     if nproc is None or nproc < 1:

@@ -29,6 +29,7 @@ import numpy as np
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.layer import AXES
 from moeflow.core.placement import Placement, dispatch_counts, send_by_owner
 from moeflow.core.registry import LayerContext
 from moeflow.perf.costmodel import CostModel
@@ -38,8 +39,6 @@ from moeflow.routing.effects import EFFECTS
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 from moeflow.strategies.planners.ep import plan_ep
 from moeflow.strategies.schedules.base import StepLoad
-
-AXES = ("gate", "balance", "strategy", "schedule", "dispatch")
 
 
 @dataclass(frozen=True)
@@ -64,9 +63,8 @@ class SimulatedLayer:
 
     def __post_init__(self) -> None:
         positive_int("top_k", self.top_k)
-        GATES.get(self.gate)
-        BALANCES.get(self.balance)
-        DISPATCHERS.get(self.dispatch)
+        for axis in ("gate", "balance", "dispatch"):
+            AXES[axis].get(getattr(self, axis))
         unknown = sorted(set(self.options) - set(AXES))
         if unknown:
             raise ValueError(f"options: unknown axis {unknown[0]!r}; valid: {list(AXES)}")

@@ -135,6 +135,8 @@ class Topology:
 
     # ---- construction -------------------------------------------------------------------------
     def _build(self) -> None:
+        """Links, node groups, ring edges and the route incidence of every pair (long: one walk of
+        the nested spec, then the rings and routes that need all of its links)."""
         links: list[Link] = []
         index: dict[tuple[str, str], int] = {}
         parent_chain: dict[int, list[str]] = {}  # device -> switches from its parent up to the root

@@ -205,20 +205,7 @@ def synthetic_trace(
         raise ValueError(f"skew={skew!r}: must be >= 0")
     rng = np.random.default_rng(seed)
     E = num_experts
-    if kind == "uniform":
-        p_ILE = np.full((iterations, layers, E), 1.0 / E)
-    elif kind == "zipf":
-        base_E = 1.0 / np.arange(1, E + 1) ** skew
-        base_E /= base_E.sum()
-        order_LE = np.argsort(rng.random((layers, E)), axis=1)  # random popularity order per layer
-        p_LE = base_E[np.argsort(order_LE, axis=1)]
-        p_ILE = np.broadcast_to(p_LE, (iterations, layers, E))
-    else:
-        shift_I = np.arange(iterations) // drift_period
-        hot_IH = (shift_I[:, None] + np.arange(hot_experts)[None, :]) % E
-        p_IE = np.full((iterations, E), (1 - hot_share) / E)
-        np.add.at(p_IE, (np.arange(iterations)[:, None], hot_IH), hot_share / hot_experts)
-        p_ILE = np.broadcast_to(p_IE[:, None, :], (iterations, layers, E))
+    p_ILE = _expert_probabilities(kind, iterations, layers, E, skew, hot_experts, hot_share, drift_period, rng)
     p_ILWE = np.broadcast_to(p_ILE[:, :, None, :], (iterations, layers, world_size, E))
     flow = rng.multinomial(top_k * tokens_per_rank, p_ILWE)
     meta = {
@@ -231,6 +218,22 @@ def synthetic_trace(
         "seed": seed,
     }
     return Trace(flow, np.arange(iterations), meta)
+
+
+def _expert_probabilities(kind, iterations, layers, E, skew, hot_experts, hot_share, drift_period, rng) -> np.ndarray:
+    """p `[I, L, E]` of a synthetic trace (see `synthetic_trace`)."""
+    if kind == "uniform":
+        return np.full((iterations, layers, E), 1.0 / E)
+    if kind == "zipf":
+        base_E = 1.0 / np.arange(1, E + 1) ** skew
+        base_E /= base_E.sum()
+        order_LE = np.argsort(rng.random((layers, E)), axis=1)  # random popularity order per layer
+        return np.broadcast_to(base_E[np.argsort(order_LE, axis=1)], (iterations, layers, E))
+    shift_I = np.arange(iterations) // drift_period
+    hot_IH = (shift_I[:, None] + np.arange(hot_experts)[None, :]) % E
+    p_IE = np.full((iterations, E), (1 - hot_share) / E)
+    np.add.at(p_IE, (np.arange(iterations)[:, None], hot_IH), hot_share / hot_experts)
+    return np.broadcast_to(p_IE[:, None, :], (iterations, layers, E))
 
 
 class TraceRecorder:

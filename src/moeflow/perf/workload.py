@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from moeflow.core.expert_shape import EXPERT_KINDS, ExpertShape
+from moeflow.core.layer import AXES
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.simulator import AXES, SimulatedLayer
+from moeflow.perf.simulator import SimulatedLayer
 from moeflow.perf.topology_presets import PRESETS
 from moeflow.perf.traces import SYNTHETIC, Trace, resolve_trace, synthetic_trace
 from moeflow.routing import BALANCES, GATES
@@ -81,7 +82,10 @@ def _names(text: str, registry, flag: str) -> list[str]:
 
 
 def workload_from_args(args: Any) -> tuple[Trace, CostModel, SimulatedLayer, list[str], list[str]]:
-    cost_model = CostModel.resolve(args.cluster, args.gemm_flops)
+    try:
+        cost_model = CostModel.resolve(args.cluster, args.gemm_flops)
+    except ValueError as exc:
+        raise ValueError(f"--cluster={args.cluster!r}: {exc}") from None
     W = cost_model.topology.num_devices
     if args.trace in SYNTHETIC:
         experts = args.experts if args.experts is not None else 2 * W

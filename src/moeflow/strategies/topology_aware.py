@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from scipy import sparse
+from scipy.optimize import linprog
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.placement import plain_ep_owners
@@ -77,6 +79,7 @@ def solve_dispatch_lp(
     bytes_per_rank: float,
 ) -> tuple[np.ndarray, float]:
     """The un-smoothed optimum of TA-MoE Eq. 2-4 → (c_WE in assignments per token, t* in seconds).
+    (Long: half of it is this derivation.)
 
     The problem on c_ie >= 0 (per token of rank i), in epigraph form (Eq. 2):
 
@@ -96,9 +99,6 @@ def solve_dispatch_lp(
     reaches the best time. For a fixed f, the even spread is also the ℓ1-closest c to uniform
     (convexity), so it solves the ℓ1 tie-break on c too. Uniform is always feasible.
     """
-    from scipy import sparse
-    from scipy.optimize import linprog
-
     alpha_WW = np.asarray(alpha_WW, dtype=np.float64)
     beta_WW = np.asarray(beta_WW, dtype=np.float64)
     W = alpha_WW.shape[0]
@@ -127,7 +127,6 @@ def solve_dispatch_lp(
         return uniform_WE, 0.0
     # Scaled to O(1) coefficients (α ~ µs, β ~ 1e-10 s/byte): HiGHS tolerances are absolute.
     a_P, b_P = (a_WR / cost_scale).reshape(-1), (b_WR / cost_scale).reshape(-1)
-    n = W * R  # f variables, row-major (sender i, receiver r)
     A_eq = sparse.vstack(
         [
             sparse.kron(sparse.eye(W), np.ones((1, R))),  # Σ_j f_ij = k            (Eq. 3)
@@ -136,7 +135,18 @@ def solve_dispatch_lp(
     ).tocsr()
     b_eq = np.concatenate([np.full(W, float(top_k)), top_k * W * experts_W[recv_R] / E])
 
-    # Stage 1: min t s.t. b_ij·f_ij − t <= −a_ij.
+    f_P, t_star = _lp_fastest(a_P, b_P, A_eq, b_eq)
+    tie_broken = _lp_closest_to_uniform(a_P, b_P, A_eq, b_eq, t_star, np.tile(top_k * experts_W[recv_R] / E, W))
+    f_WR = np.clip((f_P if tie_broken is None else tie_broken).reshape(W, R), 0.0, None)
+    f_WW = np.zeros((W, W))
+    f_WW[:, recv_R] = f_WR
+    c_WE = f_WW[:, owner_E] / experts_W[owner_E]
+    return c_WE, t_star * cost_scale
+
+
+def _lp_fastest(a_P, b_P, A_eq, b_eq) -> tuple[np.ndarray, float]:
+    """Stage 1: min t s.t. a_ij + b_ij·f_ij <= t (Eq. 2 in epigraph form) and Eq. 3-4 -> (f, t*)."""
+    n = a_P.size  # f variables, row-major (sender i, receiver r)
     res = linprog(
         c=np.r_[np.zeros(n), 1.0],
         A_ub=sparse.hstack([sparse.diags(b_P), -np.ones((n, 1))]).tocsr(),
@@ -149,17 +159,20 @@ def solve_dispatch_lp(
     )
     if res.status != 0:
         raise RuntimeError(f"TA-MoE LP (stage 1) failed: {res.message}")
-    t_star = float(res.x[-1])
+    return res.x[:n], float(res.x[-1])
 
-    # Stage 2: min Σ d_ij, d_ij >= |f_ij − u_ij| (u = uniform pair volume k·E_j/E), every pair
-    # within a hair of t* — which is just an upper bound on each f_ij. The slack keeps stage 2
-    # feasible despite HiGHS's own tolerances.
+
+def _lp_closest_to_uniform(a_P, b_P, A_eq, b_eq, t_star: float, u_P) -> np.ndarray | None:
+    """Stage 2: min Σ d_ij, d_ij >= |f_ij − u_ij| (u = uniform pair volume k·E_j/E), every pair
+    within a hair of t* — which is just an upper bound on each f_ij. The slack keeps it feasible
+    despite HiGHS's own tolerances; None if HiGHS still calls it infeasible (stage 2 only breaks
+    ties, so the stage-1 optimum is just as good for Eq. 2)."""
+    n = a_P.size
     slack = 1e-9 * max(1.0, abs(t_star))
     with np.errstate(divide="ignore"):
         upper_P = np.where(b_P > 0, (t_star + slack - a_P) / b_P, np.inf)
-    u_P = np.tile(top_k * experts_W[recv_R] / E, W)
     eye = sparse.eye(n)
-    res2 = linprog(
+    res = linprog(
         c=np.r_[np.zeros(n), np.ones(n)],
         A_ub=sparse.vstack([sparse.hstack([eye, -eye]), sparse.hstack([-eye, -eye])]).tocsr(),
         b_ub=np.r_[u_P, -u_P],
@@ -169,13 +182,7 @@ def solve_dispatch_lp(
         method="highs",
         options=_HIGHS_OPTIONS,
     )
-    # Stage 2 only breaks ties; should HiGHS call it infeasible at this slack, the stage-1 optimum
-    # is just as good for Eq. 2.
-    f_WR = np.clip((res2.x if res2.status == 0 else res.x)[:n].reshape(W, R), 0.0, None)
-    f_WW = np.zeros((W, W))
-    f_WW[:, recv_R] = f_WR
-    c_WE = f_WW[:, owner_E] / experts_W[owner_E]
-    return c_WE, t_star * cost_scale
+    return res.x[:n] if res.status == 0 else None
 
 
 def smooth_towards_uniform(c_WE: np.ndarray, top_k: int, smoothing: float = DEFAULT_SMOOTHING) -> np.ndarray:

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.core.checks import typed_value
-from moeflow.routing import BALANCES, GATES
-from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
+from moeflow.core.layer import AXES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -83,15 +82,6 @@ class ModelConfig:
         if self.vocab_size != 256:
             raise ValueError(f"model.vocab_size must be 256 (byte tokens), got {self.vocab_size!r}")
 
-
-# The layer's axes: config key -> registry of names (moeflow.routing / moeflow.strategies).
-AXIS_REGISTRIES = {
-    "gate": GATES,
-    "balance": BALANCES,
-    "strategy": PLANNERS,
-    "schedule": SCHEDULES,
-    "dispatch": DISPATCHERS,
-}
 
 # Keys of earlier releases, and where their value lives now.
 RENAMED_KEYS = {
@@ -154,7 +144,7 @@ class MoEConfig:
             raise ValueError(
                 f"moe.balance_weight={self.balance_weight!r} and moe.z_loss_weight={self.z_loss_weight!r} must be >= 0"
             )
-        for axis, registry in AXIS_REGISTRIES.items():
+        for axis, registry in AXES.items():
             name = getattr(self, axis)
             if name not in registry:
                 raise ValueError(f"moe.{axis}={name!r}: unknown; valid: {registry.names()}")
@@ -164,7 +154,7 @@ class MoEConfig:
 
     def layer_options(self) -> dict[str, dict[str, Any]]:
         """`MoELayer`'s `*_options` keyword arguments."""
-        return {f"{axis}_options": dict(getattr(self, f"{axis}_options")) for axis in AXIS_REGISTRIES}
+        return {f"{axis}_options": dict(getattr(self, f"{axis}_options")) for axis in AXES}
 
 
 @dataclass

@@ -18,6 +18,22 @@ from moeflow.training.run_dir import METRICS_FILE, clear_run, truncate_metrics
 from moeflow.training.trainer import Trainer
 
 
+def _open_run(trainer: Trainer, cfg: RunConfig, out: Path, resume: bool) -> None:
+    """Resume from the newest complete checkpoint, or start fresh; rank 0 prepares the folder."""
+    if resume:
+        path = checkpoint.latest_checkpoint(trainer.ckpt_dir)
+        if path is None:
+            raise ValueError(f"--resume: no complete checkpoint in {str(trainer.ckpt_dir)!r}")
+        trainer.resume(path)
+    if trainer.rank == 0:
+        if resume:
+            truncate_metrics(out / METRICS_FILE, trainer.step)
+        else:
+            clear_run(out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_config(cfg, out / "config.toml")
+
+
 def run(
     cfg: RunConfig,
     out_dir: str | Path,
@@ -31,19 +47,7 @@ def run(
     out = Path(out_dir)
     trainer = Trainer(cfg, out, device, corpus)
     rank0 = trainer.rank == 0
-    metrics_path = out / METRICS_FILE
-    if resume:
-        path = checkpoint.latest_checkpoint(trainer.ckpt_dir)
-        if path is None:
-            raise ValueError(f"--resume: no complete checkpoint in {str(trainer.ckpt_dir)!r}")
-        trainer.resume(path)
-    if rank0:
-        if resume:
-            truncate_metrics(metrics_path, trainer.step)
-        else:
-            clear_run(out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_config(cfg, out / "config.toml")
+    _open_run(trainer, cfg, out, resume)
     first_step = trainer.step
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
     # mininterval: fewer redraws, since CI logs keep every one of them.
@@ -52,14 +56,12 @@ def run(
     step_time, steps_timed = 0.0, 0
     train_time = 0.0  # cumulative step time of this launch, for loss-vs-wall-time comparisons
     summary: dict[str, Any] = {"first_step": first_step, "out": str(out), "corpus": trainer.corpus_source}
-    with metrics_path.open("a") if rank0 else contextlib.nullcontext() as metrics:
+    with (out / METRICS_FILE).open("a") if rank0 else contextlib.nullcontext() as metrics:
         while trainer.step < cfg.train.steps:
             started = time.perf_counter()
             result = trainer.train_step()
             elapsed = time.perf_counter() - started
-            step_time += elapsed
-            train_time += elapsed
-            steps_timed += 1
+            step_time, train_time, steps_timed = step_time + elapsed, train_time + elapsed, steps_timed + 1
             step = result.step
             if trainer.trace is not None and rank0:
                 trainer.trace.append(step, result.flow_LWE)
@@ -70,8 +72,7 @@ def run(
             if step % cfg.train.log_every == 0 or last or val_loss is not None:
                 tok_s = tokens_per_step * steps_timed / max(step_time, 1e-9)
                 step_time, steps_timed = 0.0, 0
-                rec = metric_record(result, tok_s, val_loss)
-                rec["train_time_s"] = train_time
+                rec = {**metric_record(result, tok_s, val_loss), "train_time_s": train_time}
                 if rank0:
                     metrics.write(json.dumps(rec) + "\n")
                     metrics.flush()
@@ -88,5 +89,5 @@ def run(
     if rank0 and trainer.step > first_step:
         from moeflow.training.plots import write_plots
 
-        summary["plots"] = [str(p) for p in write_plots(metrics_path, out)]
+        summary["plots"] = [str(p) for p in write_plots(out / METRICS_FILE, out)]
     return summary

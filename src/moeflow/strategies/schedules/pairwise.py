@@ -153,7 +153,8 @@ def pairwise_block(
     hooks: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Dispatch → experts → combine as n overlapped pairwise steps; returns the outputs of this
-    rank's sent rows, in send order (what the synchronous combine returns).
+    rank's sent rows, in send order (what the synchronous combine returns). One function, long, so
+    that the order in which S, C and R of the steps are posted reads as FasterMoE §4.2 lays it out.
 
     `recv_counts_SJ[s, j]`: rows source s sends this rank for held expert j (source-major, held
     experts in order, exactly as the synchronous path receives them). `compute(x_RD, counts_SJ)`
