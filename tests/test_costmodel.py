@@ -172,7 +172,7 @@ def test_json_roundtrip_and_errors(tmp_path):
         CostModel(m.topology, 0)
     with pytest.raises(FileNotFoundError, match="nope.json"):
         CostModel.load(tmp_path / "nope.json")
-    with pytest.raises(ValueError, match="--cluster='mars'"):
+    with pytest.raises(ValueError, match="cost model 'mars': not a topology preset"):
         CostModel.resolve("mars")
 
 
