@@ -1,5 +1,5 @@
 """Forward+backward time of the MoE layer vs its balanced-bmm lower bound and Hugging Face's
-MixtralSparseMoeBlock with identical weights (issue: core runtime benchmark).
+MixtralSparseMoeBlock with identical weights (the core runtime benchmark; `moeflow.bench.layer`).
 
     .venv/bin/python benchmarks/layer.py --out results/layer.json
     .venv/bin/python benchmarks/layer.py --quick          # one small config, for a smoke run

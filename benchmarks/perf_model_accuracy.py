@@ -1,4 +1,4 @@
-"""Does the cost model predict the real MoE layer? (issue 4 validation; FasterMoE §5.2 Fig. 9)
+"""Does the cost model predict the real MoE layer? (the validation of FasterMoE §5.2 / Fig. 9)
 
 For several groups of ranks — 2 and 4 gloo ranks on this machine, and 2 nodes on the network
 testbed (namespaces + a tc-shaped inter-node link, ``scripts/testbed.py``) — every group:
@@ -160,7 +160,7 @@ def worker(out_path: str | None) -> list[dict] | None:
 
 def pool_profiles(runs: list[dict]) -> dict:
     """One profile from several runs of the same sweep: per size the median over runs, refitted."""
-    from moeflow.perf.costmodel import AlphaBeta
+    from moeflow.perf.alpha_beta import AlphaBeta
     from moeflow.perf.profiler import topology_from_fits
 
     first = runs[0]
@@ -182,14 +182,18 @@ def pool_profiles(runs: list[dict]) -> dict:
 
 def predict(record: dict, profile: dict, a2a_calibration: bool) -> dict:
     """Sync-EP prediction of one measured configuration from its flow and the group's profile."""
+    from moeflow.core.expert_shape import ExpertShape
     from moeflow.perf.costmodel import CostModel
-    from moeflow.perf.simulator import ModelConfig, simulate
+    from moeflow.perf.simulator import SimulatedLayer, simulate
     from moeflow.perf.traces import Trace
 
     cost_model = CostModel.from_dict({**profile, "a2a_calibration": a2a_calibration})
     flow = np.asarray(record["flow"], dtype=np.int64)
     trace = Trace(flow[None, None], np.zeros(1, dtype=np.int64), {"top_k": record["top_k"]})
-    (pred,) = simulate(trace, cost_model, ModelConfig(record["d_model"], record["d_hidden"]), ("ep",), ("sync",))
+    # The measured layer: MoELayer defaults (ffn experts, top-k gate, gshard loss: none changes the
+    # recorded flow), plain EP, sync schedule.
+    layer = SimulatedLayer(ExpertShape(record["d_model"], record["d_hidden"], "ffn"), top_k=record["top_k"])
+    (pred,) = simulate(trace, cost_model, layer, ("ep",), ("sync",))
     s = pred.summary()
     return {
         "total_s": s["total_s"],

@@ -1,4 +1,4 @@
-"""Copies of shadowed experts on the network testbed (issue 5): measured vs the planner's price.
+"""Copies of shadowed experts on the network testbed (FasterMoE §4.1): measured vs the planner's price.
 
 FasterMoE shadowing trades token traffic for parameter traffic; the planner decides with
 `CostModel.copies_time`. This times the real sparse collectives (`moeflow.core.sparse_collectives`:

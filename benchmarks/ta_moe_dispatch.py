@@ -1,18 +1,21 @@
-"""TA-MoE dispatch-only benchmark (issue 6, SPEC §2): all-to-all-v with the even pattern vs the
+"""TA-MoE dispatch-only benchmark (TA-MoE §4): all-to-all-v with the even pattern vs the
 TA-MoE target pattern, real gloo processes on the network testbed, measured and predicted.
 
-The testbed (`moeflow.testbed`, needs root) puts ranks 0,1 and 2,3 into two network namespaces
+The testbed (`scripts/testbed.py`, needs root) puts ranks 0,1 and 2,3 into two network namespaces
 ("nodes") joined by a `tc`-shaped veth link, so the topology is [[0,1],[2,3]] with a slow
 inter-node link. Every rank then
   1. profiles p2p (intra and inter node) and the all-to-all on the live backend (`moeflow profile`'s
-     `run_profile`) -> a `CostModel` with α-β fits (SPEC §2: α, β come from the profiler);
-  2. solves the TA-MoE LP for the layer shape (E experts, top-k, S tokens of d_model fp32 per rank)
-     -> target ĉ, smoothed with λ; turns it into per-destination row counts;
+     `run_profile`) -> a `CostModel` with α-β fits (TA-MoE §4.1 Eq. 2: α, β of every pair, here
+     measured rather than assumed);
+  2. solves the TA-MoE LP for the layer shape (E experts, top-k, S tokens of d_model fp32 per rank;
+     `moeflow.strategies.topology_aware.target_dispatch_pattern`) -> target ĉ, smoothed with λ;
+     turns it into per-destination row counts;
   3. times `moeflow.core.dispatch.all_to_all_v` (gloo `all_to_all_single` with uneven splits) for the
      even pattern, TA-MoE Table 1's uneven pattern and the TA-MoE target(s), interleaved, slowest
      rank per run, median of the repeats;
   4. prices the same byte matrices with the cost model (link model `CostModel.a2a_time`, and the
-     pair model of TA-MoE Eq. 2 that the LP minimises) for the side-by-side predicted ratios.
+     pair model of TA-MoE Eq. 2 that the LP minimises, `CostModel.pair_costs`) for the side-by-side
+     predicted ratios.
 Rank 0 writes one JSON file.
 
     .venv/bin/python benchmarks/ta_moe_dispatch.py --out results/ta_moe_dispatch.json   # as root
@@ -29,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow.routing.ta_moe import TABLE1_UNEVEN
+from moeflow.strategies.topology_aware import TABLE1_UNEVEN
 from testbed_run import run_workers, user_command
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results/ta_moe_dispatch.json")
     p.add_argument("--bandwidth-mbit", type=float, default=800.0, help="inter-node link; 0 = unshaped")
     p.add_argument("--latency-ms", type=float, default=0.0, help="one-way inter-node latency (needs netem)")
@@ -54,15 +57,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from moeflow.core.dispatch import all_to_all_v
+    from moeflow.core.placement import cross_node_share, plain_ep_owners
     from moeflow.perf.costmodel import CostModel
     from moeflow.perf.profiler import ProfileConfig, run_profile
-    from moeflow.routing.ta_moe import (
-        cross_node_share,
-        flow_from_target,
-        pair_cost_matrices,
-        plain_ep_owners,
-        target_dispatch_pattern,
-    )
+    from moeflow.strategies.topology_aware import flow_from_target, target_dispatch_pattern
 
     torch.set_num_threads(1)  # 4 ranks share 2 cores (torchrun's default policy)
     dist.init_process_group("gloo")
@@ -90,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
         patterns["table1_uneven"] = TABLE1_UNEVEN
     targets = {}
     for lam in args.smoothing:
-        c_WE = target_dispatch_pattern(cm, E, k, S, d, smoothing=lam)
+        c_WE = target_dispatch_pattern(cm, E, k, S, d, owner_E=owner_E, smoothing=lam)
         targets[f"ta_moe_lambda{lam:g}"] = c_WE
         patterns[f"ta_moe_lambda{lam:g}"] = c_WE @ onehot_EW / k  # share of a rank's bytes per peer
 
@@ -118,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
             if r >= args.warmup:
                 times[name].append(t)
 
-    alpha_WW, beta_WW = pair_cost_matrices(cm)
+    alpha_WW, beta_WW = cm.pair_costs()
     result_patterns = {}
     even_med = float(np.median(times["even"]))
     even_link = float(cm.a2a_time(counts["even"] * row_bytes))
@@ -131,7 +129,7 @@ def worker(args: argparse.Namespace) -> None:
         result_patterns[name] = {
             "share_WW": patterns[name].tolist(),
             "rows_WW": counts[name].tolist(),
-            "cross_node_share": cross_node_share(patterns[name], np.arange(W), node_of),
+            "cross_node_share": cross_node_share(patterns[name], node_of),  # share_WW is rank -> rank
             "measured_median_s": med,
             "measured_s": times[name],
             "measured_speedup_vs_even": even_med / med,

@@ -1,4 +1,4 @@
-"""TA-MoE Table 1 through the cost model (issue 4 sanity check against a published figure).
+"""TA-MoE Table 1 through the cost model (a sanity check against a published figure; docs/performance.md).
 
 TA-MoE §3.3 dispatches 128 MB per device on [[0,1],[0̂,1̂]]: *even* (1/4 to each device) took
 14019 µs, *uneven* (1/4 self, 1/2 neighbour, 1/8 to each remote device) 10765 µs: 1.30× faster.
@@ -22,8 +22,8 @@ import sys
 
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import GBIT, Topology
-from moeflow.routing.ta_moe import TABLE1_EVEN as EVEN
-from moeflow.routing.ta_moe import TABLE1_UNEVEN as UNEVEN
+from moeflow.strategies.topology_aware import TABLE1_EVEN as EVEN
+from moeflow.strategies.topology_aware import TABLE1_UNEVEN as UNEVEN
 
 MB = 2**20
 

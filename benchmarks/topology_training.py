@@ -1,5 +1,5 @@
 """Topology-aware routing in training on the network testbed: GShard loss vs TA-MoE's loss vs
-FasterMoE's hierarchical gate (issues: FasterMoE §4.3, TA-MoE §4). Same model, data, seed.
+FasterMoE's hierarchical gate (FasterMoE §4.3, TA-MoE §4). Same model, data, seed.
 
     sudo .venv/bin/python benchmarks/topology_training.py --steps 200 --out results/topology_training.json
 

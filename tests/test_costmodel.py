@@ -21,7 +21,7 @@ def two_nodes(inter=1e9, intra=1e10):
 
 def test_fit_recovers_fsmoe_published_constants():
     # FSMoE §6.2 sweep: 2^18 .. 24·2^18 float32 elements; all-to-all α = 0.2352 ms,
-    # β = 1.854e-6 ms per element (SPEC §3.2).
+    # β = 1.854e-6 ms per element (FSMoE §6.2).
     elems = np.arange(1, 25) * 2**18
     nbytes = 4 * elems
     alpha, beta = 0.2352e-3, 1.854e-6 * 1e-3 / 4

@@ -241,6 +241,11 @@ def test_cli_simulate_and_roofline(capsys, tmp_path):
         f"{s}/{sch}" for s in PLANNERS.names() for sch in ("sync", "pairwise")
     }
     capsys.readouterr()
+    # The real trace that ships with the package, folded from 16 ranks onto 8 devices.
+    argv = ["simulate", "--cluster", "prophet_lpwnv", "--trace", "smartmoe", "--strategy", "ep", "--schedule", "sync"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["world_size"], out["num_experts"], out["layers"]) == (8, 32, 4) and out["expert"] == "ffn"
     assert main(["simulate", "--strategy", "magic", "--iterations", "1"]) == 2
     assert "--strategy='magic'" in capsys.readouterr().err
     assert main(["simulate", "--strategy", "ta_moe", "--iterations", "1"]) == 2

@@ -89,7 +89,7 @@ def test_two_level_tree_matches_closed_form(spec, top_k):
     np.testing.assert_allclose(vol_WW[same_WW], x, rtol=1e-7)
     np.testing.assert_allclose(vol_WW[~same_WW], y, rtol=1e-7)
     if 2 * m == W:
-        # SPEC §2's statement of the closed form, m·x·β1 = (W−m)·y·β2 — the same for two nodes.
+        # The closed form written as a balance, m·x·β1 = (W−m)·y·β2 — the same for two nodes.
         assert m * x * beta1 == pytest.approx((W - m) * y * beta2)
 
 

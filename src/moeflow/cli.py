@@ -14,7 +14,7 @@ import importlib
 import sys
 import warnings
 
-# name -> module; the order is the order of `moeflow --help` (DESIGN.md §3.2).
+# name -> module; the order is the order of `moeflow --help` (README, "Command line").
 COMMANDS = {
     "train": "moeflow.commands.train",
     "generate": "moeflow.commands.generate",
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except (ValueError, TypeError, FileNotFoundError) as exc:
-        # Bad input: one line naming the culprit, no traceback (DESIGN.md §3.2).
+        # Bad input: one line naming the culprit, no traceback.
         print(f"moeflow {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

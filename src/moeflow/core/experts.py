@@ -141,7 +141,7 @@ class GroupedExperts(nn.Module):
                 output_size=x_ND.shape[0],
             )
             hidden_NH = grouped_mm(x_ND, w["w1"], counts_L) + w["b1"].to(dtype)[row_expert_N]
-            hidden_NH = F.gelu(hidden_NH)  # exact erf GELU (DESIGN.md §3.1)
+            hidden_NH = F.gelu(hidden_NH)  # exact erf GELU, as GPT's FFN
             return grouped_mm(hidden_NH, w["w2"], counts_L) + w["b2"].to(dtype)[row_expert_N]
         gated_NH = F.silu(grouped_mm(x_ND, w["w1"], counts_L)) * grouped_mm(x_ND, w["w3"], counts_L)
         return grouped_mm(gated_NH, w["w2"], counts_L)

@@ -87,6 +87,7 @@ class CostModel:
                 raise TypeError(f"fits[{k!r}]={f!r}: expected AlphaBeta")
         topo, W = self.topology, self.topology.num_devices
         self._inv_bw_L = 1.0 / topo.bandwidth_L
+        self._ring_memo: dict[tuple, tuple[float, float]] = {}
         off = ~np.eye(W, dtype=bool)
         self._max_latency = float(topo.path_latency_WW[off].max()) if W > 1 else 0.0
         # Pro-Prophet's B̄: the mean bandwidth between two distinct devices (bottleneck of the route).
@@ -183,15 +184,14 @@ class CostModel:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(compute, all-to-all) seconds ``[...]`` of one synchronous training step of a layer,
         FasterMoE §3.3: ``3·Lat_comp`` (forward + 2× backward) and four all-to-all-v (dispatch and
-        combine, forward and backward; the combine is the dispatch reversed). ``send_tokens_WW``:
-        tokens each rank sends each rank ``[..., W, W]`` (the diagonal stays local and is ignored);
-        ``computed_WE``: tokens each rank computes per expert ``[..., W, E]``. The shadow planner
-        and the simulator price a step with this one function."""
+        combine, forward and backward). ``send_tokens_WW``: tokens each rank sends each rank
+        ``[..., W, W]`` (the diagonal stays local and is ignored); ``computed_WE``: tokens each rank
+        computes per expert ``[..., W, E]``. The combine is the dispatch reversed, and every link of a
+        ``Topology`` is duplex with the same bandwidth both ways, so it costs what the dispatch costs.
+        The shadow planner and the simulator price a step with this one function."""
         send = np.asarray(send_tokens_WW, dtype=np.float64) * shape.d_model * self.bytes_per_element
         W = send.shape[-1]
-        send = send * (1.0 - np.eye(W))
-        a2a = 2 * (self.a2a_time(send) + self.a2a_time(np.swapaxes(send, -1, -2)))
-        return 3 * self.compute_time(computed_WE, shape), a2a
+        return 3 * self.compute_time(computed_WE, shape), 4 * self.a2a_time(send * (1.0 - np.eye(W)))
 
     def count_exchange_time(self, num_experts: int, rows: int = 1) -> float:
         """The count exchange before every dispatch (``core.dispatch.exchange_counts``): one
@@ -291,9 +291,14 @@ class CostModel:
             "broadcast": 1.0,
             "reduce": 1.0,
         }[kind]
-        flow = self._ring_flow(share * nbytes, ranks)
-        steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(kind, n - 1)
-        return float(steps * self._latency(flow) + self.link_time(flow))
+        # Latency depends on which hops carry bytes, link time is linear in them: price 1 byte once.
+        key = (kind, tuple(ranks))
+        if key not in self._ring_memo:
+            unit = self._ring_flow(share, ranks)
+            steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(kind, n - 1)
+            self._ring_memo[key] = (float(steps * self._latency(unit)), float(self.link_time(unit)))
+        latency_s, per_byte_s = self._ring_memo[key]
+        return latency_s + per_byte_s * nbytes
 
     def p2p_time(self, nbytes: Any, src: int, dst: int) -> np.ndarray:
         """Point-to-point: fit of the matching kind (intra/inter node) or latency + S / bottleneck bw."""
@@ -349,6 +354,8 @@ class CostModel:
         onehot_EW = np.zeros((owner.size, W))
         onehot_EW[np.arange(owner.size), owner] = 1.0
         extra = holders & ~onehot_EW.astype(bool)
+        if not extra.any():  # no partial replica set: nothing travels point-to-point
+            return np.zeros(extra.shape[:-2])
         flow_WW = np.einsum("eo,...ej->...oj", onehot_EW, extra.astype(np.float64)) * param_bytes
         t = self.link_time(flow_WW) + self._latency(flow_WW)
         return np.where(extra.any(axis=(-2, -1)), t, 0.0)
@@ -380,7 +387,9 @@ class CostModel:
             t = sum(float(self._copies_eta * self.link_time(f) + self._latency(f)) for f in flows)
         else:
             kind = "broadcast" if direction == "materialize" else "reduce"
-            t = sum(self.collective_time(kind, int(n) * param_bytes) for n in per_owner[per_owner > 0])
+            # Owners that shadow as many experts cost the same: price each distinct count once.
+            counts, owners = np.unique(per_owner[per_owner > 0], return_counts=True)
+            t = sum(m * self.collective_time(kind, int(n) * param_bytes) for n, m in zip(counts, owners))
         partial_EW = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
         return float(t + self.materialize_time(param_bytes, partial_EW, owner))
 

@@ -189,9 +189,7 @@ def simulate(
         # The workload's Lat_comp and Lat_comm (FasterMoE §3.3), whatever the schedule: the roofline's R_CC.
         lat_comp_IL = cost_model.compute_time(computed, layer.shape)
         bytes_WW = send * (1.0 - np.eye(W)) * layer.shape.d_model * cost_model.bytes_per_element
-        lat_comm_IL = (
-            dispatcher.price(cost_model, bytes_WW) + dispatcher.price(cost_model, np.swapaxes(bytes_WW, -1, -2))
-        ) / 2
+        lat_comm_IL = dispatcher.price(cost_model, bytes_WW)  # one exchange (the combine costs the same)
         for schedule_name, schedule in built.items():
             block = schedule.predict(step, cost_model, dispatcher)
             total_IL = block.total_s + other_IL + nonmoe_IL

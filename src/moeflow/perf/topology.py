@@ -1,4 +1,4 @@
-"""Cluster topology: devices, switches, directed links, routes (SPEC §1.1 Eq. 2, §2; DESIGN.md §2).
+"""Cluster topology: devices, switches, directed links, routes (FasterMoE §3.2 Eq. 2; TA-MoE §3.2).
 
 A topology is a tree of switches written as a nested list (TA-MoE §3.2): every list is a switch,
 every integer a device, e.g. ``[[0,1],[2,3]]`` (two nodes of two devices) or the asymmetric

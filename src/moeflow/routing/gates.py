@@ -6,7 +6,7 @@ runs in fp32 whatever the input dtype or autocast state (small logit differences
 
 Shape suffixes: T tokens on this rank, D d_model, E experts, K top-k, A assignments.
 Assignments are stored choice-major (all first choices, then all second choices, ...), which is
-the capacity priority order of DESIGN.md §3.1: first choices before second, then earlier tokens.
+the capacity priority order (docs/architecture.md): first choices before second, then earlier tokens.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class RoutingLayout:
 
 
 def _stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores; ties go to the lower expert id (DESIGN.md §3.1).
+    """Indices of the k largest scores; ties go to the lower expert id (docs/architecture.md).
 
     `torch.topk` does not promise an order among equal values; a stable descending sort does.
     """

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -37,11 +37,16 @@ class TAMoEOptions:
     steer_limit: float = 0.1
     """Bound on |b_ie|: the steering may move a choice only between experts whose routing
     probabilities differ by less than this."""
+    loss: Literal["ta_moe", "gshard"] = "ta_moe"
+    """Balance loss: `"ta_moe"` = TA-MoE's `Σ_e (c_ie/ĉ_ie)·m_ie`; `"gshard"` = GShard's
+    `E·Σ_e f_e·P_e` (uniform target), leaving the topology to the steering alone."""
 
     def __post_init__(self) -> None:
         finite_number("smoothing", self.smoothing, 0.0, 1.0, low_open=True)
         finite_number("steer_rate", self.steer_rate, low=0.0)
         finite_number("steer_limit", self.steer_limit, low=0.0)
+        if self.loss not in ("ta_moe", "gshard"):
+            raise ValueError(f"loss={self.loss!r}: expected 'ta_moe' or 'gshard'")
 
 
 class TAMoEBalance(BalanceTerm):
@@ -148,7 +153,7 @@ class TAMoEBalance(BalanceTerm):
 
     def loss(self, routing: Routing, rank: int | None = None) -> torch.Tensor:
         """This rank's `Σ_e (c_ie / ĉ_ie) · m_ie` (unweighted; the layer applies `balance_weight`)."""
-        if rank is None:
+        if rank is None or self.options.loss == "gshard":
             return gshard_loss(routing, self.num_experts)
         rank = self._check_rank(rank)
         if routing.num_tokens == 0:

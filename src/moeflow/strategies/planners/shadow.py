@@ -18,7 +18,7 @@ Cost of a shadow set S, priced by the shared `CostModel` with the functions the 
   under a uniform load; the public FastMoE policy keeps the token term at the new maximum load, as
   we do here. Eq. 9 / 10 are this comparison solved for one expert.
 
-Candidates (Algorithm 1, generalised as SPEC §1.2 says): *experts* in descending received load —
+Candidates (Algorithm 1, generalised to several experts per rank): *experts* in descending received load —
 the column sums of the flow, i.e. tokens received from all senders (summing rows instead, as the
 public FastMoE v1 code did, gives per-sender counts that are equal under equal batches, so nothing
 is ever shadowed). Every prefix of that order is priced at once (vectorised), then:

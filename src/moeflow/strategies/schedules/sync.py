@@ -22,11 +22,11 @@ class SyncSchedule(Schedule):
         return block.hooks("after_combine", y_back_AD)
 
     def predict(self, step: StepLoad, cost_model: Any, dispatcher: Any) -> PredictedBlock:
+        """`3·Lat_comp + 4·Lat_comm`: four exchanges priced by the dispatcher (the combine is the
+        dispatch reversed; a topology's links are duplex with the same bandwidth both ways)."""
         send = np.asarray(step.send_tokens_WW, dtype=np.float64)
         W = send.shape[-1]
         bytes_WW = send * (1.0 - np.eye(W)) * step.shape.d_model * cost_model.bytes_per_element
-        comm = 2 * (
-            dispatcher.price(cost_model, bytes_WW) + dispatcher.price(cost_model, np.swapaxes(bytes_WW, -1, -2))
-        )
+        comm = 4 * dispatcher.price(cost_model, bytes_WW)
         compute = 3 * cost_model.compute_time(step.computed_WE, step.shape)
         return PredictedBlock(compute + comm, compute, comm)
