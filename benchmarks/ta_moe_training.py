@@ -1,7 +1,9 @@
 """TA-MoE in training, per step: GShard's loss vs TA-MoE's loss with and without its selection
 steering (and the steering with GShard's loss), over several seeds. Same model, data and seeds.
 
-    .venv/bin/python benchmarks/ta_moe_training.py --seeds 0 1 2 --steps 100 --out results/ta_moe_training.json
+    .venv/bin/python benchmarks/ta_moe_training.py --seeds 0 1 2 3 4 --out results/ta_moe_training.json
+    # the search behind the defaults (reuses the runs above that it shares):
+    .venv/bin/python benchmarks/ta_moe_training.py --variants sweep --reuse --out results/ta_moe_training_sweep.json
 
 4 processes on this machine priced as 2 nodes x 2 ranks with a slow inter-node link (≈ 25 MB/s
 across nodes, ≈ 2.7 GB/s inside: the testbed's profiled values). No network emulation: the loss
@@ -10,8 +12,9 @@ The configs/tiny.toml model with 8 experts, balance weight 0.1 for every variant
 variant and seed: the final training loss (10-step mean), the validation loss at mid-run and at
 the end, the mean cross-node share and load imbalance over the last 20 steps; and per variant
 their mean ± std over seeds and the difference to GShard paired by seed (same seed = same
-initialisation and data order). One seed's validation loss at 100 steps spreads by about
-±0.07 nat: compare means over 3 or more seeds.
+initialisation and data order; runs are deterministic). One seed's validation loss at 100 steps
+spreads by about ±0.07 nat: compare means over 3 or more seeds. `--reuse` keeps complete run
+folders, which is right only while the code and the defaults they ran with are unchanged.
 """
 
 from __future__ import annotations
@@ -27,20 +30,47 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 
 TA = ["moe.balance=ta_moe"]
-STEER_GSHARD_LOSS = [*TA, "moe.balance_options.loss=gshard"]
+STEER_GSHARD_LOSS = ["moe.balance_options.loss=gshard"]
+LAMBDA_01 = [*TA, "moe.balance_options.smoothing=0.1"]  # the target before smoothing's default was 0.3
+
+
+def _steer(rate: float, limit: float) -> list[str]:
+    return [f"moe.balance_options.steer_rate={rate}", f"moe.balance_options.steer_limit={limit}"]
+
+
 VARIANTS = {
     "gshard": ["moe.balance=gshard"],
     "ta_moe": TA,
     "ta_moe_loss_only": [*TA, "moe.balance_options.steer_rate=0"],
-    "steer_gshard_loss": STEER_GSHARD_LOSS,
-    "steer_gshard_loss_rate3e-3": [*STEER_GSHARD_LOSS, "moe.balance_options.steer_rate=0.003"],
-    "steer_gshard_loss_rate1e-2": [*STEER_GSHARD_LOSS, "moe.balance_options.steer_rate=0.01"],
-    "ta_moe_limit0.03": [*TA, "moe.balance_options.steer_limit=0.03"],
-    "ta_moe_rate3e-3": [*TA, "moe.balance_options.steer_rate=0.003"],
+    "ta_moe_steer_gshard_loss": [*TA, *STEER_GSHARD_LOSS],
+    "ta_moe_smoothing0.1": LAMBDA_01,
+    "ta_moe_smoothing0.5": [*TA, "moe.balance_options.smoothing=0.5"],
+    # What costs λ = 0.1 its convergence: the loss alone, the steering alone, the bound and rate.
+    "smoothing0.1_loss_only": [*LAMBDA_01, "moe.balance_options.steer_rate=0"],
+    "smoothing0.1_limit0.03": [*LAMBDA_01, "moe.balance_options.steer_limit=0.03"],
+    "smoothing0.1_steer_gshard_loss": [*LAMBDA_01, *STEER_GSHARD_LOSS],
+    "smoothing0.1_steer_gshard_loss_rate3e-3": [*LAMBDA_01, *STEER_GSHARD_LOSS, *_steer(0.003, 0.1)],
+    "smoothing0.1_steer_gshard_loss_rate1e-2": [*LAMBDA_01, *STEER_GSHARD_LOSS, *_steer(0.01, 0.1)],
+    "smoothing0.1_steer_gshard_loss_limit0.3": [*LAMBDA_01, *STEER_GSHARD_LOSS, *_steer(0.003, 0.3)],
+    "smoothing0.1_steer_gshard_loss_limit1": [*LAMBDA_01, *STEER_GSHARD_LOSS, *_steer(0.01, 1.0)],
 }
-"""Variant name -> `--set` overrides on top of the common ones (`main`)."""
+"""Variant name -> `--set` overrides on top of the common ones (`train`)."""
 
-DEFAULT_VARIANTS = ["gshard", "ta_moe", "ta_moe_loss_only", "steer_gshard_loss"]
+SWEEP = [
+    "gshard",
+    "ta_moe_smoothing0.1",
+    "smoothing0.1_loss_only",
+    "smoothing0.1_limit0.03",
+    "smoothing0.1_steer_gshard_loss",
+    "smoothing0.1_steer_gshard_loss_rate3e-3",
+    "smoothing0.1_steer_gshard_loss_rate1e-2",
+    "smoothing0.1_steer_gshard_loss_limit0.3",
+    "smoothing0.1_steer_gshard_loss_limit1",
+    "ta_moe",
+    "ta_moe_smoothing0.5",
+]
+"""`--variants sweep`: the search behind the defaults (docstring)."""
+DEFAULT_VARIANTS = ["gshard", "ta_moe", "ta_moe_loss_only", "ta_moe_steer_gshard_loss", "ta_moe_smoothing0.1"]
 
 
 def ensure_cost_model(path: Path) -> Path:
@@ -122,7 +152,7 @@ def train(name: str, seed: int, args: argparse.Namespace, cost_model: Path) -> P
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=sorted(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=[*VARIANTS, "sweep"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--nproc", type=int, default=4)
@@ -132,6 +162,7 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true", help="keep complete runs already in --runs")
     parser.add_argument("--out", default="results/ta_moe_training.json")
     args = parser.parse_args()
+    args.variants = list(dict.fromkeys(v for name in args.variants for v in (SWEEP if name == "sweep" else [name])))
     cost_model = ensure_cost_model(ROOT / args.cost_model)
     val_steps = [str(args.steps // 2), str(args.steps)]
     runs: dict[str, dict[str, dict]] = {}
@@ -160,8 +191,9 @@ def main() -> int:
     def cell(stats: dict, key: str, digits: int = 3) -> str:
         return f"{stats[key]['mean']:.{digits}f} ± {stats[key]['std']:.{digits}f}"
 
+    w = max(len(name) for name in result["variants"]) + 2
     print(
-        f"\n{'variant':<20}{'final loss':>16}{'val@' + a:>16}{'val@' + b:>16}{'cross-node':>16}{'imbalance':>14}"
+        f"\n{'variant':<{w}}{'final loss':>16}{'val@' + a:>16}{'val@' + b:>16}{'cross-node':>16}{'imbalance':>14}"
         f"{'Δfinal vs gshard':>20}{'Δval@' + b + ' vs gshard':>20}"
     )
     for name, v in result["variants"].items():
@@ -170,7 +202,7 @@ def main() -> int:
         d_final = cell(delta, "final_loss") if delta else "-"
         d_val = cell(delta, f"val_loss@{b}") if delta else "-"
         print(
-            f"{name:<20}{cell(s, 'final_loss'):>16}{cell(s, f'val_loss@{a}'):>16}{cell(s, f'val_loss@{b}'):>16}"
+            f"{name:<{w}}{cell(s, 'final_loss'):>16}{cell(s, f'val_loss@{a}'):>16}{cell(s, f'val_loss@{b}'):>16}"
             f"{cell(s, 'cross_node_share'):>16}{cell(s, 'load_imbalance', 2):>14}{d_final:>20}{d_val:>20}"
         )
     out = ROOT / args.out

@@ -226,6 +226,35 @@ def test_loss_equals_gshard_under_uniform_target():
     torch.testing.assert_close(g_ta, g_ref, atol=1e-6, rtol=1e-5)
 
 
+def test_gshard_loss_option_keeps_the_steering_and_drops_the_topology_from_the_loss():
+    # loss="gshard": GShard's value and gradient whatever the target; the steering still moves.
+    E, k = 8, 2
+    routing = random_routing(E=E, k=k)
+    ref = GShardBalance(E).loss(routing)
+    target = np.tile(np.linspace(0.1, 0.4, E) / np.linspace(0.1, 0.4, E).sum() * k, (2, 1))
+    bal = TAMoEBalance(E, k, 16, target_WE=target, options=TAMoEOptions(loss="gshard"))
+    ta = TAMoEBalance(E, k, 16, target_WE=target)
+    assert abs(ta.loss(routing, 1).item() - ref.item()) > 0.05, "the TA-MoE loss differs here"
+    for rank in range(2):
+        assert bal.loss(routing, rank).item() == pytest.approx(ref.item(), abs=1e-6)
+    g_ref = torch.autograd.grad(ref, routing.logits_TE, retain_graph=True)[0]
+    g_bal = torch.autograd.grad(bal.loss(routing, 0), routing.logits_TE)[0]
+    torch.testing.assert_close(g_bal, g_ref, atol=1e-6, rtol=1e-5)
+    bal.observe(torch.tensor([[8.0] + [0.0] * (E - 1), [1.0] * E]))
+    assert bal.selection_bias(0)[0] < 0 < bal.selection_bias(0)[-1]
+    with pytest.raises(ValueError, match=r"loss='ta-moe'"):
+        TAMoEOptions(loss="ta-moe")
+
+
+def test_default_target_is_smoothed_by_0_3():
+    # λ = 0.3 by default in training (TAMoEOptions.smoothing): ĉ = 0.7·LP optimum + 0.3·uniform.
+    cm = links(Topology.from_spec([[0, 1], [2, 3]], [25e6, 2.7e9]))
+    assert TAMoEOptions().smoothing == 0.3
+    bal = TAMoEBalance(8, 2, 128, cost_model=cm)
+    raw = _target(cm, 8, 2, 512, 128, smoothing=0.0)
+    np.testing.assert_allclose(bal.target(512), 0.7 * raw + 0.3 * 2 / 8, atol=1e-9)
+
+
 def test_loss_hand_worked_non_uniform_target():
     # T=2 tokens, E=2, k=1: both pick expert 0. c = [1, 0]; m = mean probs; ĉ row = [0.8, 0.2].
     logits = torch.tensor([[2.0, 0.0], [1.0, 0.0]], requires_grad=True)
