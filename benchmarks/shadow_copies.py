@@ -14,14 +14,12 @@ the variants interleaved. Rank 0 writes one JSON file.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from testbed_run import run_workers, user_command
+from testbed_run import run_workers, write_result
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,17 +96,14 @@ def worker(args: argparse.Namespace) -> None:
                 flush=True,
             )
     if rank == 0:
-        out = {
-            "command": user_command(__file__),
+        result = {
             "world_size": world,
             "nodes": cost_model.topology.spec,
             "bandwidth_mbit": args.bandwidth_mbit,
             "cost_model": args.cost_model,
             "rows": rows,
         }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_result(__file__, args.out, result)
     dist.destroy_process_group()
 
 

@@ -25,15 +25,13 @@ Rank 0 writes one JSON file.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from moeflow.strategies.topology_aware import TABLE1_UNEVEN
-from testbed_run import run_workers, user_command
+from testbed_run import run_workers, write_result
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -146,8 +144,6 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         out = {
             "benchmark": "ta_moe_dispatch",
-            # what the user typed (as root): the launcher forwards its own arguments after --worker
-            "command": user_command(__file__),
             "testbed": {
                 "nodes": cm.topology.nodes,
                 "bandwidth_mbit": args.bandwidth_mbit or None,
@@ -169,9 +165,7 @@ def worker(args: argparse.Namespace) -> None:
             "patterns": result_patterns,
             "published_table1": {"even_us": 14019, "uneven_us": 10765, "speedup": 14019 / 10765},
         }
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(__file__, args.out, out)
         print(f"{'pattern':<20}{'x-node':>8}{'measured ms':>13}{'speedup':>9}{'link-model':>12}{'pair-model':>12}")
         for name, v in result_patterns.items():
             print(
@@ -179,7 +173,6 @@ def worker(args: argparse.Namespace) -> None:
                 f"{v['measured_speedup_vs_even']:>8.2f}x{v['predicted_link_speedup_vs_even']:>11.2f}x"
                 f"{v['predicted_pair_speedup_vs_even']:>11.2f}x"
             )
-        print(f"wrote {path}")
     dist.destroy_process_group()
 
 

@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
+from training_runs import ROOT, aggregate, print_table, summarize, train
 
 TA = ["moe.balance=ta_moe"]
 STEER_GSHARD_LOSS = ["moe.balance_options.loss=gshard"]
@@ -84,72 +80,6 @@ def ensure_cost_model(path: Path) -> Path:
     return path
 
 
-def summarize(metrics: list[dict]) -> dict:
-    """One run: final loss (10-step mean), val loss at every eval, last-20-step means."""
-    loss = np.array([m["loss"] for m in metrics])
-    share = np.array([m["cross_node_share"] for m in metrics])
-    imbalance = np.array([m["load_imbalance"] for m in metrics])
-    grad_norm = np.array([m["grad_norm"] for m in metrics])
-    val = {str(m["step"]): m["val_loss"] for m in metrics if m.get("val_loss") is not None}
-    return {
-        "final_loss": float(loss[-10:].mean()),
-        "val_loss": val,
-        "cross_node_share": float(share[-20:].mean()),
-        "load_imbalance": float(imbalance[-20:].mean()),
-        "grad_norm": float(np.nanmean(grad_norm)),
-        "aux_loss_final": float(metrics[-1]["aux_loss"]),
-        "loss_curve": loss.round(4).tolist(),
-        "cross_node_share_curve": share.round(4).tolist(),
-    }
-
-
-def mean_std(values: list[float]) -> dict:
-    a = np.asarray(values, dtype=np.float64)
-    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if a.size > 1 else 0.0, "n": int(a.size)}
-
-
-def aggregate(runs: dict[str, dict], base: dict[str, dict] | None, val_steps: list[str]) -> dict:
-    """Mean ± std over seeds; `vs_gshard`: the same for the per-seed difference to GShard."""
-    keys = ["final_loss", "cross_node_share", "load_imbalance", "grad_norm"]
-    columns = {k: [r[k] for r in runs.values()] for k in keys}
-    for s in val_steps:
-        columns[f"val_loss@{s}"] = [r["val_loss"][s] for r in runs.values()]
-    out = {k: mean_std(v) for k, v in columns.items()}
-    if base is not None:
-        shared = [seed for seed in runs if seed in base]
-        diffs = {"final_loss": [runs[s]["final_loss"] - base[s]["final_loss"] for s in shared]}
-        for step in val_steps:
-            diffs[f"val_loss@{step}"] = [runs[s]["val_loss"][step] - base[s]["val_loss"][step] for s in shared]
-        out["vs_gshard"] = {k: mean_std(v) for k, v in diffs.items()}
-    return out
-
-
-def train(name: str, seed: int, args: argparse.Namespace, cost_model: Path) -> Path:
-    """Run `moeflow train` for one variant and seed (skipped with --reuse if already complete)."""
-    out = ROOT / args.runs / f"{name}-s{seed}"
-    metrics = out / "metrics.jsonl"
-    if args.reuse and metrics.exists() and len(metrics.read_text().splitlines()) >= args.steps:
-        return metrics
-    argv = [str(Path(sys.executable).parent / "moeflow"), "train", "--config", "configs/tiny.toml"]
-    argv += ["--nproc", str(args.nproc), "--steps", str(args.steps), "--out", str(out)]
-    argv += ["--cost-model", str(cost_model)]
-    sets = [
-        "moe.num_experts=8",
-        f"moe.balance_weight={args.balance_weight}",
-        f"train.seed={seed}",
-        f"train.eval_every={args.steps // 2}",
-        "train.checkpoint_every=0",
-        *VARIANTS[name],
-    ]
-    for s in sets:
-        argv += ["--set", s]
-    print(f"[{name} seed {seed}] {' '.join(argv[1:])}", flush=True)
-    done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode:
-        raise SystemExit(f"{name} seed {seed} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return metrics
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=[*VARIANTS, "sweep"])
@@ -169,7 +99,15 @@ def main() -> int:
     for name in args.variants:
         runs[name] = {}
         for seed in args.seeds:
-            path = train(name, seed, args, cost_model)
+            sets = [
+                "moe.num_experts=8",
+                f"moe.balance_weight={args.balance_weight}",
+                f"train.seed={seed}",
+                f"train.eval_every={args.steps // 2}",
+                "train.checkpoint_every=0",
+                *VARIANTS[name],
+            ]
+            path = train(ROOT / args.runs / f"{name}-s{seed}", sets, args.nproc, args.steps, cost_model, args.reuse)
             runs[name][str(seed)] = summarize([json.loads(line) for line in path.read_text().splitlines()])
     base = runs.get("gshard")
     result = {
@@ -180,31 +118,13 @@ def main() -> int:
         "variants": {
             name: {
                 "sets": VARIANTS[name],
-                "summary": aggregate(r, None if name == "gshard" else base, val_steps),
+                "summary": aggregate(r, None if name == "gshard" else base, val_steps, "gshard"),
                 "runs": r,
             }
             for name, r in runs.items()
         },
     }
-    a, b = val_steps
-
-    def cell(stats: dict, key: str, digits: int = 3) -> str:
-        return f"{stats[key]['mean']:.{digits}f} ± {stats[key]['std']:.{digits}f}"
-
-    w = max(len(name) for name in result["variants"]) + 2
-    print(
-        f"\n{'variant':<{w}}{'final loss':>16}{'val@' + a:>16}{'val@' + b:>16}{'cross-node':>16}{'imbalance':>14}"
-        f"{'Δfinal vs gshard':>20}{'Δval@' + b + ' vs gshard':>20}"
-    )
-    for name, v in result["variants"].items():
-        s = v["summary"]
-        delta = s.get("vs_gshard")
-        d_final = cell(delta, "final_loss") if delta else "-"
-        d_val = cell(delta, f"val_loss@{b}") if delta else "-"
-        print(
-            f"{name:<{w}}{cell(s, 'final_loss'):>16}{cell(s, f'val_loss@{a}'):>16}{cell(s, f'val_loss@{b}'):>16}"
-            f"{cell(s, 'cross_node_share'):>16}{cell(s, 'load_imbalance', 2):>14}{d_final:>20}{d_val:>20}"
-        )
+    print_table(result["variants"], val_steps, "gshard")
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

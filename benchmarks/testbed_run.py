@@ -6,6 +6,7 @@ Needs root (network namespaces, tc). The testbed tears its namespaces down even 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,11 +47,13 @@ def on_testbed(
     subprocess.run(cmd, check=True, cwd=ROOT)
 
 
-def ensure_profile(path: Path, bandwidth_mbit: float, nodes: int = 2, ranks_per_node: int = 2) -> Path:
+def ensure_profile(
+    path: Path, bandwidth_mbit: float, nodes: int = 2, ranks_per_node: int = 2, latency_ms: float = 0.0
+) -> Path:
     """The testbed's own α-β profile (measured once, reused): planners and losses price with it."""
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        on_testbed(["profile", "--out", str(path)], nodes, ranks_per_node, bandwidth_mbit)
+        on_testbed(["profile", "--out", str(path)], nodes, ranks_per_node, bandwidth_mbit, latency_ms)
     return path
 
 
@@ -63,6 +66,14 @@ def run_workers(script: str, argv: list[str] | None, **testbed) -> int:
     forwarded = sys.argv[1:] if argv is None else list(argv)
     config = TestbedConfig(**{"timeout_s": 900, **testbed})
     return run_on_testbed(config, [sys.executable, os.path.abspath(script), "--worker", *forwarded])
+
+
+def write_result(script: str, path: str | Path, result: dict) -> None:
+    """Rank 0's JSON: `result` after the command the user typed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"command": user_command(script), **result}, indent=2) + "\n")
+    print(f"wrote {path}", flush=True)
 
 
 def user_command(script: str) -> str:

@@ -13,7 +13,8 @@ from moeflow.core.registry import LayerContext
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.routing import GATES
-from moeflow.routing.gates import HierarchicalGate, RoutingLayout, TopKGate, cross_node_ratios
+from moeflow.routing.gates import RoutingLayout, TopKGate
+from moeflow.routing.hierarchical import HierarchicalGate, cross_node_ratios
 
 # Two nodes of two ranks, inter-node 1 GB/s, intra-node 4 GB/s: L/B = 1 / (2 · 4) = 0.125.
 TOPO = Topology([[0, 1], [2, 3]], [1e9, 4e9])

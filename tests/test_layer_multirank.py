@@ -67,6 +67,7 @@ def _check_config(
     node_of=None,
     schedule="sync",
     group_size=None,
+    gate_options=None,
 ):
     """EP over `group` (ranks `group_ranks`) against a local single-process reference."""
     num_experts = experts_per_rank * len(group_ranks)
@@ -84,6 +85,7 @@ def _check_config(
             capacity_factor=capacity,
             balance_weight=0.1,
             z_loss_weight=0.01,
+            gate_options=gate_options,
             **axes,
         )
 
@@ -169,10 +171,16 @@ def _equivalence_body(rank, world):
         _check_layout(rank, world, ep_size)
     _check_balance_state_is_replicated(rank, world)
     _check_no_wasted_work(rank, world)
+    _check_wire_compression(rank, world)
+    _check_hierarchical_dispatch(rank, world)
     group = dist.group.WORLD
     ranks = list(range(world))
     uneven = [5, 0, 9, 3][:world] if world == 4 else [7, 0]  # a rank that sends nothing
-    configs = itertools.product(["topk", "switch", "noisy_topk"], ["ffn", "swiglu"], [None, 1.0], [1, 2])
+    configs = list(itertools.product(["topk", "switch", "noisy_topk"], ["ffn", "swiglu"], [None, 1.0], [1, 2]))
+    # The gate zoo (FSMoE §2.1): each routing function under EP equals the single-process layer on
+    # each rank's own tokens; expert choice sizes its picks by the capacity factor, slots never drop.
+    configs += itertools.product(["sigmoid", "xmoe", "expert_choice"], ["ffn", "swiglu"], [None, 1.5], [1, 2])
+    configs += itertools.product(["soft"], ["ffn", "swiglu"], [None], [1, 2])
     for i, (gate, expert, capacity, per_rank) in enumerate(configs):
         tokens = uneven if i % 4 == 0 else [6 + 3 * r for r in ranks]
         _check_config(
@@ -186,6 +194,7 @@ def _equivalence_body(rank, world):
             experts_per_rank=per_rank,
             tokens=tokens,
             seed=10 * i,
+            gate_options={"slots_per_expert": per_rank} if gate == "soft" else None,
         )
 
     # Placements with copies (the shadowing / Pro-Prophet / Hecate execution path): forced sets,
@@ -208,6 +217,24 @@ def _equivalence_body(rank, world):
             seed=500 + i,
             strategy=strategy,
             node_of=layouts[i // 2 % 2] if i % 2 else None,
+        )
+
+    # Planners work on the flow of any gate: copies under expert choice and slots, sync and pairwise.
+    for i, (gate, schedule) in enumerate([("expert_choice", "sync"), ("soft", "pairwise"), ("xmoe", "pairwise")]):
+        _check_config(
+            rank,
+            world,
+            group,
+            ranks,
+            gate=gate,
+            expert="ffn",
+            capacity=None,
+            experts_per_rank=2,
+            tokens=uneven,
+            seed=600 + i,
+            strategy=ForcedCopies(20 + i, 0.5),
+            node_of=layouts[i % 2],
+            schedule=schedule,
         )
 
     _check_shadow_strategy(rank, world)
@@ -305,6 +332,94 @@ def _check_balance_state_is_replicated(rank, world):
     target = torch.as_tensor(layer.balance.target(24), dtype=torch.float64)
     expected = 0.05 * torch.sign(target * mean_WE.sum(1, keepdim=True) / 2 - mean_WE)
     torch.testing.assert_close(layer.balance.bias_WE.double(), expected)
+
+
+def _check_hierarchical_dispatch(rank, world):
+    """dispatch="hierarchical" equals dispatch="a2a" bit for bit (fp32): node layouts contiguous,
+    interleaved and degenerate, uneven tokens and a rank with none, capacity, copies of experts
+    (forced and planned by the shadow planner); the combine and the backward go the same way back.
+    Unequal nodes and the pairwise schedule are refused."""
+    layouts = [[0, 0, 1, 1], [0, 1, 1, 0], [0, 1, 0, 1], [0, 0, 0, 0]] if world == 4 else [[0, 1], [0, 0]]
+    uneven = [5, 0, 9, 3][:world] if world == 4 else [7, 0]
+    cases = itertools.product(layouts, ["ep", ForcedCopies(3, 0.4)], [None, 1.0])
+    for i, (node_of, strategy, capacity) in enumerate(cases):
+        outs = []
+        for dispatch in ("a2a", "hierarchical"):
+            torch.manual_seed(40 + i)
+            layer = MoELayer(
+                D,
+                H,
+                2 * world,
+                top_k=2,
+                capacity_factor=capacity,
+                strategy=strategy,
+                dispatch=dispatch,
+                node_of=node_of,
+            ).to_expert_parallel(dist.group.WORLD)
+            xs, gs = _inputs(world, uneven if i % 2 else [6] * world, 90 + i)
+            y, x_grad, _, stats = _forward_backward(layer, xs[rank], gs[rank], 1)
+            outs.append((y, x_grad, [p.grad.clone() for p in layer.parameters()], stats.flow))
+        what = f"node_of={node_of} strategy={strategy} capacity={capacity}"
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), what
+        assert all(torch.equal(a, b) for a, b in zip(outs[0][2], outs[1][2])), what
+    # The shadow planner with a two-node cost model and the hierarchical transport.
+    if world == 4:
+        cost_model = CostModel(Topology([[0, 1], [2, 3]], [1e8, 1e10]), gemm_flops_per_s=1e8)
+        outs = []
+        for dispatch in ("a2a", "hierarchical"):
+            torch.manual_seed(7)
+            layer = MoELayer(D, H, 8, top_k=2, strategy="shadow", dispatch=dispatch, cost_model=cost_model)
+            with torch.no_grad():
+                layer.gate.weight[3] += 2.0
+            layer.to_expert_parallel(dist.group.WORLD)
+            x = torch.rand(32, D, generator=torch.Generator().manual_seed(rank)) + 0.5
+            outs.append(_forward_backward(layer, x, torch.ones(32, D), 2))
+            assert layer.stats.placement.materialized_EW().any()
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        with pytest.raises(ValueError, match=r"nodes of equal size; node_of=\[0, 0, 0, 1\] has \[3, 1\]"):
+            layer = MoELayer(D, H, 8, dispatch="hierarchical", node_of=[0, 0, 0, 1]).to_expert_parallel(
+                dist.group.WORLD
+            )
+            layer(torch.randn(4, D))
+    with pytest.raises(ValueError, match="schedule='pairwise'.*dispatch='a2a' only"):
+        MoELayer(D, H, 2 * world, schedule="pairwise", dispatch="hierarchical")
+
+
+def _check_wire_compression(rank, world):
+    """dispatch_dtype="bfloat16": the rows and the gradients cross the network in bf16 (half the
+    bytes), EP with it equals the single process with it exactly (both round the same rows), and
+    both stay within 2% of the fp32 layer's scale — with the sync and the pairwise schedule."""
+    from moeflow.core import dispatch as dispatch_module
+
+    sent_dtypes = []
+    exchange = dispatch_module._exchange
+
+    def spy(x, send_splits, recv_splits, group):
+        sent_dtypes.append(x.dtype)
+        return exchange(x, send_splits, recv_splits, group)
+
+    dispatch_module._exchange = spy
+    try:
+        for schedule in ("sync", "pairwise"):
+            torch.manual_seed(31)
+            plain = MoELayer(D, H, 2 * world, top_k=2, schedule=schedule)
+            wire = MoELayer(D, H, 2 * world, top_k=2, schedule=schedule, dispatch_dtype="bfloat16")
+            wire.load_state_dict(plain.state_dict())
+            ref = copy.deepcopy(wire)  # single process, same rounding
+            for layer in (plain, wire):
+                layer.to_expert_parallel(dist.group.WORLD)
+            xs, gs = _inputs(world, [7] * world, 77)
+            outs = [_forward_backward(layer, xs[rank], gs[rank], 5) for layer in (plain, wire)]
+            ref_out = [_forward_backward(ref, xs[r], gs[r], 5) for r in range(world)][rank]
+            torch.testing.assert_close(outs[1][0], ref_out[0], **TOL)  # EP == one process, exactly
+            torch.testing.assert_close(outs[1][1], ref_out[1], **TOL)
+            scale = float(outs[0][0].abs().max())
+            torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0.02 * scale)
+            torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=0.02 * float(outs[0][1].abs().max()))
+            assert torch.equal(wire.stats.bytes_sent * 2, plain.stats.bytes_sent)
+    finally:
+        dispatch_module._exchange = exchange
+    assert torch.bfloat16 in sent_dtypes and torch.float32 in sent_dtypes  # forward and backward, both runs
 
 
 def _consumers(output: torch.Tensor, param: torch.Tensor) -> int:

@@ -13,7 +13,7 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.perf.roofline import curves, points_from_simulation, throughput
 from moeflow.perf.topology import Topology
 from moeflow.perf.traces import Trace, load_trace, synthetic_trace
-from moeflow.routing.gates import cross_node_ratios
+from moeflow.routing.hierarchical import cross_node_ratios
 from moeflow.strategies import PLANNERS
 from moeflow.strategies.planners.ep import plan_ep
 
@@ -189,6 +189,17 @@ def test_routing_effects_come_from_the_gate_and_balance_registries():
     assert ep_ta.a2a_I.mean() < ep.a2a_I.mean()
 
 
+def test_expert_choice_and_soft_replay_a_uniform_flow_and_switch_needs_a_top1_trace():
+    m = CostModel(Topology.from_spec([[0, 1], [2, 3]], [1e8, 1e10]), 1e11)
+    t = synthetic_trace("zipf", 2, 1, 4, 8, 1000, seed=3, skew=1.2)  # S = 1000 tokens per rank, k = 2
+    ec = sim.routed_flow(t, m, _layer(32, 64, gate="expert_choice"))
+    assert (ec == 250).all()  # C = ceil(1 · 2 · 1000 / 8)
+    soft = sim.routed_flow(t, m, _layer(32, 64, gate="soft", options={"gate": {"slots_per_expert": 3}}))
+    assert (soft == 3).all()
+    with pytest.raises(ValueError, match="switch.*top_k=2"):
+        sim.routed_flow(t, m, _layer(32, 64, gate="switch"))
+
+
 def test_roofline_formulas():
     r = np.array([0.5, 1.0, 4.0])
     c = curves(10.0, r)
@@ -221,6 +232,11 @@ def test_cli_simulate_and_roofline(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["world_size"] == 8 and {r["schedule"] for r in out["results"]} == {"sync", "pairwise"}
     assert all(r["total_s"] > 0 for r in out["results"])
+    # The default schedules are those that run with the dispatcher: pairwise needs the plain a2a.
+    argv = ["simulate", "--cluster", "prophet_lpwnv", "--trace", "zipf", "--iterations", "3", "--json"]
+    assert main([*argv, "--dispatch", "hierarchical", "--strategy", "ep"]) == 0
+    hier = json.loads(capsys.readouterr().out)["results"]
+    assert [r["schedule"] for r in hier] == ["sync"]
     rc = main(
         [
             "roofline",

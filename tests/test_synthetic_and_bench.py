@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeflow.bench.strategies import _add_speedups
+from moeflow.bench.strategies import Variant, _add_speedups
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
 
 
@@ -41,18 +41,28 @@ def test_speedups_and_pairwise_bound():
             "routing": "z",
             "strategy": "ep",
             "schedule": "sync",
+            "dispatch": "a2a",
             "median_s": 1.0,
             "forward_a2a_s": 0.2,
             "forward_compute_s": 0.1,
         },
-        {"routing": "z", "strategy": "shadow", "schedule": "sync", "median_s": 0.5},
-        {"routing": "z", "strategy": "ep", "schedule": "pairwise", "median_s": 0.8},
+        {"routing": "z", "strategy": "shadow", "schedule": "sync", "dispatch": "a2a", "median_s": 0.5},
+        {"routing": "z", "strategy": "ep", "schedule": "pairwise", "dispatch": "a2a", "median_s": 0.8},
     ]
     _add_speedups(rows)
     assert rows[1]["speedup_vs_ep"] == pytest.approx(2.0)
     # comm = 2 x 0.2, comp = 3 x 0.1: bound (0.4 + 0.3) / 0.4 = 1.75; achieved 1 / 0.8 = 1.25.
     assert rows[2]["pairwise_bound"] == pytest.approx(1.75)
     assert rows[2]["share_of_bound"] == pytest.approx(1.25 / 1.75)
+
+
+def test_bench_variants_parse_and_name_the_bad_one():
+    assert Variant.parse("shadow:pairwise") == ("shadow", "pairwise", "a2a", None)
+    assert str(Variant.parse("ep:sync:hierarchical")) == "ep:sync:hierarchical"
+    assert Variant.parse("ep:sync:a2a:bfloat16").wire_dtype == "bfloat16"
+    assert str(Variant.parse("ep:sync:a2a:bfloat16")) == "ep:sync:a2a:bfloat16"
+    with pytest.raises(ValueError, match="--variants 'ep'"):
+        Variant.parse("ep")
 
 
 @pytest.mark.multirank
@@ -84,18 +94,30 @@ def test_strategy_bench_on_two_ranks(tmp_path, capsys):
         "2",
         "--cost-model",
         str(cost_model),
+        "--variants",
+        *("ep:sync", "shadow:sync", "ep:pairwise", "shadow:pairwise", "ep:sync:hierarchical", "ep:sync:a2a:bfloat16"),
         "--json",
     ]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     rows = result["rows"]
-    assert result["world_size"] == 2 and len(rows) == 2 * 4
-    assert {(r["strategy"], r["schedule"]) for r in rows} == {
-        ("ep", "sync"),
-        ("shadow", "sync"),
-        ("ep", "pairwise"),
-        ("shadow", "pairwise"),
+    assert result["world_size"] == 2 and len(rows) == 2 * 6
+    assert {(r["strategy"], r["schedule"], r["dispatch"], r["wire_dtype"]) for r in rows} == {
+        ("ep", "sync", "a2a", None),
+        ("shadow", "sync", "a2a", None),
+        ("ep", "pairwise", "a2a", None),
+        ("shadow", "pairwise", "a2a", None),
+        ("ep", "sync", "hierarchical", None),
+        ("ep", "sync", "a2a", "bfloat16"),
     }
+    # Same rows each way: the hierarchical exchange counts them once, a bf16 wire in half the bytes.
+    for routing in ("zipf-0", "zipf-1.5"):
+        a2a, hier, bf16 = (
+            r["dispatch_bytes_on_network"]
+            for r in rows
+            if r["routing"] == routing and (r["strategy"], r["schedule"]) == ("ep", "sync")
+        )
+        assert a2a == hier == 2 * bf16 > 0
     assert all(r["median_s"] > 0 and len(r["times_s"]) == 2 for r in rows)
     assert all("pairwise_bound" in r for r in rows if r["schedule"] == "pairwise")
     skewed = [r for r in rows if r["routing"] == "zipf-1.5"]

@@ -3,13 +3,14 @@ group (several ranks, or the network testbed), with identical weights and routin
 comparison of EP, shadowing, the smart schedule and both.
 
     moeflow bench --nproc 4 --cost-model results/profile.json --skews 0 1.2 \\
-        --variants ep:sync shadow:sync ep:pairwise shadow:pairwise
+        --variants ep:sync shadow:sync ep:pairwise shadow:pairwise ep:sync:hierarchical
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,6 +19,31 @@ import torch.distributed as dist
 from moeflow.core.layer import MoELayer
 from moeflow.perf.traces import resolve_trace
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
+
+
+class Variant(NamedTuple):
+    """One timed layer: `strategy:schedule[:dispatch[:wire_dtype]]` on the command line."""
+
+    strategy: str
+    schedule: str
+    dispatch: str = "a2a"
+    wire_dtype: str | None = None
+    """`MoELayer(dispatch_dtype=...)`: the dispatched rows' precision on the wire (None: compute dtype)."""
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        parts = text.split(":")
+        if not 2 <= len(parts) <= 4 or not all(parts):
+            raise ValueError(
+                f"--variants {text!r}: expected strategy:schedule[:dispatch[:wire_dtype]], e.g. ep:sync:hierarchical"
+            )
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        parts = [self.strategy, self.schedule, self.dispatch, self.wire_dtype or ""]
+        while len(parts) > 2 and parts[-1] in ("", "a2a"):
+            parts.pop()
+        return ":".join(parts)
 
 
 @dataclass(frozen=True)
@@ -37,13 +63,13 @@ class StrategyBenchConfig:
     """Optional routing trace (.npz): its per-rank expert distribution is replayed as one more case."""
     trace_iteration: int = -1
     """Which recorded iteration of the trace to replay (negative: from the end)."""
-    variants: tuple[tuple[str, str], ...] = (
-        ("ep", "sync"),
-        ("shadow", "sync"),
-        ("ep", "pairwise"),
-        ("shadow", "pairwise"),
+    variants: tuple[Variant, ...] = (
+        Variant("ep", "sync"),
+        Variant("shadow", "sync"),
+        Variant("ep", "pairwise"),
+        Variant("shadow", "pairwise"),
     )
-    """(strategy, schedule) pairs to time."""
+    """The layers to time."""
     schedule_options: dict | None = None
     """Options of the schedules (e.g. `{"group_size": 1}` for pairwise; None: defaults)."""
     warmup: int = 3
@@ -106,6 +132,27 @@ def _sum_over_ranks(value: float) -> float:
     return float(t)
 
 
+def _layer(cfg: StrategyBenchConfig, variant: Variant, probs: torch.Tensor, cost_model, timer: PhaseTimer) -> MoELayer:
+    """The variant's layer on the live group, with the benchmark's seeded weights and sampled routing."""
+    torch.manual_seed(cfg.seed)
+    num_experts = cfg.experts_per_rank * dist.get_world_size()
+    return MoELayer(
+        cfg.d_model,
+        cfg.d_hidden,
+        num_experts,
+        top_k=cfg.top_k,
+        expert=cfg.expert,
+        gate=SampledGate(cfg.d_model, num_experts, cfg.top_k, probs, cfg.seed, dist.get_rank()),
+        strategy=variant.strategy,
+        schedule=variant.schedule,
+        dispatch=variant.dispatch,
+        cost_model=cost_model,
+        schedule_options=cfg.schedule_options if variant.schedule != "sync" else None,
+        dispatch_dtype=variant.wire_dtype,
+        hooks=[timer] if variant.schedule == "sync" else None,
+    ).to_expert_parallel(dist.group.WORLD)
+
+
 def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
     """Run on every rank of the initialized default group; returns rows (identical on all ranks).
     Long: the variants are interleaved iteration by iteration in one loop, so noise hits them alike."""
@@ -120,26 +167,13 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
     for routing_name, probs in cases:
         # Variants are interleaved iteration by iteration, so machine noise hits them alike.
         runs = []
-        for strategy, schedule in cfg.variants:
-            torch.manual_seed(cfg.seed)
+        for variant in cfg.variants:
             timer = PhaseTimer()
-            layer = MoELayer(
-                cfg.d_model,
-                cfg.d_hidden,
-                num_experts,
-                top_k=cfg.top_k,
-                expert=cfg.expert,
-                gate=SampledGate(cfg.d_model, num_experts, cfg.top_k, probs, cfg.seed, rank),
-                strategy=strategy,
-                schedule=schedule,
-                cost_model=cost_model,
-                schedule_options=cfg.schedule_options if schedule != "sync" else None,
-                hooks=[timer] if schedule == "sync" else None,
-            ).to_expert_parallel(dist.group.WORLD)
+            layer = _layer(cfg, variant, probs, cost_model, timer)
             runs.append({"layer": layer, "timer": timer, "times": [], "phases": [], "shadowed": [], "bytes": []})
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
         for it in range(cfg.warmup + cfg.iterations):
-            for run, (_, schedule) in zip(runs, cfg.variants):
+            for run, variant in zip(runs, cfg.variants):
                 layer = run["layer"]
                 dist.barrier()
                 start = time.perf_counter()
@@ -149,16 +183,18 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
                 if it < cfg.warmup:
                     continue
                 run["times"].append(_max_over_ranks(elapsed))
-                if schedule == "sync":
+                if variant.schedule == "sync":
                     run["phases"].append({k: _max_over_ranks(v) for k, v in run["timer"].phases().items()})
                 planner_last = getattr(layer.planner, "last", None)
                 run["shadowed"].append(len(planner_last.shadowed) if planner_last else 0)
                 run["bytes"].append(_sum_over_ranks(float(layer.stats.bytes_sent.sum())))
-        for run, (strategy, schedule) in zip(runs, cfg.variants):
+        for run, (strategy, schedule, dispatch, wire_dtype) in zip(runs, cfg.variants):
             row = {
                 "routing": routing_name,
                 "strategy": strategy,
                 "schedule": schedule,
+                "dispatch": dispatch,
+                "wire_dtype": wire_dtype,
                 "median_s": float(np.median(run["times"])),
                 "times_s": run["times"],
                 "load_imbalance": run["layer"].stats.load_imbalance,
@@ -174,10 +210,14 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
 
 
 def _add_speedups(rows: list[dict]) -> None:
-    """Speedup over EP-sync of the same routing, and for pairwise the FasterMoE §5.5 bound
+    """Speedup over EP-sync (plain all-to-all) of the same routing, and for pairwise the FasterMoE §5.5 bound
     `(comm + comp) / max(comm, comp)` from the sync run's phases (comm: 4 all-to-alls = 2x the
     forward's two; comp: forward + 2x backward)."""
-    base = {r["routing"]: r for r in rows if (r["strategy"], r["schedule"]) == ("ep", "sync")}
+    base = {
+        r["routing"]: r
+        for r in rows
+        if (r["strategy"], r["schedule"], r["dispatch"], r.get("wire_dtype")) == ("ep", "sync", "a2a", None)
+    }
     for r in rows:
         ref = base.get(r["routing"])
         if ref is None:
@@ -188,7 +228,8 @@ def _add_speedups(rows: list[dict]) -> None:
                 (
                     x
                     for x in rows
-                    if x["routing"] == r["routing"] and x["schedule"] == "sync" and x["strategy"] == r["strategy"]
+                    if (x["routing"], x["strategy"], x["schedule"], x["dispatch"], x.get("wire_dtype"))
+                    == (r["routing"], r["strategy"], "sync", r["dispatch"], r.get("wire_dtype"))
                 ),
                 ref,
             )

@@ -32,7 +32,8 @@ def add_arguments(parser) -> None:
         "--variants",
         nargs="+",
         default=["ep:sync", "shadow:sync", "ep:pairwise", "shadow:pairwise"],
-        help="strategy:schedule pairs to time",
+        help="layers to time, strategy:schedule[:dispatch[:wire dtype]] (default a2a, the compute dtype; "
+        "e.g. ep:sync:hierarchical, ep:sync:a2a:bfloat16)",
     )
     parser.add_argument(
         "--group-size", type=int, default=None, help="pairwise: schedule_options group_size (default: from topology)"
@@ -40,16 +41,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--out", default=None, help="also write the result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-
-
-def _variants(items: list[str]) -> tuple[tuple[str, str], ...]:
-    out = []
-    for item in items:
-        strategy, _, schedule = item.partition(":")
-        if not schedule:
-            raise ValueError(f"--variants {item!r}: expected strategy:schedule, e.g. shadow:pairwise")
-        out.append((strategy, schedule))
-    return tuple(out)
 
 
 def _strategy_worker(cfg, cost_model_source):
@@ -73,12 +64,12 @@ def _strategy_worker(cfg, cost_model_source):
 
 
 def _print_strategy_rows(rows: list[dict]) -> None:
-    header = f"{'routing':<14}{'strategy':<15}{'schedule':<10}{'ms':>9}{'speedup':>9}{'shadowed':>9}"
+    header = f"{'routing':<14}{'strategy':<15}{'schedule':<10}{'dispatch':<14}{'ms':>9}{'speedup':>9}{'shadowed':>9}"
     print(header + f"{'bound':>7}{'of bound':>9}")
     for r in rows:
         bound = f"{r['pairwise_bound']:7.2f}{r['share_of_bound']:9.0%}" if "pairwise_bound" in r else f"{'':7}{'':9}"
         print(
-            f"{r['routing']:<14}{r['strategy']:<15}{r['schedule']:<10}{1e3 * r['median_s']:9.1f}"
+            f"{r['routing']:<14}{r['strategy']:<15}{r['schedule']:<10}{r['dispatch']:<14}{1e3 * r['median_s']:9.1f}"
             f"{r.get('speedup_vs_ep', float('nan')):9.2f}{r['shadowed_mean']:9.1f}{bound}"
         )
 
@@ -87,11 +78,11 @@ def _strategy_result(args, world: int, outer: bool) -> dict | None:
     """The strategy benchmark on `world` ranks (None on ranks other than 0 of an outer torchrun)."""
     import os
 
-    from moeflow.bench.strategies import StrategyBenchConfig
+    from moeflow.bench.strategies import StrategyBenchConfig, Variant
     from moeflow.core.launch import launch_local
 
-    variants = _variants(args.variants)
-    if any(s != "ep" for s, _ in variants) and not args.cost_model:
+    variants = tuple(Variant.parse(text) for text in args.variants)
+    if any(v.strategy != "ep" for v in variants) and not args.cost_model:
         raise ValueError("--cost-model is required for planners other than ep (a preset name or a profile JSON)")
     cfg = StrategyBenchConfig(
         tokens_per_rank=args.tokens,
@@ -112,7 +103,7 @@ def _strategy_result(args, world: int, outer: bool) -> dict | None:
             return None
     else:
         rows = launch_local(_strategy_worker, world, cfg, args.cost_model, name="moeflow-bench")[0]
-    return {"config": cfg.__dict__ | {"variants": [list(v) for v in cfg.variants]}, "world_size": world, "rows": rows}
+    return {"config": cfg.__dict__ | {"variants": [str(v) for v in cfg.variants]}, "world_size": world, "rows": rows}
 
 
 def _layer_result(args) -> dict:

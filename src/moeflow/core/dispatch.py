@@ -42,17 +42,19 @@ def exchange_counts(counts: list[torch.Tensor], group: dist.ProcessGroup | None)
     return matrices if len(matrices) > 1 else matrices * 2
 
 
-class _AllToAllV(torch.autograd.Function):
-    """all_to_all_single with uneven splits; backward is the reverse exchange (splits swapped)."""
+class _Exchange(torch.autograd.Function):
+    """Rows out by `send_splits`, rows in by `recv_splits`, through `transport` (`_exchange`: one
+    all_to_all_single; `_peer_exchange`: point-to-point with the peers that have rows); backward
+    is the reverse exchange through the same transport (splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x_AD, send_splits, recv_splits, group):
-        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
-        return _exchange(x_AD, send_splits, recv_splits, group)
+    def forward(ctx, x_AD, send_splits, recv_splits, group, transport):
+        ctx.send_splits, ctx.recv_splits, ctx.group, ctx.transport = send_splits, recv_splits, group, transport
+        return transport(x_AD, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx, grad_RD):
-        return _exchange(grad_RD, ctx.recv_splits, ctx.send_splits, ctx.group), None, None, None
+        return ctx.transport(grad_RD, ctx.recv_splits, ctx.send_splits, ctx.group), None, None, None, None
 
 
 def _exchange(x_AD: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
@@ -65,7 +67,49 @@ def all_to_all_v(x_AD: torch.Tensor, send_splits: list[int], recv_splits: list[i
     """Rows `[sum(send_splits[:p]), ...)` go to peer p; rows from peer p arrive in rank order."""
     if group is None:
         return x_AD
-    return _AllToAllV.apply(x_AD, list(send_splits), list(recv_splits), group)
+    return _Exchange.apply(x_AD, list(send_splits), list(recv_splits), group, _exchange)
+
+
+def _peer_exchange(x_AD: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    me = dist.get_rank(group)
+    x_AD = x_AD.contiguous()
+    out = x_AD.new_empty((sum(recv_splits), *x_AD.shape[1:]))
+    send_off = np.concatenate([[0], np.cumsum(send_splits)]).astype(int)
+    recv_off = np.concatenate([[0], np.cumsum(recv_splits)]).astype(int)
+    ops = []
+    for peer in range(len(send_splits)):
+        rows_out, rows_in = send_splits[peer], recv_splits[peer]
+        if peer == me:
+            out[recv_off[me] : recv_off[me] + rows_in] = x_AD[send_off[me] : send_off[me] + rows_out]
+            continue
+        global_peer = dist.get_global_rank(group, peer)
+        if rows_out:
+            ops.append(dist.P2POp(dist.isend, x_AD[send_off[peer] : send_off[peer + 1]], global_peer, group))
+        if rows_in:
+            ops.append(dist.P2POp(dist.irecv, out[recv_off[peer] : recv_off[peer + 1]], global_peer, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out
+
+
+def peer_exchange(x_AD: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """`all_to_all_v` that talks only to the peers with rows to send or receive (point-to-point: a
+    stage of the hierarchical all-to-all exchanges with a node's ranks, or with one rank per node)."""
+    if group is None:
+        return x_AD
+    return _Exchange.apply(x_AD, list(send_splits), list(recv_splits), group, _peer_exchange)
+
+
+def block_permutation(lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Row permutation that reorders consecutive blocks of `lengths` into the block order `order`:
+    `rows[perm]` lists block order[0]'s rows, then block order[1]'s, ... (each block's rows in place)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    picked = lengths[order]
+    total = int(picked.sum())
+    out_starts = np.cumsum(picked) - picked
+    return np.repeat(starts[order] - out_starts, picked) + np.arange(total, dtype=np.int64)
 
 
 def position_in_expert(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -2,13 +2,13 @@
 
 A hook object implements any of the methods below; each receives the layer and the tensor at that
 point and returns a replacement tensor, or None to leave it unchanged. Hooks run in list order.
-Example (compress what crosses the network, FSMoE's motivating use):
 
-    class Bf16Wire(MoEHook):
-        def before_dispatch(self, layer, x):  return x.to(torch.bfloat16)
-        def after_dispatch(self, layer, x):   return x.float()
-        def before_combine(self, layer, y):   return y.to(torch.bfloat16)
-        def after_combine(self, layer, y):    return y.float()
+FSMoE's motivating use, compressing what crosses the network, is built in: `wire_hooks(dtype)`
+(`MoELayer(dispatch_dtype="bfloat16")`) sends the dispatched rows and the expert outputs in a
+lower precision and restores the compute dtype on arrival, in forward and — through autograd's
+casts — backward, where the gradients cross the network in the same precision. It halves the
+all-to-all bytes of fp32 training and changes the numbers by the rounding of the rows sent
+(bf16: a relative error of about 2⁻⁸ per element; tested at 2 % of the output's scale).
 """
 
 from __future__ import annotations
@@ -57,3 +57,43 @@ def run_hooks(hooks: Sequence[object], point: str, layer, tensor: torch.Tensor) 
             if out is not None:
                 tensor = out
     return tensor
+
+
+WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn}
+"""Precisions `dispatch_dtype` may send rows in (float8 only where the backend moves it: nccl)."""
+
+
+class _WireCompress(MoEHook):
+    """Casts the rows about to cross the network to the wire dtype (runs after the other hooks)."""
+
+    def __init__(self, dtype: torch.dtype, restore: _WireRestore) -> None:
+        self.dtype, self.restore = dtype, restore
+
+    def before_dispatch(self, layer, x):
+        self.restore.dispatch_dtype = x.dtype
+        return x.to(self.dtype)
+
+    def before_combine(self, layer, y):
+        self.restore.combine_dtype = y.dtype
+        return y.to(self.dtype)
+
+
+class _WireRestore(MoEHook):
+    """Casts arrived rows back to the dtype they left in (runs before the other hooks)."""
+
+    dispatch_dtype = combine_dtype = torch.float32
+
+    def after_dispatch(self, layer, x):
+        return x.to(self.dispatch_dtype)
+
+    def after_combine(self, layer, y):
+        return y.to(self.combine_dtype)
+
+
+def wire_hooks(dtype_name: str) -> tuple[MoEHook, MoEHook]:
+    """(restore, compress) for `dispatch_dtype`: the layer runs `restore` first and `compress` last,
+    so every other hook sees rows in the compute dtype."""
+    if dtype_name not in WIRE_DTYPES:
+        raise ValueError(f"dispatch_dtype={dtype_name!r}: expected one of {sorted(WIRE_DTYPES)} or None")
+    restore = _WireRestore()
+    return restore, _WireCompress(WIRE_DTYPES[dtype_name], restore)

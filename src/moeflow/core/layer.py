@@ -18,7 +18,6 @@ this rank this iteration, S source ranks.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,12 +31,12 @@ from moeflow.core import dispatch
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.experts import GroupedExperts
-from moeflow.core.hooks import HOOK_POINTS, MoEHook, run_hooks
+from moeflow.core.hooks import HOOK_POINTS, WIRE_DTYPES, MoEHook, run_hooks, wire_hooks
 from moeflow.core.placement import Placement, cross_node_share, dispatch_counts
 from moeflow.core.registry import LayerContext
 from moeflow.core.sparse_collectives import materialize
 from moeflow.core.stats import MoEStats
-from moeflow.routing import BALANCES, GATES
+from moeflow.routing import BALANCES, GATES, check_balance_fits_gate, default_balance, routing_kind
 from moeflow.routing.balance import router_z_loss
 from moeflow.routing.gates import Routing, RoutingLayout
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
@@ -54,23 +53,29 @@ class MoELayer(nn.Module):
     Args:
         d_model, d_hidden: model and expert hidden sizes.
         num_experts, top_k: experts in the layer and experts chosen per token (1 <= k <= E).
-        gate: a name of `moeflow.routing.GATES` (`topk`, `switch`, `noisy_topk`, `hierarchical`) or a
-            gate module returning `Routing`.
+        gate: a name of `moeflow.routing.GATES` (`topk`, `switch`, `noisy_topk`, `hierarchical`,
+            `sigmoid`, `xmoe`, `expert_choice`, `soft`) or a gate module returning `Routing`.
         expert: `ffn` (GELU, with biases) or `swiglu` (no biases).
         capacity_factor: None = dropless; c > 0 keeps at most ceil(c·k·T/E) assignments per expert
-            and rank, first choices before second, then earlier tokens.
+            and rank, first choices before second, then earlier tokens (token choice); expert choice
+            takes C = ceil(c·k·T/E) tokens per expert (c = 1 when None); slots never drop.
         group: expert-parallel process group (None: single process); see `to_expert_parallel`.
         strategy: a name of `moeflow.strategies.PLANNERS` (`ep`, `shadow`, `shadow_greedy`) or a
             callable `(flow_WE, placement, cost_model) -> Placement`.
         schedule: a name of `moeflow.strategies.SCHEDULES` (`sync`, `pairwise`) or a `Schedule`.
         dispatch: a name of `moeflow.strategies.DISPATCHERS` (`a2a`) or a dispatcher object.
         balance: a name of `moeflow.routing.BALANCES` (`gshard`, `aux_free`, `ta_moe`, `none`) or a
-            balance module; `balance_weight` scales its loss (0 turns the term off).
+            balance module; None: the gate's default (`gshard` for token choice, `none` for expert
+            choice and slots); `balance_weight` scales its loss (0 turns the term off).
         z_loss_weight: weight of the router z-loss (0 = off).
         gate_options, balance_options, strategy_options, schedule_options, dispatch_options: options
             of the component chosen by name on that axis (a mapping, validated against the
             component's options dataclass; e.g. `schedule_options={"group_size": 2}`).
         hooks: objects implementing any of FSMoE's six hook points (`moeflow.core.hooks`).
+        dispatch_dtype: send the dispatched rows and expert outputs in this precision (`bfloat16`,
+            `float16`, `float8_e4m3fn` on nccl) and restore the compute dtype on arrival, forward
+            and backward (built-in hooks, `core.hooks.wire_hooks`); changes the numbers by the
+            rounding of what is sent. None: rows travel in the compute dtype.
         check_finite: raise on NaN/Inf in the input or the routing scores.
         node_of: node index of every EP rank (dispatch prefers holders on the same node; copies of
             experts held everywhere travel a two-level tree across nodes); defaults to the cost
@@ -95,10 +100,11 @@ class MoELayer(nn.Module):
         strategy: Any = "ep",
         schedule: Any = "sync",
         dispatch: Any = "a2a",
-        balance: str | nn.Module = "gshard",
+        balance: str | nn.Module | None = None,
         balance_weight: float = 0.01,
         z_loss_weight: float = 0.0,
         hooks: Sequence[MoEHook] | None = None,
+        dispatch_dtype: str | None = None,
         check_finite: bool = False,
         node_of: Sequence[int] | None = None,
         cost_model: Any = None,
@@ -122,7 +128,12 @@ class MoELayer(nn.Module):
         self.balance_weight = finite_number("balance_weight", balance_weight, low=0.0)
         self.z_loss_weight = finite_number("z_loss_weight", z_loss_weight, low=0.0)
         self.check_finite = check_finite
-        ctx = LayerContext(num_experts, top_k, ExpertShape(d_model, d_hidden, expert), cost_model, self.balance_weight)
+        shape = ExpertShape(d_model, d_hidden, expert)
+        ctx = LayerContext(num_experts, top_k, shape, cost_model, self.balance_weight, capacity_factor)
+        if capacity_factor is not None and routing_kind(gate) == "soft":
+            raise ValueError(f"capacity_factor={capacity_factor} with gate='soft': slots never drop (use None)")
+        balance = default_balance(gate) if balance is None else balance
+        check_balance_fits_gate(balance, gate)
         self._build_axes(
             ctx,
             gate=(gate, gate_options),
@@ -136,6 +147,10 @@ class MoELayer(nn.Module):
         for hook in self.hooks:
             if not any(hasattr(hook, point) for point in HOOK_POINTS):
                 raise TypeError(f"hooks entry {hook!r} implements none of {list(HOOK_POINTS)}")
+        self.dispatch_dtype = dispatch_dtype
+        if dispatch_dtype is not None:
+            restore, compress = wire_hooks(dispatch_dtype)
+            self.hooks = [restore, *self.hooks, compress]
         self.cost_model = cost_model
         self._node_of_arg = None if node_of is None else list(node_of)
         self._calls = 0  # forward calls: part of the pairwise schedule's message tags
@@ -177,6 +192,12 @@ class MoELayer(nn.Module):
         if self._node_of_arg is not None and len(self._node_of_arg) != world:
             raise ValueError(f"node_of has {len(self._node_of_arg)} entries, expected the EP size {world}")
         local = self.num_experts // world
+        fp8 = (self.dispatch_dtype or "").startswith("float8")
+        if fp8 and group is not None and dist.get_backend(group) != "nccl":
+            raise ValueError(
+                f"dispatch_dtype={self.dispatch_dtype!r} needs the nccl backend (gloo moves no float8): "
+                f"use 'bfloat16' or 'float16'"
+            )
         self.experts.shard_(dispatch.group_rank(group) * local, local)
         self.group = group
         self._bind(Placement.expert_parallel(self.num_experts, world))
@@ -203,14 +224,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer input shape {tuple(x.shape)}: last dim must be d_model={self.d_model}")
         if self.check_finite and not torch.isfinite(x).all():
             raise ValueError("MoELayer input contains NaN or Inf (check_finite=True)")
-
-    def _capacity_keep(self, routing: Routing) -> torch.Tensor | None:
-        """Mask of kept assignments: at most C = ceil(c·k·T/E) per expert on this rank, in
-        assignment order (choice-major: first choices before second, then earlier tokens)."""
-        if self.capacity_factor is None:
-            return None
-        capacity = math.ceil(self.capacity_factor * self.top_k * routing.num_tokens / self.num_experts)
-        return dispatch.position_in_expert(routing.expert_A, self.num_experts) < capacity
 
     def _balance_active(self) -> bool:
         """A topology-aware balance term (TA-MoE: bias and state belong to its loss term and to the
@@ -241,16 +254,14 @@ class MoELayer(nn.Module):
         x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
         me = dispatch.group_rank(self.group)
         routing = self._route(x_TD, me)
-        token_A, expert_A, weight_A = routing.token_A, routing.expert_A, routing.weight_A
-        choices_E = torch.bincount(expert_A, minlength=self.num_experts)
-        keep_A = self._capacity_keep(routing)
-        dropped = 0
-        if keep_A is not None:
-            dropped = int((~keep_A).sum())
-            token_A, expert_A, weight_A = token_A[keep_A], expert_A[keep_A], weight_A[keep_A]
+        choices_E = torch.bincount(routing.expert_A, minlength=self.num_experts)
+        routing, dropped = routing.within_capacity(self.capacity_factor, self.num_experts, self.top_k)
+        expert_A = routing.expert_A
 
         # Count exchange → global flow (and choices before capacity) → plan, the same on every rank.
-        counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if keep_A is not None else [])
+        # (Both rows whenever capacity may drop, on every rank alike: the gather's size must agree.)
+        may_drop = self.capacity_factor is not None
+        counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
         flow_WE, choices_WE = dispatch.exchange_counts(counts, self.group)
         placement = self._plan(flow_WE)
         plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
@@ -258,12 +269,11 @@ class MoELayer(nn.Module):
         # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
         dest_A = dispatch.assignment_destinations(expert_A, plan_SED[me])
         order_A = torch.sort(dest_A * self.num_experts + expert_A, stable=True).indices
-        token_sorted_A = token_A[order_A]
         self._calls += 1
         block = ExchangeBlock(
-            x_sent_AD=x_TD.index_select(0, token_sorted_A),
-            send_splits=plan_SED[me].sum(0).tolist(),
-            recv_splits=plan_SED[:, :, me].sum(1).tolist(),
+            x_sent_AD=routing.rows(x_TD, order_A),
+            send_WW=plan_SED.sum(1),
+            me=me,
             counts_SJ=plan_SED[:, placement.holders_EW[:, me], me],
             compute=self._compute_held(placement, me),
             group=self.group,
@@ -274,11 +284,10 @@ class MoELayer(nn.Module):
         )
         y_back_AD = self.schedule.execute(block)
 
-        # Un-order: weighted sum of each token's expert outputs; dropped assignments add zero. It
-        # accumulates in the input's dtype (fp32 under autocast; a bf16 model sums k bf16 terms, as
-        # Hugging Face's and MegaBlocks' combines do).
-        weighted_AD = y_back_AD.to(x.dtype) * weight_A[order_A, None].to(x.dtype)
-        y_TD = torch.zeros(x_TD.shape, dtype=x.dtype, device=x.device).index_add(0, token_sorted_A, weighted_AD)
+        # Un-order: each token's output from its rows (weighted sum, or the mix of the slots); dropped
+        # assignments add zero. It accumulates in the input's dtype (fp32 under autocast; a bf16
+        # model sums k bf16 terms, as Hugging Face's and MegaBlocks' combines do).
+        y_TD = routing.combine(y_back_AD.to(x.dtype), order_A, x_TD.shape[0])
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
         self._record(block, flow_WE, choices_WE, plan_SED, placement, dropped, routing.redirected, me)
         return y_TD.reshape(x.shape)
@@ -310,7 +319,8 @@ class MoELayer(nn.Module):
 
     def _record(self, block, flow_WE, choices_WE, plan_SED, placement, dropped, redirected, me) -> None:
         """`stats` of this forward; in training, the expert choices for the step's balance update."""
-        row_bytes = block.x_sent_AD.element_size() * self.d_model
+        wire = WIRE_DTYPES[self.dispatch_dtype] if self.dispatch_dtype else block.x_sent_AD.dtype
+        row_bytes = wire.itemsize * self.d_model  # bytes on the wire
         bytes_sent = torch.tensor(block.send_splits, dtype=torch.int64).index_fill(0, torch.tensor(me), 0) * row_bytes
         self.stats = MoEStats(
             flow=torch.from_numpy(flow_WE),

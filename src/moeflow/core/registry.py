@@ -45,6 +45,8 @@ class LayerContext:
     """`moeflow.perf.costmodel.CostModel` of the run's cluster, or None."""
     balance_weight: float = 0.0
     """Weight of the balance term (0: the balance term is off)."""
+    capacity_factor: float | None = None
+    """The layer's capacity factor (None: dropless); expert choice sizes its picks with it."""
 
     @property
     def d_model(self) -> int:
@@ -65,6 +67,8 @@ class Component:
     """One line for `--help` and the docs."""
     needs_cost_model: bool = False
     """Whether building it requires `LayerContext.cost_model`."""
+    kind: str = ""
+    """A category within the axis that other axes check against (gates: the routing kind)."""
 
 
 def parse_options(cls: type, raw: Any, where: str) -> Any:

@@ -26,8 +26,9 @@ class MoEStats:
     dropped: int
     """Assignments dropped by capacity on this rank."""
     bytes_sent: torch.Tensor
-    """int64 `[W]`: bytes this rank sent to each peer in the dispatch exchange (0 to itself:
-    local rows never touch the network; the combine sends the same amount back)."""
+    """int64 `[W]`: bytes of this rank's rows destined to each peer in the dispatch exchange, in the
+    wire dtype (0 to itself: local rows never touch the network; the combine sends the same amount
+    back). A hierarchical exchange carries them in two stages; this counts each row once."""
     placement: Placement
     """Where every expert was materialized."""
     redirected: int = 0

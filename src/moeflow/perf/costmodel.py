@@ -226,18 +226,23 @@ class CostModel:
         return alpha_WW, beta_WW
 
     # ---- collectives ------------------------------------------------------------------------
-    def a2a_time(self, bytes_WW: np.ndarray) -> np.ndarray:
-        """All-to-all-v where ``bytes_WW[i, j]`` bytes go from i to j -> ``[...]`` seconds."""
+    def a2a_time(self, bytes_WW: np.ndarray, peers: int | None = None) -> np.ndarray:
+        """All-to-all-v where ``bytes_WW[i, j]`` bytes go from i to j -> ``[...]`` seconds.
+        ``peers``: the most ranks any rank exchanges with (default all others), see
+        ``a2a_time_pairs``."""
         bytes_WW = np.asarray(bytes_WW, dtype=np.float64)
         W = self.topology.num_devices
         if bytes_WW.shape[-2:] != (W, W):
             raise ValueError(f"flow shape {bytes_WW.shape}: last two dims must be ({W}, {W})")
-        return self.a2a_time_pairs(bytes_WW.reshape(*bytes_WW.shape[:-2], W * W), np.arange(W * W))
+        return self.a2a_time_pairs(bytes_WW.reshape(*bytes_WW.shape[:-2], W * W), np.arange(W * W), peers)
 
-    def a2a_time_pairs(self, bytes_P: np.ndarray, pairs_P: np.ndarray) -> np.ndarray:
+    def a2a_time_pairs(self, bytes_P: np.ndarray, pairs_P: np.ndarray, peers: int | None = None) -> np.ndarray:
         """``a2a_time`` for an exchange among a subset of ordered pairs: ``bytes_P[..., p]`` bytes
         go along pair ``pairs_P[p] = i·W + j`` (the grouped steps of FasterMoE §4.2 touch few pairs,
-        so pricing only those keeps a 64-device replay cheap)."""
+        so pricing only those keeps a 64-device replay cheap). With a fitted all-to-all, an exchange
+        in which every rank talks to ``peers`` ranks (the stages of the hierarchical all-to-all)
+        pays that share of the fit's start-up, ``α·peers/(W−1)`` (one message per peer); default:
+        the whole start-up."""
         bytes_P = np.asarray(bytes_P, dtype=np.float64)
         pairs = np.asarray(pairs_P, dtype=np.int64)
         if self.topology.num_devices == 1:
@@ -246,7 +251,8 @@ class CostModel:
         t = self._a2a_eta * (traffic_L * self._inv_bw_L).max(axis=-1)
         calibrated = "a2a" in self.fits and self.a2a_calibration
         if calibrated:
-            alpha = self.fits["a2a"].alpha_s
+            W = self.topology.num_devices
+            alpha = self.fits["a2a"].alpha_s * (1.0 if peers is None else min(peers, W - 1) / (W - 1))
         else:
             alpha = np.where(bytes_P > 0, self.topology.path_latency_WW.reshape(-1)[pairs], 0.0).max(axis=-1)
         # An exchange with nothing to send costs nothing (no collective is launched).

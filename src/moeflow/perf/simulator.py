@@ -21,6 +21,7 @@ Shape suffixes: I iterations, L layers, W ranks, E experts; ``...`` = (I, L).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,7 +170,10 @@ def simulate(
         trace = trace.rescale(W)
     I, L, _, E = trace.flow_ILWE.shape
     if E % W:
-        raise ValueError(f"trace num_experts={E}: must be a multiple of the cluster's {W} devices")
+        raise ValueError(
+            f"trace num_experts={E}: must be a multiple of the cluster's {W} devices "
+            f"(rescale it: `moeflow simulate --experts {math.lcm(E, W)}`, or Trace.rescale)"
+        )
     ctx = LayerContext(E, layer.top_k, layer.shape, cost_model)
     planners = {s: PLANNERS.build(s, ctx, layer.options.get("strategy")) for s in strategies}
     built = {s: SCHEDULES.build(s, ctx, layer.options.get("schedule")) for s in schedules}

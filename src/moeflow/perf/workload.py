@@ -7,6 +7,7 @@ from typing import Any
 
 from moeflow.core.expert_shape import EXPERT_KINDS, ExpertShape
 from moeflow.core.layer import AXES
+from moeflow.core.registry import LayerContext
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.simulator import SimulatedLayer
 from moeflow.perf.topology_presets import PRESETS
@@ -43,7 +44,11 @@ def add_workload_arguments(parser: Any) -> None:
     parser.add_argument("--gate", default="topk", help=f"one of {', '.join(GATES.names())}")
     parser.add_argument("--balance", default="gshard", help=f"one of {', '.join(BALANCES.names())}")
     parser.add_argument("--strategy", default=None, help=f"comma list (default all: {','.join(PLANNERS.names())})")
-    parser.add_argument("--schedule", default="sync,pairwise", help=f"comma list of {','.join(SCHEDULES.names())}")
+    parser.add_argument(
+        "--schedule",
+        default=None,
+        help=f"comma list of {','.join(SCHEDULES.names())} (default: every one that runs with --dispatch)",
+    )
     parser.add_argument("--dispatch", default="a2a", help=f"one of {', '.join(DISPATCHERS.names())}")
     parser.add_argument(
         "--option",
@@ -119,5 +124,14 @@ def workload_from_args(args: Any) -> tuple[Trace, CostModel, SimulatedLayer, lis
         options=parse_axis_options(args.options),
     )
     strategies = _names(args.strategy or ",".join(PLANNERS.names()), PLANNERS, "--strategy")
-    schedules = _names(args.schedule, SCHEDULES, "--schedule")
+    schedules = _names(args.schedule or ",".join(_schedules_for(layer, trace, cost_model)), SCHEDULES, "--schedule")
     return trace, cost_model, layer, strategies, schedules
+
+
+def _schedules_for(layer: SimulatedLayer, trace: Trace, cost_model: CostModel) -> list[str]:
+    """Every schedule that runs with the layer's dispatcher (pairwise needs the plain all-to-all)."""
+    ctx = LayerContext(trace.num_experts, layer.top_k, layer.shape, cost_model)
+    dispatcher = DISPATCHERS.build(layer.dispatch, ctx, layer.options.get("dispatch"))
+    return [
+        s for s in SCHEDULES.names() if SCHEDULES.build(s, ctx, layer.options.get("schedule")).runs_with(dispatcher)
+    ]

@@ -47,6 +47,8 @@ class BalanceTerm(nn.Module):
 
     observes = False
     """Whether `observe` uses the step's expert choices (the layer accumulates them only then)."""
+    token_choice_only = True
+    """Whether it shapes a token's choice of experts (refused with expert-choice and slot gates)."""
     topology_aware = False
     """Whether its bias and state belong to its loss term and to the cluster (TA-MoE): the layer
     then uses it only with `balance_weight > 0` and a cost model that describes its group, and
@@ -75,6 +77,8 @@ class GShardBalance(BalanceTerm):
 
 class NoBalance(BalanceTerm):
     """`balance="none"`: no auxiliary term."""
+
+    token_choice_only = False
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 
 A recorded trace holds the routing of the gate that produced it. A routing-changing component
 (TA-MoE's loss, FasterMoE's topology-aware gate) would have produced another flow; its entry here
-turns the traced flow into that one, keyed by the component's own name on its axis (the same name
+turns the traced flow into that one (expert choice and SoftMoE: a uniform flow, their balance by
+construction), keyed by the component's own name on its axis (the same name
 as in `moeflow.routing.GATES` / `BALANCES`). Components without an entry leave the trace as
 recorded. Each entry is `effect(flow_ILWE, ctx, options) -> flow_ILWE`.
 
@@ -20,7 +21,8 @@ import numpy as np
 
 from moeflow.core.placement import plain_ep_owners
 from moeflow.core.registry import LayerContext
-from moeflow.routing.gates import HierarchicalOptions, cross_node_ratios
+from moeflow.routing.hierarchical import HierarchicalOptions, cross_node_ratios
+from moeflow.routing.soft import SoftOptions
 from moeflow.routing.ta_moe import TAMoEOptions
 from moeflow.strategies.topology_aware import flow_from_target, target_dispatch_pattern
 
@@ -83,8 +85,49 @@ def _largest_remainder(weights_IE: np.ndarray, amount_I: np.ndarray) -> np.ndarr
     return share + (ranks < short[..., None])
 
 
+def _uniform_flow(flow_ILWE: np.ndarray, rows_per_expert_IL: np.ndarray) -> np.ndarray:
+    """Every rank sends every expert the same number of rows."""
+    return np.broadcast_to(rows_per_expert_IL[..., None, None], flow_ILWE.shape).astype(np.int64)
+
+
+def _tokens_per_rank_IL(flow_ILWE: np.ndarray, top_k: int) -> np.ndarray:
+    """S: tokens per rank of each (iteration, layer), from the traced k·S assignments per rank."""
+    W = flow_ILWE.shape[2]
+    return flow_ILWE.sum(axis=(-1, -2)) // (W * top_k)
+
+
+def expert_choice_routing(flow_ILWE: np.ndarray, ctx: LayerContext, options: None) -> np.ndarray:
+    """Expert choice (Zhou et al. 2022): each expert takes C = min(S, ceil(c·k·S/E)) tokens of every
+    rank, whatever the scores — the trace's skew disappears by construction (c = the context's
+    capacity factor; the simulator models dropless layers, so c = 1 there)."""
+    del options
+    E = flow_ILWE.shape[-1]
+    c = 1.0 if ctx.capacity_factor is None else ctx.capacity_factor
+    tokens_IL = _tokens_per_rank_IL(flow_ILWE, ctx.top_k)
+    return _uniform_flow(flow_ILWE, np.minimum(tokens_IL, np.ceil(c * ctx.top_k * tokens_IL / E)))
+
+
+def soft_routing(flow_ILWE: np.ndarray, ctx: LayerContext, options: SoftOptions) -> np.ndarray:
+    """SoftMoE: every rank sends each expert its `slots_per_expert` mixed slots, whatever the batch."""
+    del ctx
+    rows_IL = np.full(flow_ILWE.shape[:2], options.slots_per_expert, dtype=np.int64)
+    return _uniform_flow(flow_ILWE, rows_IL)
+
+
+def switch_routing(flow_ILWE: np.ndarray, ctx: LayerContext, options: None) -> np.ndarray:
+    """Switch is top-1: only a top-1 trace replays through it (one choice of k cannot be recovered
+    from a recorded count)."""
+    del options
+    if ctx.top_k != 1:
+        raise ValueError(f"gate='switch' is top-1; the trace routes top_k={ctx.top_k} (replay a top-1 trace)")
+    return flow_ILWE
+
+
 EFFECTS: dict[str, Callable[[np.ndarray, LayerContext, Any], np.ndarray]] = {
     "ta_moe": ta_moe_routing,
     "hierarchical": hierarchical_routing,
+    "expert_choice": expert_choice_routing,
+    "soft": soft_routing,
+    "switch": switch_routing,
 }
 """Routing effects by component name (a `balance` or `gate` name)."""

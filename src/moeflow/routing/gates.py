@@ -1,123 +1,88 @@
-"""Routers. Every gate maps tokens to a flat list of (token, expert, weight) assignments.
+"""Token-choice routers: each token picks its k experts (`topk`, `switch`, `noisy_topk`, `sigmoid`,
+`xmoe`). Expert-choice and slot-based routers live in `expert_choice.py` and `soft.py`, the
+topology-aware one in `hierarchical.py`; all return one `Routing` shape (`routing.py`).
 
-The flat form (`Routing`) covers token choice (k assignments per token) and is general enough for
-expert choice and soft routing later: nothing downstream assumes exactly k per token. Routing math
-runs in fp32 whatever the input dtype or autocast state (small logit differences flip top-k).
+Routing math runs in fp32 whatever the input dtype or autocast state (small logit differences flip
+top-k). Selection may add a bias (aux-free balancing, TA-MoE steering) that never touches the
+combine weights. Ties go to the lower expert id.
 
-Shape suffixes: T tokens on this rank, D d_model, E experts, K top-k, A assignments.
-Assignments are stored choice-major (all first choices, then all second choices, ...), which is
-the capacity priority order (docs/architecture.md): first choices before second, then earlier tokens.
+Shape suffixes: T tokens on this rank, D d_model, E experts, K top-k, R a low-rank projection.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.core.checks import finite_number
-from moeflow.core.registry import LayerContext
+from moeflow.core.checks import finite_number, positive_int
+from moeflow.routing.routing import Routing, RoutingLayout, stable_topk, token_choices
+
+__all__ = [
+    "NoisyTopKGate",
+    "Routing",
+    "RoutingLayout",
+    "SigmoidGate",
+    "SwitchGate",
+    "TokenChoiceGate",
+    "TopKGate",
+    "XMoEGate",
+]
 
 
-@dataclass
-class Routing:
-    """A gate's decision for the tokens of this rank."""
+class TokenChoiceGate(nn.Module):
+    """Base of the token-choice gates: fp32 `logits` → (probabilities for balance terms, gate scores
+    for selection and weights) → k largest scores (plus a selection-only bias) → weights."""
 
-    token_A: torch.Tensor
-    """int64 `[A]`: index of the token of each assignment."""
-    expert_A: torch.Tensor
-    """int64 `[A]`: global expert id of each assignment."""
-    weight_A: torch.Tensor
-    """fp32 `[A]`: combine weight (differentiable w.r.t. the gate)."""
-    probs_TE: torch.Tensor
-    """fp32 `[T, E]`: router probabilities, for the balance loss (P_e)."""
-    logits_TE: torch.Tensor
-    """fp32 `[T, E]`: raw router logits, for the z-loss."""
-    num_tokens: int
-    """T, the tokens routed (needed when A = 0)."""
-    redirected: int = 0
-    """Assignments a topology-aware gate moved from a remote to a local expert."""
+    routing_kind = "token_choice"
 
-
-@dataclass(frozen=True)
-class RoutingLayout:
-    """Where experts live, for gates that route by topology; passed by the layer every forward."""
-
-    rank: int
-    """This rank's index in the expert-parallel group."""
-    owner_E: torch.Tensor
-    """int64 `[E]`: rank owning each expert."""
-    node_of: tuple[int, ...]
-    """Node index of every rank of the group."""
-
-    @classmethod
-    def single(cls, num_experts: int) -> RoutingLayout:
-        return cls(0, torch.zeros(num_experts, dtype=torch.int64), (0,))
-
-    def local_experts_E(self) -> torch.Tensor:
-        """bool `[E]`: experts owned by a rank on this rank's node."""
-        node_W = torch.tensor(self.node_of, dtype=torch.int64)
-        return node_W[self.owner_E] == self.node_of[self.rank]
-
-
-def _stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores; ties go to the lower expert id (docs/architecture.md).
-
-    `torch.topk` does not promise an order among equal values; a stable descending sort does.
-    """
-    return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[:, :k]
-
-
-def _flatten_choices(expert_TK, weight_TK, probs_TE, logits_TE, redirected: int = 0) -> Routing:
-    num_tokens, k = expert_TK.shape
-    token_KT = torch.arange(num_tokens, device=expert_TK.device).expand(k, num_tokens)
-    return Routing(
-        token_A=token_KT.reshape(-1),
-        expert_A=expert_TK.t().reshape(-1),
-        weight_A=weight_TK.t().reshape(-1),
-        probs_TE=probs_TE,
-        logits_TE=logits_TE,
-        num_tokens=num_tokens,
-        redirected=redirected,
-    )
-
-
-class TopKGate(nn.Module):
-    """`gate="topk"`: softmax over fp32 logits, k largest, weights renormalised to sum to 1."""
-
-    def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = True) -> None:
+    def __init__(self, num_experts: int, top_k: int, normalize: bool) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
-        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_model))
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return x_TD.float() @ self.weight.float().t()
+        raise NotImplementedError
+
+    def scores(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probs_TE for balance terms, gate scores_TE for selection and weights): softmax for both."""
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        return probs_TE, probs_TE
 
     def forward(
         self, x_TD: torch.Tensor, selection_bias_E: torch.Tensor | None = None, layout: RoutingLayout | None = None
     ) -> Routing:
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TE = self.logits(x_TD)
-            return self._route(logits_TE, selection_bias_E, layout)
+            return self._route(self.logits(x_TD), selection_bias_E, layout)
 
     def _select(self, scores_TE: torch.Tensor, layout: RoutingLayout | None) -> tuple[torch.Tensor, int]:
         """Expert ids `[T, K]` to use, and how many choices were redirected (0 here)."""
-        return _stable_topk(scores_TE, self.top_k), 0
+        return stable_topk(scores_TE, self.top_k), 0
 
     def _route(self, logits_TE: torch.Tensor, selection_bias_E, layout: RoutingLayout | None = None) -> Routing:
-        probs_TE = torch.softmax(logits_TE, dim=-1)
+        probs_TE, gate_TE = self.scores(logits_TE)
         # aux-free balancing (DeepSeek-V3): the bias steers selection only, never the weights.
-        scores_TE = probs_TE if selection_bias_E is None else probs_TE + selection_bias_E
-        expert_TK, redirected = self._select(scores_TE.detach(), layout)
-        weight_TK = probs_TE.gather(1, expert_TK)
+        select_TE = gate_TE if selection_bias_E is None else gate_TE + selection_bias_E
+        expert_TK, redirected = self._select(select_TE.detach(), layout)
+        weight_TK = gate_TE.gather(1, expert_TK)
         if self.normalize:
             weight_TK = weight_TK / weight_TK.sum(-1, keepdim=True)
-        return _flatten_choices(expert_TK, weight_TK, probs_TE, logits_TE, redirected)
+        return token_choices(expert_TK, weight_TK, probs_TE, logits_TE, redirected)
+
+
+class TopKGate(TokenChoiceGate):
+    """`gate="topk"`: softmax over fp32 logits `x·W_gᵀ`, k largest, weights renormalised to sum to 1
+    (GShard, Mixtral; `normalize=False` keeps the raw probabilities)."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = True) -> None:
+        super().__init__(num_experts, top_k, normalize)
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model))
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_model))
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return x_TD.float() @ self.weight.float().t()
 
 
 class SwitchGate(TopKGate):
@@ -150,103 +115,18 @@ class NoisyTopKGate(TopKGate):
             return self._route(noisy_TE, selection_bias_E, layout)
 
 
-@dataclass(frozen=True)
-class HierarchicalOptions:
-    """Options of `gate="hierarchical"`."""
+class SigmoidGate(TopKGate):
+    """`gate="sigmoid"` (BASE, StableMoE; DeepSeek-V3's scoring, FSMoE §2.1): scores `σ(x·W_g)` in
+    fp32, the k largest, each chosen expert's output scaled by its own sigmoid score — no softmax
+    couples the experts (`normalize=True` renormalises the k scores to sum to 1, as DeepSeek-V3).
+    Balance terms see the scores normalised over the experts as probabilities."""
 
-    cross_node_ratio: float | None = None
-    """L/B: the share of a rank's k·B assignments that may go to another node; None: from the
-    topology, per rank (`cross_node_ratios`)."""
+    def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = False) -> None:
+        super().__init__(d_model, num_experts, top_k, normalize=normalize)
 
-    def __post_init__(self) -> None:
-        if self.cross_node_ratio is not None:
-            finite_number("cross_node_ratio", self.cross_node_ratio, low=0.0)
-
-
-def cross_node_ratios(topology) -> list[float]:
-    """FasterMoE §4.3's `W_net / (M · W_local)` for every device, from its own node (asymmetric
-    trees give each node its own M and links; the public code reads node 0 and hard-codes 0.14).
-
-    W_net is the bandwidth of the link that takes the node's traffic out (its uplink); W_local is
-    the bottleneck of the routes to the node-mates. With one device per node (M = 1) there is no
-    intra-node route: W_local is then the device's own link into its node, which all of its traffic
-    crosses, so the tokens it may send across the network take as long on the uplink as its whole
-    batch takes on its own link — the paper's rule ("taking the same time as local communication
-    does") with the local transfer being the device's own. A single node has no remote expert: inf.
-    """
-    if topology.num_nodes < 2:
-        return [math.inf] * topology.num_devices
-    out = []
-    for w in range(topology.num_devices):
-        uplink = topology.node_uplink_bandwidth(w)
-        mates = topology.nodes[topology.node_of[w]]
-        if len(mates) > 1:
-            w_local = min(topology.path_bandwidth(w, m) for m in mates if m != w)
-        else:
-            w_local = topology.device_link_bandwidth(w)
-        out.append(uplink / (len(mates) * w_local))
-    return out
-
-
-class HierarchicalGate(TopKGate):
-    """`gate="hierarchical"`: FasterMoE's topology-aware gate (§4.3).
-
-    Rank w may send at most `L_w = ratio_w · B` of its B tokens across nodes, with
-    `ratio_w = W_net / (M · W_local)` of its own node (`cross_node_ratios`). We bound *all* k
-    choices (the public code bounds only the first): at most `floor(ratio_w · k · B)` of the
-    rank's k·B assignments may target a remote expert; the remote assignments with the highest gate
-    scores keep it, the others re-select among the local node's experts (best unused local expert,
-    per token), and the combine weights are the softmax over the finally chosen logits.
-
-    A node with fewer than k experts cannot take all of a token's choices: the choices that cannot
-    be moved (a token's lowest-scored remote ones beyond the node's free experts) stay remote and
-    count against the limit first. This changes routing: judge it by convergence, not by equality
-    with `topk`.
-    """
-
-    def __init__(self, d_model: int, num_experts: int, top_k: int, cross_node_ratio: float | Sequence[float]) -> None:
-        super().__init__(d_model, num_experts, top_k, normalize=True)
-        ratios = [cross_node_ratio] if isinstance(cross_node_ratio, (int, float)) else list(cross_node_ratio)
-        if not ratios or not all(isinstance(r, (int, float)) and r >= 0 for r in ratios):
-            raise ValueError(f"cross_node_ratio={cross_node_ratio!r} must be >= 0 (one value, or one per rank)")
-        self.cross_node_ratio = ratios
-
-    def _ratio(self, rank: int) -> float:
-        return self.cross_node_ratio[rank if len(self.cross_node_ratio) > 1 else 0]
-
-    def _select(self, scores_TE: torch.Tensor, layout: RoutingLayout | None) -> tuple[torch.Tensor, int]:
-        expert_TK, _ = super()._select(scores_TE, layout)
-        if layout is None or math.isinf(self._ratio(layout.rank)) or expert_TK.numel() == 0:
-            return expert_TK, 0
-        local_E = layout.local_experts_E().to(scores_TE.device)
-        remote_TK = ~local_E[expert_TK]
-        limit = math.floor(self._ratio(layout.rank) * expert_TK.numel())
-        n_remote = int(remote_TK.sum())
-        if n_remote <= limit:
-            return expert_TK, 0
-        chosen_scores_TK = scores_TE.gather(1, expert_TK)
-        # A token can move at most (free local experts) of its remote choices: its best ones keep
-        # their expert when the node has too few (`movable`), and they use up the limit first.
-        free_T = int(local_E.sum()) - (~remote_TK).sum(1)
-        remote_rank_TK = torch.sort(
-            torch.sort(torch.where(remote_TK, -chosen_scores_TK, math.inf), dim=1, stable=True).indices, dim=1
-        ).indices  # 0 = the token's best remote choice
-        stuck_TK = remote_TK & (remote_rank_TK < (remote_TK.sum(1) - free_T)[:, None])
-        movable_TK = remote_TK & ~stuck_TK
-        budget = max(0, limit - int(stuck_TK.sum()))
-        # Keep the `budget` movable remote assignments with the highest scores (ties: earlier first).
-        movable_scores = torch.where(movable_TK, chosen_scores_TK, -math.inf).flatten()
-        keep = torch.zeros_like(movable_scores, dtype=torch.bool)
-        keep[torch.sort(movable_scores, descending=True, stable=True).indices[:budget]] = True
-        demoted_TK = movable_TK & ~keep.view_as(movable_TK)
-        # Re-select: the j-th demoted choice of a token takes its j-th best local expert not
-        # already chosen by a kept choice of that token.
-        taken_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter(1, expert_TK, ~demoted_TK)
-        local_scores_TE = torch.where(local_E[None, :] & ~taken_TE, scores_TE, -math.inf)
-        ranked_TE = _stable_topk(local_scores_TE, self.top_k)
-        slot_TK = torch.cumsum(demoted_TK.long(), dim=1) - 1
-        replacement_TK = ranked_TE.gather(1, slot_TK.clamp(min=0))
-        return torch.where(demoted_TK, replacement_TK, expert_TK), int(demoted_TK.sum())
+    def scores(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_TE = torch.sigmoid(logits_TE)
+        return gate_TE / gate_TE.sum(-1, keepdim=True).clamp(min=1e-30), gate_TE
 
 
 @dataclass(frozen=True)
@@ -257,14 +137,58 @@ class TopKOptions:
     """Renormalise the k chosen probabilities to sum to 1 (False: raw probabilities)."""
 
 
-def build_hierarchical(ctx: LayerContext, options: HierarchicalOptions) -> HierarchicalGate:
-    """`gate="hierarchical"` by name: the per-rank ratios from the cost model's topology."""
-    ratio = options.cross_node_ratio
-    if ratio is None:
-        if ctx.cost_model is None:
-            raise ValueError(
-                "gate='hierarchical' needs a cost model (its topology sets the cross-node limit) or "
-                "gate_options={'cross_node_ratio': ...} (got cost_model=None)"
-            )
-        ratio = cross_node_ratios(ctx.cost_model.topology)
-    return HierarchicalGate(ctx.d_model, ctx.num_experts, ctx.top_k, ratio)
+@dataclass(frozen=True)
+class SigmoidOptions:
+    """Options of `gate="sigmoid"`."""
+
+    normalize: bool = False
+    """Renormalise the k chosen sigmoid scores to sum to 1 (False: each expert scaled by its own)."""
+
+
+@dataclass(frozen=True)
+class XMoEOptions:
+    """Options of `gate="xmoe"` (X-MoE's low-rank cosine router)."""
+
+    proj_dim: int = 16
+    """R: dimension of the low-rank projection tokens and expert embeddings meet in."""
+    temperature: float = 0.07
+    """Initial τ of `s_e = cos(W_proj·x, w_e) / τ` (learned)."""
+    min_temperature: float = 0.01
+    """Lower clamp of τ (a τ near 0 makes the softmax one-hot and its gradient vanish)."""
+    max_temperature: float = 1.0
+    """Upper clamp of τ."""
+    normalize: bool = True
+    """Renormalise the k chosen probabilities to sum to 1."""
+
+    def __post_init__(self) -> None:
+        positive_int("proj_dim", self.proj_dim)
+        finite_number("min_temperature", self.min_temperature, low=0.0, low_open=True)
+        finite_number("max_temperature", self.max_temperature, low=self.min_temperature)
+        finite_number("temperature", self.temperature, low=self.min_temperature, high=self.max_temperature)
+
+
+class XMoEGate(TokenChoiceGate):
+    """`gate="xmoe"` (X-MoE, Chi et al. 2022; FSMoE §2.1): tokens are projected to a low dimension R
+    (`W_proj`, [R, D]) and compared with learned expert embeddings (`weight`, [E, R]) by cosine
+    similarity over a learned temperature, `s_e = cos(W_proj·x, w_e) / τ` with τ clamped to
+    [min, max]; then softmax, the k largest, weights renormalised. The projection separates the
+    token's hidden state from the routing space (X-MoE's fix for representation collapse)."""
+
+    def __init__(self, d_model: int, num_experts: int, top_k: int, options: XMoEOptions | None = None) -> None:
+        options = options or XMoEOptions()
+        super().__init__(num_experts, top_k, options.normalize)
+        self.min_temperature, self.max_temperature = options.min_temperature, options.max_temperature
+        self.proj = nn.Parameter(torch.empty(options.proj_dim, d_model))
+        nn.init.normal_(self.proj, std=1.0 / math.sqrt(d_model))
+        self.weight = nn.Parameter(torch.empty(num_experts, options.proj_dim))
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(options.proj_dim))
+        self.log_temperature = nn.Parameter(torch.tensor(math.log(options.temperature)))
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        return self.log_temperature.float().exp().clamp(self.min_temperature, self.max_temperature)
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        z_TR = F.normalize(x_TD.float() @ self.proj.float().t(), dim=-1)
+        w_ER = F.normalize(self.weight.float(), dim=-1)
+        return (z_TR @ w_ER.t()) / self.temperature

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from moeflow.core.registry import Component, Registry
 from moeflow.strategies.dispatchers import A2ADispatcher
+from moeflow.strategies.hierarchical_a2a import HierarchicalDispatcher
 from moeflow.strategies.planners import Planner
 from moeflow.strategies.planners.ep import plan_ep
 from moeflow.strategies.planners.shadow import ShadowGreedyOptions, ShadowOptions, ShadowPlanner
@@ -58,7 +59,14 @@ SCHEDULES = Registry(
 
 DISPATCHERS = Registry(
     "dispatch",
-    [Component("a2a", lambda ctx, o: A2ADispatcher(), summary="one all-to-all-v each way")],
+    [
+        Component("a2a", lambda ctx, o: A2ADispatcher(), summary="one all-to-all-v each way"),
+        Component(
+            "hierarchical",
+            lambda ctx, o: HierarchicalDispatcher(),
+            summary="2D-hierarchical all-to-all: inside nodes, then across nodes among equal local ranks",
+        ),
+    ],
     is_object=lambda value: hasattr(value, "exchange") and hasattr(value, "price"),
 )
 """The `dispatch` axis: token transports by name."""

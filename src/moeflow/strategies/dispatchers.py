@@ -1,7 +1,9 @@
-"""The `dispatch` axis: how token rows travel between ranks (`dispatch="a2a"`).
+"""The `dispatch` axis: how token rows travel between ranks (`dispatch="a2a"`, `"hierarchical"`
+in `hierarchical_a2a.py`).
 
-A dispatcher moves rows with uneven splits inside autograd (`exchange`; its backward is the
-reverse exchange) and prices that exchange for planners and the simulator (`price`), so a
+A dispatcher moves rows with uneven splits inside autograd (`exchange(x, send_WW, me, group,
+node_of)`, where `send_WW` is the global count of rows every rank sends every rank; its backward
+is the reverse exchange) and prices that exchange for planners and the simulator (`price`), so a
 transport is simulated the way it runs.
 """
 
@@ -21,8 +23,9 @@ class A2ADispatcher:
 
     name = "a2a"
 
-    def exchange(self, x_AD: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any) -> torch.Tensor:
-        return dispatch.all_to_all_v(x_AD, send_splits, recv_splits, group)
+    def exchange(self, x_AD: torch.Tensor, send_WW: np.ndarray, me: int, group: Any, node_of=None) -> torch.Tensor:
+        """Rows of `send_WW[me]` out, rows of `send_WW[:, me]` in (by source rank)."""
+        return dispatch.all_to_all_v(x_AD, send_WW[me].tolist(), send_WW[:, me].tolist(), group)
 
     def price(self, cost_model: Any, bytes_WW: np.ndarray) -> np.ndarray:
         """Seconds ``[...]`` of one exchange of ``bytes_WW[..., src, dst]``."""

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.core.checks import typed_value
+from moeflow.core.hooks import WIRE_DTYPES
 from moeflow.core.layer import AXES
+from moeflow.routing import check_balance_fits_gate, default_balance, routing_kind
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -107,8 +109,9 @@ class MoEConfig:
     """Expert kind: `ffn` (GELU, biases) or `swiglu`."""
     capacity_factor: float | None = None
     """Per-expert capacity factor; `None` is dropless."""
-    balance: str = "gshard"
-    """Balance term: a name of `moeflow.routing.BALANCES`."""
+    balance: str | None = None
+    """Balance term: a name of `moeflow.routing.BALANCES`; none given: the gate's default (`gshard` for
+    token-choice gates, `none` for `expert_choice` and `soft`), written into the resolved config."""
     balance_weight: float = 0.01
     """Weight of the balance loss added to the training loss (0 turns the term off)."""
     z_loss_weight: float = 0.0
@@ -129,6 +132,9 @@ class MoEConfig:
     """Options of the chosen schedule (e.g. `group_size` of `pairwise`)."""
     dispatch_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen dispatcher."""
+    dispatch_dtype: str | None = None
+    """Send dispatched rows and expert outputs in this precision (`bfloat16`, `float16`;
+    `float8_e4m3fn` on nccl), restoring the compute dtype on arrival; None: the compute dtype."""
     cost_model: str | None = None
     """Topology preset name or profile JSON (`moeflow profile --out`) pricing the network and GEMMs; needed by
     `strategy="shadow"`, `gate="hierarchical"` and `balance="ta_moe"`. It describes the cluster of a run: used
@@ -144,6 +150,8 @@ class MoEConfig:
             raise ValueError(
                 f"moe.balance_weight={self.balance_weight!r} and moe.z_loss_weight={self.z_loss_weight!r} must be >= 0"
             )
+        if self.gate in AXES["gate"] and self.balance is None:
+            self.balance = default_balance(self.gate)
         for axis, registry in AXES.items():
             name = getattr(self, axis)
             if name not in registry:
@@ -151,6 +159,11 @@ class MoEConfig:
             raw = getattr(self, f"{axis}_options")
             typed = dataclasses.asdict(registry.options(name, raw, where=f"moe.{axis}_options"))
             setattr(self, f"{axis}_options", {key: typed[key] for key in raw})  # the keys given, typed
+        check_balance_fits_gate(self.balance, self.gate)
+        if self.dispatch_dtype is not None and self.dispatch_dtype not in WIRE_DTYPES:
+            raise ValueError(f"moe.dispatch_dtype={self.dispatch_dtype!r}: expected one of {sorted(WIRE_DTYPES)}")
+        if self.capacity_factor is not None and routing_kind(self.gate) == "soft":
+            raise ValueError(f"moe.capacity_factor={self.capacity_factor} with moe.gate='soft': slots never drop")
 
     def layer_options(self) -> dict[str, dict[str, Any]]:
         """`MoELayer`'s `*_options` keyword arguments."""

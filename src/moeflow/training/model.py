@@ -17,12 +17,15 @@ Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim, V vo
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moeflow import MoELayer
 from moeflow.perf.costmodel import CostModel
+from moeflow.routing import routing_kind
 from moeflow.training.config import ModelConfig, MoEConfig
 
 
@@ -72,6 +75,7 @@ def build_moe_layer(d_model: int, moe: MoEConfig, cost_model: CostModel | None =
         balance=moe.balance,
         balance_weight=moe.balance_weight,
         z_loss_weight=moe.z_loss_weight,
+        dispatch_dtype=moe.dispatch_dtype,
         cost_model=cost_model,
         **moe.layer_options(),
     )
@@ -106,6 +110,16 @@ class MoEGPT(nn.Module):
         super().__init__()
         if not any(is_moe_block(i, cfg.moe_every) for i in range(cfg.n_layers)):
             raise ValueError(f"model.moe_every={cfg.moe_every} leaves no MoE block among model.n_layers={cfg.n_layers}")
+        if routing_kind(moe.gate) != "token_choice":
+            # Expert choice ranks a batch's tokens per expert and SoftMoE mixes them into slots: a
+            # token's output depends on later tokens of the batch (both papers' limitations
+            # sections: Zhou et al. 2022, Puigcerver et al. 2024), so a causal LM's loss is
+            # optimistic and decoding differs from training.
+            warnings.warn(
+                f"moe.gate={moe.gate!r} is not causal: a token's experts or slots depend on later tokens "
+                "of the batch, so this decoder's loss is optimistic and generation sees other routing",
+                stacklevel=2,
+            )
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)

@@ -29,10 +29,10 @@ class ExchangeBlock:
 
     x_sent_AD: torch.Tensor
     """Rows to send, ordered by destination rank, then expert."""
-    send_splits: list[int]
-    """Rows to each rank."""
-    recv_splits: list[int]
-    """Rows from each rank."""
+    send_WW: np.ndarray
+    """Rows every rank sends every rank (global, from the dispatch plan; identical on every rank)."""
+    me: int
+    """This rank's index in the group."""
     counts_SJ: np.ndarray
     """Rows source s sends this rank for held expert j (source-major, held experts in order)."""
     compute: Callable[[torch.Tensor, np.ndarray], torch.Tensor]
@@ -42,11 +42,26 @@ class ExchangeBlock:
     node_of: Sequence[int] | None
     """Node of every rank of the group (None: unknown)."""
     dispatcher: Any
-    """The `dispatch` axis object: `exchange(x, send_splits, recv_splits, group)`."""
+    """The `dispatch` axis object: `exchange(x, send_WW, me, group, node_of)`."""
     hooks: Callable[[str, torch.Tensor], torch.Tensor]
     """Runs the layer's hooks at a named point (FSMoE §3.1)."""
     call_id: int
     """Forward calls of the layer so far (message tags of asynchronous schedules)."""
+
+    @property
+    def send_splits(self) -> list[int]:
+        """Rows this rank sends to each rank."""
+        return self.send_WW[self.me].tolist()
+
+    @property
+    def recv_splits(self) -> list[int]:
+        """Rows this rank receives from each rank."""
+        return self.send_WW[:, self.me].tolist()
+
+    def exchange(self, x: torch.Tensor, back: bool = False) -> torch.Tensor:
+        """The dispatcher's exchange of this block's rows (`back`: the combine, the reverse)."""
+        send_WW = self.send_WW.T if back else self.send_WW
+        return self.dispatcher.exchange(x, send_WW, self.me, self.group, self.node_of)
 
 
 @dataclass
@@ -86,5 +101,13 @@ class Schedule:
     def predict(self, step: StepLoad, cost_model: Any, dispatcher: Any) -> PredictedBlock:
         raise NotImplementedError
 
+    def runs_with(self, dispatcher: Any) -> bool:
+        """Whether this schedule can run with `dispatcher` (default: any)."""
+        return True
+
     def check_dispatcher(self, dispatcher: Any) -> None:
-        """Refuse a dispatcher this schedule cannot run with (default: any works)."""
+        """Refuse a dispatcher this schedule cannot run with."""
+        if not self.runs_with(dispatcher):
+            raise ValueError(
+                f"{type(self).__name__} does not run with dispatch={getattr(dispatcher, 'name', dispatcher)!r}"
+            )

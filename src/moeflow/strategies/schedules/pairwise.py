@@ -242,8 +242,11 @@ class PairwiseSchedule(Schedule):
             raise ValueError(f"pairwise group_size={size} must divide the expert-parallel size {world}")
         return size
 
+    def runs_with(self, dispatcher) -> bool:
+        return getattr(dispatcher, "name", None) == "a2a"
+
     def check_dispatcher(self, dispatcher) -> None:
-        if getattr(dispatcher, "name", None) != "a2a":
+        if not self.runs_with(dispatcher):
             raise ValueError(
                 f"schedule='pairwise' exchanges point-to-point between groups and runs with dispatch='a2a' "
                 f"only (got dispatch={getattr(dispatcher, 'name', dispatcher)!r})"

@@ -15,10 +15,10 @@ class SyncSchedule(Schedule):
 
     def execute(self, block: ExchangeBlock) -> torch.Tensor:
         x_sent_AD = block.hooks("before_dispatch", block.x_sent_AD)
-        x_recv_RD = block.dispatcher.exchange(x_sent_AD, block.send_splits, block.recv_splits, block.group)
+        x_recv_RD = block.exchange(x_sent_AD)
         x_recv_RD = block.hooks("after_dispatch", x_recv_RD)
         y_recv_RD = block.hooks("before_combine", block.compute(x_recv_RD, block.counts_SJ))
-        y_back_AD = block.dispatcher.exchange(y_recv_RD, block.recv_splits, block.send_splits, block.group)
+        y_back_AD = block.exchange(y_recv_RD, back=True)
         return block.hooks("after_combine", y_back_AD)
 
     def predict(self, step: StepLoad, cost_model: Any, dispatcher: Any) -> PredictedBlock:

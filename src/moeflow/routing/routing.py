@@ -1,0 +1,143 @@
+"""`Routing`: what a gate decided for the tokens of one rank, in one shape for every kind of gate.
+
+The rows a rank sends to the experts are *assignments*: one row per (token, expert) choice for
+token-choice gates (k per token) and expert-choice gates (any number per token, C per expert), or
+one row per *slot* for slot-based gates (SoftMoE: a slot is a weighted mix of all the rank's
+tokens). Every row has an expert (`expert_A`), so counts, flows, planners and the dispatch plan
+see one thing; how rows are made from tokens and how outputs go back to tokens is the routing's
+own business (`rows` / `combine`), so the layer has no case per gate kind.
+
+"The same as one process" (the invariant every test checks) means: routing is a function of the
+rank's own batch. Token choice routes each token alone; expert choice picks each expert's top-C
+among the rank's tokens; SoftMoE mixes the rank's tokens into its slots. Expert parallelism over
+W ranks then equals the single-process layer applied to each rank's tokens separately.
+
+Shape suffixes: T tokens on this rank, D d_model, E experts, K top-k, A rows (assignments or
+slots), S slots (A = S for slot-based routing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from moeflow.core import dispatch
+
+ROUTING_KINDS = ("token_choice", "expert_choice", "soft")
+"""What a gate's rows are: a token's choices (k per token), an expert's choices (C per expert,
+0..E per token), or slots mixing all tokens."""
+
+
+@dataclass
+class SlotMixing:
+    """Slot-based routing (SoftMoE): slot rows are mixtures of tokens, outputs mixtures of slots."""
+
+    dispatch_TA: torch.Tensor
+    """fp32 `[T, A]`: weight of token t in slot a (each column sums to 1 over the rank's tokens)."""
+    combine_TA: torch.Tensor
+    """fp32 `[T, A]`: weight of slot a in token t's output (each row sums to 1 over the slots)."""
+
+
+@dataclass
+class Routing:
+    """A gate's decision for the tokens of this rank (module docstring)."""
+
+    expert_A: torch.Tensor
+    """int64 `[A]`: global expert id of each row."""
+    weight_A: torch.Tensor
+    """fp32 `[A]`: combine weight of each row (differentiable w.r.t. the gate); 1 for slots."""
+    probs_TE: torch.Tensor
+    """fp32 `[T, E]`: router probabilities, for balance terms (P_e) and statistics."""
+    logits_TE: torch.Tensor
+    """fp32 `[T, ·]`: raw router logits (experts, or slots), for the z-loss."""
+    num_tokens: int
+    """T, the tokens routed (needed when A = 0)."""
+    token_A: torch.Tensor | None = None
+    """int64 `[A]`: the token of each row (token and expert choice); None for slot rows."""
+    slots: SlotMixing | None = None
+    """How slot rows mix tokens (slot-based routing); None for token rows."""
+    kind: str = "token_choice"
+    """One of `ROUTING_KINDS`."""
+    redirected: int = 0
+    """Assignments a topology-aware gate moved from a remote to a local expert."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTING_KINDS:
+            raise ValueError(f"Routing kind={self.kind!r}: expected one of {list(ROUTING_KINDS)}")
+        if (self.token_A is None) == (self.slots is None):
+            raise ValueError("Routing: give exactly one of token_A (token rows) or slots (slot rows)")
+
+    def within_capacity(self, capacity_factor: float | None, num_experts: int, top_k: int) -> tuple[Routing, int]:
+        """(routing, dropped): token choice keeps at most C = ceil(c·k·T/E) assignments per expert,
+        in row order (choice-major: first choices before second, then earlier tokens); a dropped
+        assignment contributes zero. Expert choice has its capacity built in and slots never drop."""
+        if capacity_factor is None or self.kind != "token_choice":
+            return self, 0
+        capacity = math.ceil(capacity_factor * top_k * self.num_tokens / num_experts)
+        keep_A = dispatch.position_in_expert(self.expert_A, num_experts) < capacity
+        kept = replace(
+            self, token_A=self.token_A[keep_A], expert_A=self.expert_A[keep_A], weight_A=self.weight_A[keep_A]
+        )
+        return kept, int((~keep_A).sum())
+
+    def rows(self, x_TD: torch.Tensor, order_A: torch.Tensor) -> torch.Tensor:
+        """The rows to send `[A, D]`, in the order `order_A` (one gather for token rows)."""
+        if self.slots is None:
+            return x_TD.index_select(0, self.token_A[order_A])
+        return self.slots.dispatch_TA.index_select(1, order_A).t().to(x_TD.dtype) @ x_TD
+
+    def combine(self, y_AD: torch.Tensor, order_A: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Each token's output `[T, D]` from the rows' outputs (in `order_A` order): the weighted sum
+        of its rows (rows of dropped assignments are absent and add zero), or the mix of the slots."""
+        if self.slots is None:
+            weighted_AD = y_AD * self.weight_A[order_A, None].to(y_AD.dtype)
+            out = torch.zeros((num_tokens, y_AD.shape[1]), dtype=y_AD.dtype, device=y_AD.device)
+            return out.index_add(0, self.token_A[order_A], weighted_AD)
+        return self.slots.combine_TA.index_select(1, order_A).to(y_AD.dtype) @ y_AD
+
+
+@dataclass(frozen=True)
+class RoutingLayout:
+    """Where experts live, for gates that route by topology; passed by the layer every forward."""
+
+    rank: int
+    """This rank's index in the expert-parallel group."""
+    owner_E: torch.Tensor
+    """int64 `[E]`: rank owning each expert."""
+    node_of: tuple[int, ...]
+    """Node index of every rank of the group."""
+
+    @classmethod
+    def single(cls, num_experts: int) -> RoutingLayout:
+        return cls(0, torch.zeros(num_experts, dtype=torch.int64), (0,))
+
+    def local_experts_E(self) -> torch.Tensor:
+        """bool `[E]`: experts owned by a rank on this rank's node."""
+        node_W = torch.tensor(self.node_of, dtype=torch.int64)
+        return node_W[self.owner_E] == self.node_of[self.rank]
+
+
+def stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim; ties go to the lower index.
+
+    `torch.topk` does not promise an order among equal values; a stable descending sort does.
+    """
+    return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def token_choices(expert_TK, weight_TK, probs_TE, logits_TE, redirected: int = 0) -> Routing:
+    """Token-choice routing from `[T, K]` choices, stored choice-major (all first choices, then all
+    second choices, ...): the capacity priority order."""
+    num_tokens, k = expert_TK.shape
+    token_KT = torch.arange(num_tokens, device=expert_TK.device).expand(k, num_tokens)
+    return Routing(
+        expert_A=expert_TK.t().reshape(-1),
+        weight_A=weight_TK.t().reshape(-1),
+        probs_TE=probs_TE,
+        logits_TE=logits_TE,
+        num_tokens=num_tokens,
+        token_A=token_KT.reshape(-1),
+        redirected=redirected,
+    )
