@@ -22,6 +22,10 @@ def test_defaults_and_repo_configs_load():
     assert tiny.moe.num_experts == 4 and tiny.train.steps == 200
     small = load_config("configs/small.toml")
     assert small.model.d_model > tiny.model.d_model
+    # The shipped configs leave the balance term to the gate: any gate works with one --set.
+    assert tiny.moe.balance == "gshard"
+    for gate in ("expert_choice", "soft"):
+        assert load_config("configs/tiny.toml", [f"moe.gate={gate}"]).moe.balance == "none"
 
 
 def test_overrides_are_coerced_by_field_type():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moeflow.bench.strategies import Variant, _add_speedups
+from moeflow.commands.bench import _print_strategy_rows
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
 
 
@@ -119,6 +120,12 @@ def test_strategy_bench_on_two_ranks(tmp_path, capsys):
         )
         assert a2a == hier == 2 * bf16 > 0
     assert all(r["median_s"] > 0 and len(r["times_s"]) == 2 for r in rows)
+    # The shadow planner's own prediction sits next to the measurement (>= 1: EP is a candidate).
+    assert all((r["planner_predicted_speedup"] is None) == (r["strategy"] == "ep") for r in rows)
+    assert all(r["planner_predicted_speedup"] >= 1.0 for r in rows if r["strategy"] == "shadow")
+    _print_strategy_rows(rows)
+    printed = capsys.readouterr().out
+    assert "ep:sync:hierarchical" not in printed and "hierarchical" in printed and "bfloat16" in printed
     assert all("pairwise_bound" in r for r in rows if r["schedule"] == "pairwise")
     skewed = [r for r in rows if r["routing"] == "zipf-1.5"]
     assert skewed[0]["load_imbalance"] > rows[0]["load_imbalance"]

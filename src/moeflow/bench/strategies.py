@@ -9,7 +9,7 @@ comparison of EP, shadowing, the smart schedule and both.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -153,9 +153,50 @@ def _layer(cfg: StrategyBenchConfig, variant: Variant, probs: torch.Tensor, cost
     ).to_expert_parallel(dist.group.WORLD)
 
 
+@dataclass
+class _Run:
+    """One variant's layer and what its timed iterations recorded."""
+
+    variant: Variant
+    layer: MoELayer
+    timer: PhaseTimer
+    times: list[float] = field(default_factory=list)
+    phases: list[dict[str, float]] = field(default_factory=list)
+    shadowed: list[int] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)
+    bytes: list[float] = field(default_factory=list)
+
+    def record(self, elapsed_s: float) -> None:
+        """One timed iteration (collective: every rank calls it)."""
+        self.times.append(_max_over_ranks(elapsed_s))
+        if self.variant.schedule == "sync":
+            self.phases.append({k: _max_over_ranks(v) for k, v in self.timer.phases().items()})
+        decision = getattr(self.layer.planner, "last", None)  # a shadow planner's ShadowDecision
+        self.shadowed.append(len(decision.shadowed) if decision else 0)
+        if decision:  # its predicted speedup over plain EP: the cost model's error made visible
+            self.predicted.append(decision.predicted_s[0] / decision.best_s)
+        self.bytes.append(_sum_over_ranks(float(self.layer.stats.bytes_sent.sum())))
+
+    def row(self, routing_name: str) -> dict:
+        row = {
+            "routing": routing_name,
+            **self.variant._asdict(),
+            "median_s": float(np.median(self.times)),
+            "times_s": self.times,
+            "load_imbalance": self.layer.stats.load_imbalance,
+            "shadowed_mean": float(np.mean(self.shadowed)),
+            "planner_predicted_speedup": float(np.mean(self.predicted)) if self.predicted else None,
+            "dispatch_bytes_on_network": float(np.mean(self.bytes)),
+        }
+        if self.phases:
+            row["forward_a2a_s"] = float(np.median([p["a2a_s"] for p in self.phases]))
+            row["forward_compute_s"] = float(np.median([p["compute_s"] for p in self.phases]))
+        return row
+
+
 def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
     """Run on every rank of the initialized default group; returns rows (identical on all ranks).
-    Long: the variants are interleaved iteration by iteration in one loop, so noise hits them alike."""
+    The variants are interleaved iteration by iteration, so machine noise hits them alike."""
     world, rank = dist.get_world_size(), dist.get_rank()
     num_experts = cfg.experts_per_rank * world
     cases = [(f"zipf-{s:g}", zipf_probabilities(num_experts, s, cfg.seed)) for s in cfg.skews]
@@ -165,53 +206,27 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
         )
     rows = []
     for routing_name, probs in cases:
-        # Variants are interleaved iteration by iteration, so machine noise hits them alike.
         runs = []
         for variant in cfg.variants:
             timer = PhaseTimer()
-            layer = _layer(cfg, variant, probs, cost_model, timer)
-            runs.append({"layer": layer, "timer": timer, "times": [], "phases": [], "shadowed": [], "bytes": []})
+            runs.append(_Run(variant, _layer(cfg, variant, probs, cost_model, timer), timer))
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
         for it in range(cfg.warmup + cfg.iterations):
-            for run, variant in zip(runs, cfg.variants):
-                layer = run["layer"]
+            for run in runs:
                 dist.barrier()
                 start = time.perf_counter()
-                layer(x).square().mean().backward()
+                run.layer(x).square().mean().backward()
                 dist.barrier()
-                elapsed = time.perf_counter() - start
-                if it < cfg.warmup:
-                    continue
-                run["times"].append(_max_over_ranks(elapsed))
-                if variant.schedule == "sync":
-                    run["phases"].append({k: _max_over_ranks(v) for k, v in run["timer"].phases().items()})
-                planner_last = getattr(layer.planner, "last", None)
-                run["shadowed"].append(len(planner_last.shadowed) if planner_last else 0)
-                run["bytes"].append(_sum_over_ranks(float(layer.stats.bytes_sent.sum())))
-        for run, (strategy, schedule, dispatch, wire_dtype) in zip(runs, cfg.variants):
-            row = {
-                "routing": routing_name,
-                "strategy": strategy,
-                "schedule": schedule,
-                "dispatch": dispatch,
-                "wire_dtype": wire_dtype,
-                "median_s": float(np.median(run["times"])),
-                "times_s": run["times"],
-                "load_imbalance": run["layer"].stats.load_imbalance,
-                "shadowed_mean": float(np.mean(run["shadowed"])),
-                "dispatch_bytes_on_network": float(np.mean(run["bytes"])),
-            }
-            if run["phases"]:
-                row["forward_a2a_s"] = float(np.median([p["a2a_s"] for p in run["phases"]]))
-                row["forward_compute_s"] = float(np.median([p["compute_s"] for p in run["phases"]]))
-            rows.append(row)
+                if it >= cfg.warmup:
+                    run.record(time.perf_counter() - start)
+        rows += [run.row(routing_name) for run in runs]
     _add_speedups(rows)
     return rows
 
 
 def _add_speedups(rows: list[dict]) -> None:
-    """Speedup over EP-sync (plain all-to-all) of the same routing, and for pairwise the FasterMoE §5.5 bound
-    `(comm + comp) / max(comm, comp)` from the sync run's phases (comm: 4 all-to-alls = 2x the
+    """Speedup over EP-sync (plain all-to-all) of the same routing, and for pairwise the FasterMoE
+    §5.5 bound `(comm + comp) / max(comm, comp)` from the sync run's phases (comm: 4 all-to-alls = 2x the
     forward's two; comp: forward + 2x backward)."""
     base = {
         r["routing"]: r

@@ -64,13 +64,15 @@ def _strategy_worker(cfg, cost_model_source):
 
 
 def _print_strategy_rows(rows: list[dict]) -> None:
-    header = f"{'routing':<14}{'strategy':<15}{'schedule':<10}{'dispatch':<14}{'ms':>9}{'speedup':>9}{'shadowed':>9}"
-    print(header + f"{'bound':>7}{'of bound':>9}")
+    header = f"{'routing':<14}{'strategy':<15}{'schedule':<10}{'dispatch':<14}{'wire':<10}{'ms':>9}{'speedup':>9}"
+    print(header + f"{'shadowed':>9}{'predicted':>10}{'bound':>7}{'of bound':>9}")
     for r in rows:
         bound = f"{r['pairwise_bound']:7.2f}{r['share_of_bound']:9.0%}" if "pairwise_bound" in r else f"{'':7}{'':9}"
+        predicted = r["planner_predicted_speedup"]
         print(
-            f"{r['routing']:<14}{r['strategy']:<15}{r['schedule']:<10}{r['dispatch']:<14}{1e3 * r['median_s']:9.1f}"
-            f"{r.get('speedup_vs_ep', float('nan')):9.2f}{r['shadowed_mean']:9.1f}{bound}"
+            f"{r['routing']:<14}{r['strategy']:<15}{r['schedule']:<10}{r['dispatch']:<14}{r['wire_dtype'] or '-':<10}"
+            f"{1e3 * r['median_s']:9.1f}{r.get('speedup_vs_ep', float('nan')):9.2f}{r['shadowed_mean']:9.1f}"
+            f"{'' if predicted is None else f'{predicted:.2f}':>10}{bound}"
         )
 
 
