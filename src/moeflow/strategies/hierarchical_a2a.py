@@ -152,8 +152,14 @@ class HierarchicalDispatcher:
         return hierarchical_exchange(x_AD, send_WW, me, group, grid)
 
     def price(self, cost_model: Any, bytes_WW: np.ndarray) -> np.ndarray:
-        """Both stages, one after the other, each with one message per peer of its stage."""
+        """Both stages, one after the other, each with one message per peer of its stage, plus the
+        three layout transforms: each a pass over the busiest rank's rows, priced as an
+        elementwise op (on the testbed they cost as much as the intra-node stage;
+        docs/benchmarks.md, "Hierarchical all-to-all")."""
         grid = self._grid(cost_model.topology.node_of)
         N, M = grid.rank_NM.shape
         stage1, stage2 = hierarchical_bytes(bytes_WW, grid)
-        return cost_model.a2a_time(stage1, peers=M - 1) + cost_model.a2a_time(stage2, peers=N - 1)
+        b = np.asarray(bytes_WW, dtype=np.float64)
+        rows_bytes = np.maximum(b.sum(-1).max(-1), b.sum(-2).max(-1))  # a rank's rows out or in
+        transforms = 3 * cost_model.op_time("elementwise", rows_bytes)
+        return cost_model.a2a_time(stage1, peers=M - 1) + cost_model.a2a_time(stage2, peers=N - 1) + transforms
