@@ -1,4 +1,4 @@
-# The two commands of a fresh clone (DESIGN.md §3.3): `make run` and `make test`.
+# The two commands of a fresh clone (README, "The two commands"): `make run` and `make test`.
 # torch is installed first and pinned: an unpinned torch pulls several GB of CUDA wheels.
 # On a CUDA machine: make TORCH=torch==2.13.0 (or the build you need) run
 PYTHON ?= python3

@@ -47,6 +47,7 @@ def layer_times(gates: list[str], tokens: int, d_model: int, d_hidden: int, expe
     import torch
 
     from moeflow import MoELayer
+    from moeflow.bench.interleave import rotated
 
     torch.manual_seed(0)
     x = torch.randn(tokens, d_model)
@@ -58,7 +59,8 @@ def layer_times(gates: list[str], tokens: int, d_model: int, d_hidden: int, expe
         layers[gate] = MoELayer(d_model, d_hidden, experts, top_k=top_k, gate=gate, gate_options=options)
     times: dict[str, list[float]] = {gate: [] for gate in gates}
     for it in range(repeats + 2):
-        for gate, layer in layers.items():
+        for gate in rotated(gates, it):
+            layer = layers[gate]
             start = time.perf_counter()
             (layer(x).square().mean() + layer.aux_loss).backward()
             if it >= 2:

@@ -6,7 +6,8 @@ pair, through `dispatch="a2a"` (one all-to-all-v) and `dispatch="hierarchical"` 
 all-to-all, layout transforms, inter-node all-to-all among equal local indices), forward only, the
 two interleaved. Each size is timed on the slowest rank (median of the repeats) and priced by the
 dispatchers' own `price` with the testbed's profile — the numbers the simulator and the planners
-use. With `--latency-ms` the inter-node links also get a delay: the regime (many small messages
+use. With `--latency-ms` the inter-node links also get a delay (tc netem: needs the kernel's
+sch_netem module, which the machine of docs/benchmarks.md lacks): the regime (many small messages
 over a slow, high-latency network) in which hierarchical exchange is meant to win.
 
     sudo .venv/bin/python benchmarks/hierarchical_a2a.py --cost-model results/profile-testbed.json \
@@ -47,6 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from moeflow.bench.interleave import rotated
     from moeflow.core.launch import init_distributed
     from moeflow.perf.costmodel import CostModel
     from moeflow.strategies import DISPATCHERS
@@ -64,7 +66,8 @@ def worker(args: argparse.Namespace) -> None:
         x = torch.randn(per_pair * world, args.d_model)
         times: dict[str, list[float]] = {name: [] for name in dispatchers}
         for it in range(args.warmup + args.repeats):
-            for name, dispatcher in dispatchers.items():
+            for name in rotated(list(dispatchers), it):
+                dispatcher = dispatchers[name]
                 dist.barrier()
                 start = time.perf_counter()
                 dispatcher.exchange(x, send_WW, rank, dist.group.WORLD, node_of)

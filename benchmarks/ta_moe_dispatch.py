@@ -54,6 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from moeflow.bench.interleave import rotated
     from moeflow.core.dispatch import all_to_all_v
     from moeflow.core.placement import cross_node_share, plain_ep_owners
     from moeflow.perf.costmodel import CostModel
@@ -108,8 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     names = list(patterns)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.warmup + args.repeats):
-        # Rotate the order every round so that drift on the shared machine hits all patterns alike.
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        for name in rotated(names, r):  # drift and position in the round hit all patterns alike
             t = one(name)
             if r >= args.warmup:
                 times[name].append(t)

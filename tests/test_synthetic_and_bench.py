@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moeflow.bench.interleave import rotated
 from moeflow.bench.strategies import Variant, _add_speedups
 from moeflow.commands.bench import _print_strategy_rows
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
@@ -55,6 +56,15 @@ def test_speedups_and_pairwise_bound():
     # comm = 2 x 0.2, comp = 3 x 0.1: bound (0.4 + 0.3) / 0.4 = 1.75; achieved 1 / 0.8 = 1.25.
     assert rows[2]["pairwise_bound"] == pytest.approx(1.75)
     assert rows[2]["share_of_bound"] == pytest.approx(1.25 / 1.75)
+
+
+def test_rotated_order_puts_every_variant_in_every_position():
+    items = ["ep", "shadow", "pairwise"]
+    rounds = [rotated(items, r) for r in range(6)]
+    assert rounds[0] == items and rounds[1] == ["shadow", "pairwise", "ep"] and rounds[3] == items
+    for position in range(3):
+        assert sorted(rnd[position] for rnd in rounds) == sorted(items * 2)
+    assert rotated([], 5) == []
 
 
 def test_bench_variants_parse_and_name_the_bad_one():

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeflow.bench.interleave import rotated
 from moeflow.core.layer import MoELayer
 from moeflow.perf.traces import resolve_trace
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
@@ -196,7 +197,8 @@ class _Run:
 
 def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
     """Run on every rank of the initialized default group; returns rows (identical on all ranks).
-    The variants are interleaved iteration by iteration, so machine noise hits them alike."""
+    The variants are interleaved iteration by iteration, in a rotating order, so machine noise and
+    position in the round hit them alike (`moeflow.bench.interleave`)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     num_experts = cfg.experts_per_rank * world
     cases = [(f"zipf-{s:g}", zipf_probabilities(num_experts, s, cfg.seed)) for s in cfg.skews]
@@ -212,7 +214,7 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
             runs.append(_Run(variant, _layer(cfg, variant, probs, cost_model, timer), timer))
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
         for it in range(cfg.warmup + cfg.iterations):
-            for run in runs:
+            for run in rotated(runs, it):
                 dist.barrier()
                 start = time.perf_counter()
                 run.layer(x).square().mean().backward()
