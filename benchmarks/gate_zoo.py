@@ -47,7 +47,7 @@ def layer_times(gates: list[str], tokens: int, d_model: int, d_hidden: int, expe
     import torch
 
     from moeflow import MoELayer
-    from moeflow.bench.interleave import rotated
+    from moeflow.bench.interleave import balanced_order
 
     torch.manual_seed(0)
     x = torch.randn(tokens, d_model)
@@ -59,7 +59,7 @@ def layer_times(gates: list[str], tokens: int, d_model: int, d_hidden: int, expe
         layers[gate] = MoELayer(d_model, d_hidden, experts, top_k=top_k, gate=gate, gate_options=options)
     times: dict[str, list[float]] = {gate: [] for gate in gates}
     for it in range(repeats + 2):
-        for gate in rotated(gates, it):
+        for gate in balanced_order(gates, it):
             layer = layers[gate]
             start = time.perf_counter()
             (layer(x).square().mean() + layer.aux_loss).backward()

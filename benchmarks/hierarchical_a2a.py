@@ -48,7 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.interleave import rotated
+    from moeflow.bench.interleave import balanced_order
     from moeflow.core.launch import init_distributed
     from moeflow.perf.costmodel import CostModel
     from moeflow.strategies import DISPATCHERS
@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> None:
         x = torch.randn(per_pair * world, args.d_model)
         times: dict[str, list[float]] = {name: [] for name in dispatchers}
         for it in range(args.warmup + args.repeats):
-            for name in rotated(list(dispatchers), it):
+            for name in balanced_order(list(dispatchers), it):
                 dispatcher = dispatchers[name]
                 dist.barrier()
                 start = time.perf_counter()

@@ -41,7 +41,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.interleave import rotated
+    from moeflow.bench.interleave import balanced_order
     from moeflow.core.experts import GroupedExperts
     from moeflow.core.launch import init_distributed
     from moeflow.core.placement import Placement
@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
         held = np.flatnonzero(placement.holders_EW[:, rank])
         times = {"tree": [], "flat": []}
         for it in range(args.warmup + args.repeats):
-            for variant, layout in rotated((("tree", node_of), ("flat", None)), it):
+            for variant, layout in balanced_order((("tree", node_of), ("flat", None)), it):
                 dist.barrier()
                 start = time.perf_counter()
                 out = materialize(weights, placement, dist.group.WORLD, experts.first_expert, held, layout)

@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from moeflow.bench.interleave import rotated
+    from moeflow.bench.interleave import balanced_order
     from moeflow.core.dispatch import all_to_all_v
     from moeflow.core.placement import cross_node_share, plain_ep_owners
     from moeflow.perf.costmodel import CostModel
@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     names = list(patterns)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.warmup + args.repeats):
-        for name in rotated(names, r):  # drift and position in the round hit all patterns alike
+        for name in balanced_order(names, r):  # drift and position in the round hit all patterns alike
             t = one(name)
             if r >= args.warmup:
                 times[name].append(t)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
-from moeflow.bench.interleave import rotated
+from moeflow.bench.interleave import balanced_order, williams_rows
 from moeflow.bench.strategies import Variant, _add_speedups
 from moeflow.commands.bench import _print_strategy_rows
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
@@ -58,13 +60,19 @@ def test_speedups_and_pairwise_bound():
     assert rows[2]["share_of_bound"] == pytest.approx(1.25 / 1.75)
 
 
-def test_rotated_order_puts_every_variant_in_every_position():
-    items = ["ep", "shadow", "pairwise"]
-    rounds = [rotated(items, r) for r in range(6)]
-    assert rounds[0] == items and rounds[1] == ["shadow", "pairwise", "ep"] and rounds[3] == items
-    for position in range(3):
-        assert sorted(rnd[position] for rnd in rounds) == sorted(items * 2)
-    assert rotated([], 5) == []
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_order_gives_every_variant_every_position_and_every_predecessor(n):
+    items = [f"v{i}" for i in range(n)]
+    rows = williams_rows(n)
+    assert len(rows) == (n if n % 2 == 0 else 2 * n)
+    rounds = [balanced_order(items, r) for r in range(len(rows))]
+    assert balanced_order(items, len(rows)) == rounds[0]  # the cycle repeats
+    for position in range(n):
+        counts = Counter(rnd[position] for rnd in rounds)
+        assert set(counts.values()) == {len(rows) // n} and len(counts) == n
+    pairs = Counter((a, b) for rnd in rounds for a, b in zip(rnd, rnd[1:]))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1  # each ordered pair alike
+    assert balanced_order([], 5) == []
 
 
 def test_bench_variants_parse_and_name_the_bad_one():

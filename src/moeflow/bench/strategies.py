@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.interleave import rotated
+from moeflow.bench.interleave import balanced_order
 from moeflow.core.layer import MoELayer
 from moeflow.perf.traces import resolve_trace
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
@@ -214,7 +214,7 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
             runs.append(_Run(variant, _layer(cfg, variant, probs, cost_model, timer), timer))
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
         for it in range(cfg.warmup + cfg.iterations):
-            for run in rotated(runs, it):
+            for run in balanced_order(runs, it):
                 dist.barrier()
                 start = time.perf_counter()
                 run.layer(x).square().mean().backward()

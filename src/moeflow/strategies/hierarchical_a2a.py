@@ -14,7 +14,9 @@ With N nodes of M ranks, rank (n, l) = local index l on node n:
 
 Each rank sends M−1 + N−1 messages instead of W−1, and every inter-node message carries the rows of
 a whole node: fewer, larger messages across the slow links — a win when messages are small
-(start-up-bound), at the price of moving the intra-node rows twice. Both exchanges are
+(start-up-bound), at the price of moving the intra-node rows twice. With few ranks it does not
+pay: on the 2 × 2 gloo testbed it lost to `a2a` at every size from 1 KiB to 16 MiB per pair
+(docs/benchmarks.md, "FSMoE, part 1"). Both exchanges are
 point-to-point among the peers with rows (`core.dispatch.peer_exchange`), inside autograd; the
 permutations are gathers both ways. Numerics equal the plain all-to-all's exactly (tested).
 
@@ -155,7 +157,10 @@ class HierarchicalDispatcher:
         """Both stages, one after the other, each with one message per peer of its stage, plus the
         three layout transforms: each a pass over the busiest rank's rows, priced as an
         elementwise op (on the testbed they cost as much as the intra-node stage;
-        docs/benchmarks.md, "Hierarchical all-to-all")."""
+        docs/benchmarks.md, "Hierarchical vs plain all-to-all on the testbed"). Not modelled: gloo's
+        fixed cost per round (two rounds here, one for `a2a`) and the lower throughput of one TCP
+        flow per rank across nodes — the price is optimistic by both (0.83× predicted, 0.15–0.97×
+        measured on the 2 × 2 testbed)."""
         grid = self._grid(cost_model.topology.node_of)
         N, M = grid.rank_NM.shape
         stage1, stage2 = hierarchical_bytes(bytes_WW, grid)
