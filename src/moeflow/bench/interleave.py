@@ -1,14 +1,15 @@
 """Order of side-by-side measurements.
 
 Benchmarks time their variants interleaved, round by round, so that drift on a shared machine hits
-all of them alike. What ran just before a variant matters too: on the 2 × 2 network testbed
-(`moeflow bench --skews 0`, variants `ep:sync shadow:sync ep:pairwise shadow:pairwise`) the shadow
-layer, which shadowed nothing and so ran EP's code, measured 0.78–0.82× of EP whenever it came
-right after EP's sync layer — in a fixed order and in a rotated one, which keeps each variant's
-predecessor — and 1.34× when the list was reversed; three sync layers alone measured within 5% of
-each other. So the rounds follow a Williams design (Williams 1949, a Latin square balanced for
-first-order carry-over): over a full cycle of rounds every variant runs in every position equally
-often and right after every other variant equally often.
+all of them alike. What ran just before a variant may matter too (caches, buffers, the network's
+queues), and a fixed or rotated order always gives a variant the same predecessor. The rounds
+follow a Williams design (Williams 1949, a Latin square balanced for first-order carry-over): over
+a full cycle every variant runs in every position, and right after every other variant, equally
+often.
+
+It does not remove noise that has nothing to do with order: on the 2 × 2 network testbed two
+identical sync layers still measured 0.83–0.97× of each other over 20–40 rounds in this order
+(0.78–1.34× in fixed and rotated ones; docs/benchmarks.md, "FasterMoE on the network testbed").
 """
 
 from __future__ import annotations

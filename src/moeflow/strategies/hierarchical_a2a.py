@@ -159,7 +159,7 @@ class HierarchicalDispatcher:
         elementwise op (on the testbed they cost as much as the intra-node stage;
         docs/benchmarks.md, "Hierarchical vs plain all-to-all on the testbed"). Not modelled: gloo's
         fixed cost per round (two rounds here, one for `a2a`) and the lower throughput of one TCP
-        flow per rank across nodes — the price is optimistic by both (0.83× predicted, 0.15–0.97×
+        flow per rank across nodes — the price is optimistic by both (0.83–0.88× predicted, 0.15–0.97×
         measured on the 2 × 2 testbed)."""
         grid = self._grid(cost_model.topology.node_of)
         N, M = grid.rank_NM.shape
