@@ -197,8 +197,8 @@ class _Run:
 
 def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
     """Run on every rank of the initialized default group; returns rows (identical on all ranks).
-    The variants are interleaved iteration by iteration, in a rotating order, so machine noise and
-    position in the round hit them alike (`moeflow.bench.interleave`)."""
+    The variants are interleaved iteration by iteration in a Williams order (each runs after every
+    other equally often: `moeflow.bench.interleave`), so machine noise hits them alike."""
     world, rank = dist.get_world_size(), dist.get_rank()
     num_experts = cfg.experts_per_rank * world
     cases = [(f"zipf-{s:g}", zipf_probabilities(num_experts, s, cfg.seed)) for s in cfg.skews]

@@ -16,9 +16,9 @@ Each rank sends M−1 + N−1 messages instead of W−1, and every inter-node me
 a whole node: fewer, larger messages across the slow links — a win when messages are small
 (start-up-bound), at the price of moving the intra-node rows twice. With few ranks it does not
 pay: on the 2 × 2 gloo testbed it lost to `a2a` at every size from 1 KiB to 16 MiB per pair
-(docs/benchmarks.md, "FSMoE, part 1"). Both exchanges are
-point-to-point among the peers with rows (`core.dispatch.peer_exchange`), inside autograd; the
-permutations are gathers both ways. Numerics equal the plain all-to-all's exactly (tested).
+(docs/benchmarks.md, "FSMoE, part 1"). Both exchanges are point-to-point among the peers with
+rows (`core.dispatch.peer_exchange`), inside autograd; the permutations are gathers both ways.
+Numerics equal the plain all-to-all's exactly (tested).
 
 The node layout comes from the cost model's topology, else from the launcher (`LOCAL_WORLD_SIZE`,
 ranks numbered node by node); nodes of unequal size are refused.
