@@ -1,6 +1,6 @@
 """The 2D-hierarchical all-to-all's arithmetic (FSMoE §3.1, Tutel's 2DH), without processes: which
 bytes each stage carries and how the dispatcher prices them. Its numerics under real collectives
-are in tests/test_layer_multirank.py (`_check_hierarchical_dispatch`)."""
+are in tests/multirank_fsmoe.py (`check_hierarchical_dispatch`)."""
 
 from __future__ import annotations
 

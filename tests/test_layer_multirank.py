@@ -18,37 +18,9 @@ from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_pa
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 
+from .equivalence import TOL, D, ForcedCopies, H, forward_backward, inputs
 from .multirank import run_ranks
-
-D, H = 16, 32
-TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _inputs(world: int, tokens: list[int], seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(tokens[r], D, generator=gen) for r in range(world)]
-    gs = [torch.randn(tokens[r], D, generator=gen) for r in range(world)]
-    return xs, gs
-
-
-def _forward_backward(layer, x, g, noise_seed):
-    torch.manual_seed(noise_seed)  # noisy_topk draws its noise here, identically in both runs
-    x = x.clone().requires_grad_()
-    y = layer(x)
-    ((y * g).sum() + layer.aux_loss).backward()
-    return y.detach(), x.grad, layer.aux_loss.detach(), layer.stats
-
-
-class ForcedCopies:
-    """A planner that materializes a fixed pseudo-random set of extra copies (the same on every
-    rank: seeded by the seed given, never by rank)."""
-
-    def __init__(self, seed: int, share: float):
-        self.seed, self.share = seed, share
-
-    def __call__(self, flow_WE, placement, cost_model=None):
-        rng = np.random.default_rng(self.seed)
-        return placement.with_holders(rng.random(placement.holders_EW.shape) < self.share)
+from .multirank_fsmoe import check_hierarchical_dispatch, check_wire_compression
 
 
 def _check_config(
@@ -94,10 +66,10 @@ def _check_config(
     ep = build(strategy=strategy, schedule=schedule, schedule_options=options, node_of=node_of)
     ep.to_expert_parallel(group)
     me = group_ranks.index(rank)
-    xs, gs = _inputs(len(group_ranks), tokens, seed + 1)
+    xs, gs = inputs(len(group_ranks), tokens, seed + 1)
 
-    ref_out = [_forward_backward(ref, xs[r], gs[r], 100 + r) for r in range(len(group_ranks))]
-    y, x_grad, aux, stats = _forward_backward(ep, xs[me], gs[me], 100 + me)
+    ref_out = [forward_backward(ref, xs[r], gs[r], 100 + r) for r in range(len(group_ranks))]
+    y, x_grad, aux, stats = forward_backward(ep, xs[me], gs[me], 100 + me)
     what = (
         f"gate={gate} expert={expert} capacity={capacity} E/rank={experts_per_rank} rank={rank} "
         f"strategy={strategy} placement={stats.placement} schedule={schedule} group_size={group_size}"
@@ -171,8 +143,8 @@ def _equivalence_body(rank, world):
         _check_layout(rank, world, ep_size)
     _check_balance_state_is_replicated(rank, world)
     _check_no_wasted_work(rank, world)
-    _check_wire_compression(rank, world)
-    _check_hierarchical_dispatch(rank, world)
+    check_wire_compression(rank, world)
+    check_hierarchical_dispatch(rank, world)
     group = dist.group.WORLD
     ranks = list(range(world))
     uneven = [5, 0, 9, 3][:world] if world == 4 else [7, 0]  # a rank that sends nothing
@@ -334,94 +306,6 @@ def _check_balance_state_is_replicated(rank, world):
     torch.testing.assert_close(layer.balance.bias_WE.double(), expected)
 
 
-def _check_hierarchical_dispatch(rank, world):
-    """dispatch="hierarchical" equals dispatch="a2a" bit for bit (fp32): node layouts contiguous,
-    interleaved and degenerate, uneven tokens and a rank with none, capacity, copies of experts
-    (forced and planned by the shadow planner); the combine and the backward go the same way back.
-    Unequal nodes and the pairwise schedule are refused."""
-    layouts = [[0, 0, 1, 1], [0, 1, 1, 0], [0, 1, 0, 1], [0, 0, 0, 0]] if world == 4 else [[0, 1], [0, 0]]
-    uneven = [5, 0, 9, 3][:world] if world == 4 else [7, 0]
-    cases = itertools.product(layouts, ["ep", ForcedCopies(3, 0.4)], [None, 1.0])
-    for i, (node_of, strategy, capacity) in enumerate(cases):
-        outs = []
-        for dispatch in ("a2a", "hierarchical"):
-            torch.manual_seed(40 + i)
-            layer = MoELayer(
-                D,
-                H,
-                2 * world,
-                top_k=2,
-                capacity_factor=capacity,
-                strategy=strategy,
-                dispatch=dispatch,
-                node_of=node_of,
-            ).to_expert_parallel(dist.group.WORLD)
-            xs, gs = _inputs(world, uneven if i % 2 else [6] * world, 90 + i)
-            y, x_grad, _, stats = _forward_backward(layer, xs[rank], gs[rank], 1)
-            outs.append((y, x_grad, [p.grad.clone() for p in layer.parameters()], stats.flow))
-        what = f"node_of={node_of} strategy={strategy} capacity={capacity}"
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), what
-        assert all(torch.equal(a, b) for a, b in zip(outs[0][2], outs[1][2])), what
-    # The shadow planner with a two-node cost model and the hierarchical transport.
-    if world == 4:
-        cost_model = CostModel(Topology([[0, 1], [2, 3]], [1e8, 1e10]), gemm_flops_per_s=1e8)
-        outs = []
-        for dispatch in ("a2a", "hierarchical"):
-            torch.manual_seed(7)
-            layer = MoELayer(D, H, 8, top_k=2, strategy="shadow", dispatch=dispatch, cost_model=cost_model)
-            with torch.no_grad():
-                layer.gate.weight[3] += 2.0
-            layer.to_expert_parallel(dist.group.WORLD)
-            x = torch.rand(32, D, generator=torch.Generator().manual_seed(rank)) + 0.5
-            outs.append(_forward_backward(layer, x, torch.ones(32, D), 2))
-            assert layer.stats.placement.materialized_EW().any()
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-        with pytest.raises(ValueError, match=r"nodes of equal size; node_of=\[0, 0, 0, 1\] has \[3, 1\]"):
-            layer = MoELayer(D, H, 8, dispatch="hierarchical", node_of=[0, 0, 0, 1]).to_expert_parallel(
-                dist.group.WORLD
-            )
-            layer(torch.randn(4, D))
-    with pytest.raises(ValueError, match="schedule='pairwise'.*dispatch='a2a' only"):
-        MoELayer(D, H, 2 * world, schedule="pairwise", dispatch="hierarchical")
-
-
-def _check_wire_compression(rank, world):
-    """dispatch_dtype="bfloat16": the rows and the gradients cross the network in bf16 (half the
-    bytes), EP with it equals the single process with it exactly (both round the same rows), and
-    both stay within 2% of the fp32 layer's scale — with the sync and the pairwise schedule."""
-    from moeflow.core import dispatch as dispatch_module
-
-    sent_dtypes = []
-    exchange = dispatch_module._exchange
-
-    def spy(x, send_splits, recv_splits, group):
-        sent_dtypes.append(x.dtype)
-        return exchange(x, send_splits, recv_splits, group)
-
-    dispatch_module._exchange = spy
-    try:
-        for schedule in ("sync", "pairwise"):
-            torch.manual_seed(31)
-            plain = MoELayer(D, H, 2 * world, top_k=2, schedule=schedule)
-            wire = MoELayer(D, H, 2 * world, top_k=2, schedule=schedule, dispatch_dtype="bfloat16")
-            wire.load_state_dict(plain.state_dict())
-            ref = copy.deepcopy(wire)  # single process, same rounding
-            for layer in (plain, wire):
-                layer.to_expert_parallel(dist.group.WORLD)
-            xs, gs = _inputs(world, [7] * world, 77)
-            outs = [_forward_backward(layer, xs[rank], gs[rank], 5) for layer in (plain, wire)]
-            ref_out = [_forward_backward(ref, xs[r], gs[r], 5) for r in range(world)][rank]
-            torch.testing.assert_close(outs[1][0], ref_out[0], **TOL)  # EP == one process, exactly
-            torch.testing.assert_close(outs[1][1], ref_out[1], **TOL)
-            scale = float(outs[0][0].abs().max())
-            torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0.02 * scale)
-            torch.testing.assert_close(outs[1][1], outs[0][1], rtol=0, atol=0.02 * float(outs[0][1].abs().max()))
-            assert torch.equal(wire.stats.bytes_sent * 2, plain.stats.bytes_sent)
-    finally:
-        dispatch_module._exchange = exchange
-    assert torch.bfloat16 in sent_dtypes and torch.float32 in sent_dtypes  # forward and backward, both runs
-
-
 def _consumers(output: torch.Tensor, param: torch.Tensor) -> int:
     """Edges of the autograd graph of `output` that end at `param`'s gradient accumulator."""
     seen, edges, stack = set(), 0, [output.grad_fn]
@@ -490,7 +374,7 @@ def _check_layout(rank, world, ep_size):
     torch.manual_seed(3)
     full = MoELayer(D, H, per_rank * ep_size, top_k=2, balance_weight=0.0)
     ref, ep = copy.deepcopy(full), copy.deepcopy(full).to_expert_parallel(layout.ep_group)
-    xs, _ = _inputs(world, [6, 4, 8, 5][:world], 9)
+    xs, _ = inputs(world, [6, 4, 8, 5][:world], 9)
     for r in range(world):
         ref(xs[r]).square().mean().div(world).backward()
     ep(xs[rank]).square().mean().backward()
