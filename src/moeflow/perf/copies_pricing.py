@@ -1,0 +1,70 @@
+"""Prices of expert copies: the sparse collectives that materialize experts on extra holders and
+reduce their gradients back (FasterMoE §4.1 shadowing, Hecate §3's sparse all-gather,
+Pro-Prophet's Trans). A part of `CostModel` (its base class), kept apart because planners of three
+systems price placements with it.
+
+It reads from the cost model: `topology`, `backend`, `link_time`, `_latency`, `collective_time` and
+`_copies_eta` (the calibration on the profile's `copies` fit, set in `CostModel.__post_init__`).
+
+Shape suffixes: E experts, W devices; ``...`` = any leading batch dims.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeflow.core.placement import copies_by_tree, tree_flows
+
+
+class CopiesPricing:
+    """`materialize_time` and `copies_time` of `moeflow.perf.costmodel.CostModel`."""
+
+    def materialize_time(self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray) -> np.ndarray:
+        """Sparse all-gather (Hecate §3) / Trans (Pro-Prophet) / shadow broadcast (FasterMoE §4.1):
+        every non-owner holder of expert e receives ``param_bytes`` from its owner, all at once.
+        ``holders_EW`` bool ``[..., E, W]`` -> ``[...]`` seconds. The reduce back is the same traffic
+        reversed, priced by ``materialize_time`` on the transposed flow (symmetric links here)."""
+        holders = np.asarray(holders_EW, dtype=bool)
+        owner = np.asarray(owner_E, dtype=np.int64)
+        W = self.topology.num_devices
+        onehot_EW = np.zeros((owner.size, W))
+        onehot_EW[np.arange(owner.size), owner] = 1.0
+        extra = holders & ~onehot_EW.astype(bool)
+        if not extra.any():  # no partial replica set: nothing travels point-to-point
+            return np.zeros(extra.shape[:-2])
+        flow_WW = np.einsum("eo,...ej->...oj", onehot_EW, extra.astype(np.float64)) * param_bytes
+        t = self.link_time(flow_WW) + self._latency(flow_WW)
+        return np.where(extra.any(axis=(-2, -1)), t, 0.0)
+
+    def copies_time(
+        self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray, direction: str = "materialize"
+    ) -> float:
+        """The sparse collectives as ``moeflow.core.sparse_collectives`` runs them, one direction
+        (``"materialize"``: forward copies, ``"reduce"``: gradients back). Experts held by *every*
+        device move as one message per owner: one broadcast / reduce per owner (FasterMoE Eq. 8: a
+        pipelined ring carries the parameters once per link), or, where ``placement.copies_by_tree``
+        says so (gloo across nodes), the two stages of ``broadcast_tree`` for all owners at once
+        (the reduce runs the same links in reverse: equal time on symmetric links), scaled by η
+        when the profile has a ``copies`` fit: the link model calibrated on every owner copying at
+        once, as the all-to-all's is on the uniform exchange (concurrent messages on a CPU backend
+        reach less than the links' rates). Partial replica sets go point-to-point
+        (``materialize_time``; the gradients retrace the same routes reversed)."""
+        if direction not in ("materialize", "reduce"):
+            raise ValueError(f"direction={direction!r}: expected 'materialize' or 'reduce'")
+        holders = np.asarray(holders_EW, dtype=bool)
+        owner = np.asarray(owner_E, dtype=np.int64)
+        W = holders.shape[1]
+        owner_onehot_EW = np.eye(W, dtype=bool)[owner]
+        everywhere_E = holders.all(axis=1) & (holders & ~owner_onehot_EW).any(axis=1)
+        per_owner = np.bincount(owner[everywhere_E], minlength=W)
+        node_of = self.topology.node_of
+        if copies_by_tree(node_of, self.backend):
+            flows = [f for f in tree_flows(self.topology.node_of, per_owner * param_bytes) if f.any()]
+            t = sum(float(self._copies_eta * self.link_time(f) + self._latency(f)) for f in flows)
+        else:
+            kind = "broadcast" if direction == "materialize" else "reduce"
+            # Owners that shadow as many experts cost the same: price each distinct count once.
+            counts, owners = np.unique(per_owner[per_owner > 0], return_counts=True)
+            t = sum(m * self.collective_time(kind, int(n) * param_bytes) for n, m in zip(counts, owners))
+        partial_EW = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
+        return float(t + self.materialize_time(param_bytes, partial_EW, owner))
