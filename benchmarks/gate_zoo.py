@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from testbed_run import write_result
 from training_runs import ROOT, aggregate, print_table, summarize, train
 
 TOKENS_PER_RANK = 16 * 128 // 2  # configs/tiny.toml: global batch 16 × seq 128 over 2 processes
@@ -110,10 +111,7 @@ def main() -> int:
         result["variants"][name] = {"sets": VARIANTS[name], "summary": summary, "runs": runs[name]}
     if runs:
         print_table(result["variants"], val_steps, "topk")
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(__file__, ROOT / args.out, result)  # with the command that produced it
     return 0
 
 

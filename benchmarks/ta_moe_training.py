@@ -23,6 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
+from testbed_run import write_result
 from training_runs import ROOT, aggregate, print_table, summarize, train
 
 TA = ["moe.balance=ta_moe"]
@@ -125,10 +126,8 @@ def main() -> int:
         },
     }
     print_table(result["variants"], val_steps, "gshard")
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"seeds {args.seeds}, {args.steps} steps; mean ± std over seeds; wrote {args.out}")
+    write_result(__file__, ROOT / args.out, result)  # with the command that produced it
+    print(f"seeds {args.seeds}, {args.steps} steps; mean ± std over seeds")
     return 0
 
 
