@@ -126,8 +126,7 @@ def test_prophet_formulas():
         m,
         recv_tokens_W=[10, 20, 30, 40],
         compute_tokens_W=B,
-        num_transferred=2,
-        num_not_transferred=1,
+        copies=2 * (4 - 1),  # s = 2 experts, each to D - n = 3 devices
         shape=ExpertShape(d, h),
         nonmoe_forward_s=0.0,
     )

@@ -42,6 +42,12 @@ def test_shadow_and_pairwise_follow_ep_and_topology_aware_routing_stays_local(tm
     assert [m["loss"] for m in both] == pytest.approx([m["loss"] for m in ep], rel=1e-5, abs=1e-5)
     assert sum(sum(m["extra_copies_per_layer"]) for m in both) > 0, "the planner never shadowed"
     assert all(sum(m["extra_copies_per_layer"]) == 0 for m in ep)
+    # Pro-Prophet planned a step ahead, with the block-wise prefetch: plain EP's curve again.
+    prophet = _train(tmp_path, "prophet", fast, "moe.strategy=prophet", "moe.prefetch=true", "model.n_layers=3")
+    ep3 = _train(tmp_path, "ep3", fast, "model.n_layers=3")
+    assert [m["loss"] for m in prophet] == pytest.approx([m["loss"] for m in ep3], rel=1e-5, abs=1e-5)
+    assert sum(sum(m["extra_copies_per_layer"][1:]) for m in prophet) > 0, "nothing to prefetch"
+    assert all(len(m["device_load_std_per_layer"]) == 3 for m in prophet)
 
     # Two nodes of one rank behind a network a million times slower than each device's own link:
     # W_net / (M · W_local) = 1e-6 (M = 1: the device's link is its local transfer), so the

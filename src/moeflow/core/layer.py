@@ -33,6 +33,7 @@ from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.experts import GroupedExperts
 from moeflow.core.hooks import HOOK_POINTS, WIRE_DTYPES, MoEHook, run_hooks, wire_hooks
 from moeflow.core.placement import Placement, cross_node_share, dispatch_counts
+from moeflow.core.prefetch import BlockPrefetch
 from moeflow.core.registry import LayerContext
 from moeflow.core.sparse_collectives import materialize
 from moeflow.core.stats import MoEStats
@@ -382,6 +383,11 @@ class MoELayer(nn.Module):
         """
         if placement.is_owners_only():
             return None
+        for hook in self.hooks:  # copies already in flight (Pro-Prophet §V block-wise prefetch)
+            if isinstance(hook, BlockPrefetch):
+                weights = hook.held_weights(self, placement)
+                if weights is not None:
+                    return weights
         return materialize(
             self.experts.weights(), placement, self.group, self.experts.first_expert, held_J, self.node_of
         )

@@ -25,6 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from moeflow.core.checks import positive_int
 from moeflow.core.experts import GroupedExperts
 from moeflow.core.layer import MoELayer
+from moeflow.core.prefetch import BlockPrefetch
 
 
 @dataclass
@@ -125,6 +126,17 @@ def _all_reduce_mean(params: list[nn.Parameter], group, world_size: int) -> None
             g.copy_(synced)
 
 
+def finish_prefetch(model: nn.Module) -> None:
+    """Land the gradient sums of prefetched copies still in flight (`core.prefetch.BlockPrefetch`)
+    before anything reads expert gradients; `all_reduce_gradients` calls it."""
+    prefetches = {}
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            prefetches.update({id(h): h for h in module.hooks if isinstance(h, BlockPrefetch)})
+    for prefetch in prefetches.values():
+        prefetch.finish()
+
+
 def all_reduce_gradients(model: nn.Module, layout: ParallelLayout) -> None:
     """Once per optimizer step, after backward: make gradients those of the mean loss over the
     global batch, and move every MoE layer's balance state (`MoELayer.update_balance`).
@@ -135,6 +147,7 @@ def all_reduce_gradients(model: nn.Module, layout: ParallelLayout) -> None:
     same world size. Balance terms see the step's expert choices summed over the data-parallel
     replicas, so their state stays identical on every rank.
     """
+    finish_prefetch(model)
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.update_balance(layout.expert_dp_group, layout.dp_size)

@@ -53,12 +53,15 @@ class _Transfers:
         raise KeyError(owner)
 
 
-def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, backend: str) -> _Transfers:
+def _transfers(
+    placement: Placement, me: int, node_of: Sequence[int] | None, backend: str, p2p_only: bool = False
+) -> _Transfers:
     """Experts replicated on every rank go as one message per owner (FasterMoE Eq. 8: each link
     carries the parameters once); partial replica sets (Pro-Prophet, Hecate) through batched
-    point-to-point, which works for arbitrary subsets without subgroups."""
+    point-to-point, which works for arbitrary subsets without subgroups. `p2p_only`: every copy
+    point-to-point (the asynchronous prefetch of `core.prefetch` posts them ahead)."""
     extra_EW = placement.materialized_EW()
-    everywhere_E = placement.holders_EW.all(1) & extra_EW.any(1)
+    everywhere_E = placement.holders_EW.all(1) & extra_EW.any(1) & (not p2p_only)
     sends, recvs = [], []
     for e, d in zip(*np.nonzero(extra_EW & ~everywhere_E[:, None])):
         owner = int(placement.owner_E[e])
@@ -71,13 +74,18 @@ def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, bac
         everywhere.setdefault(int(placement.owner_E[e]), []).append(int(e))
     everywhere = dict(sorted(everywhere.items()))
     tree = None
-    if copies_by_tree(node_of, backend):
+    if copies_by_tree(node_of, backend) and everywhere:
         tree = [[], []]
         for owner in everywhere:
             for stage, edges in zip(tree, broadcast_tree(owner, node_of)):
                 stage += [(owner, src, dst) for src, dst in edges if me in (src, dst)]
     received = [e for e, _ in recvs] + [e for o, es in everywhere.items() if o != me for e in es]
     return _Transfers(me, sends, recvs, everywhere, tree, received)
+
+
+def point_to_point_transfers(placement: Placement, me: int) -> _Transfers:
+    """Every copy of `placement` as one point-to-point message (expert, holder)."""
+    return _transfers(placement, me, None, "nccl", p2p_only=True)
 
 
 def _p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]], group) -> None:
@@ -106,6 +114,29 @@ class _Layout:
     first_expert: int
     """Global id of local row 0."""
 
+    @property
+    def sent_index(self) -> dict[int, int]:
+        """Local row -> its row in `flat_sent`."""
+        return {row: i for i, row in enumerate(self.sent_rows)}
+
+    def flat_sent(self, local_params: list[torch.Tensor]) -> torch.Tensor:
+        """The sent rows, one flat message each `[len(sent_rows), P]` (detached)."""
+        rows = torch.tensor(self.sent_rows, dtype=torch.long, device=local_params[0].device)
+        return torch.cat(
+            [p.detach().index_select(0, rows).reshape(len(rows), w) for p, w in zip(local_params, self.widths)], dim=1
+        )
+
+
+def held_from_flat(layout: _Layout, local_params: list[torch.Tensor], recv_MP: torch.Tensor) -> tuple:
+    """The held experts' weights: owned rows from `local_params`, copies from the received rows."""
+    held = []
+    for p, col in zip(local_params, _columns(layout.widths)):
+        out = p.new_empty((len(layout.owned_pos) + len(layout.recv_pos), *p.shape[1:]))
+        out.index_copy_(0, layout.owned_pos, p.detach().index_select(0, layout.owned_rows))
+        out.index_copy_(0, layout.recv_pos, recv_MP[:, col].reshape(-1, *p.shape[1:]))
+        held.append(out)
+    return tuple(held)
+
 
 def _columns(widths: list[int]) -> list[slice]:
     offsets = np.concatenate([[0], np.cumsum(widths)])
@@ -123,12 +154,8 @@ class _Materialize(torch.autograd.Function):
         me, first = plan.me, layout.first_expert
         ctx.plan, ctx.group, ctx.layout = plan, group, layout
         ctx.shapes = [p.shape for p in local_params]
-        cols = _columns(layout.widths)
-        sent_index = {row: i for i, row in enumerate(layout.sent_rows)}
-        rows = torch.tensor(layout.sent_rows, dtype=torch.long, device=local_params[0].device)
-        flat_sent = torch.cat(
-            [p.detach().index_select(0, rows).reshape(len(rows), w) for p, w in zip(local_params, layout.widths)], dim=1
-        )
+        sent_index = layout.sent_index
+        flat_sent = layout.flat_sent(list(local_params))
         recv_MP = flat_sent.new_empty((len(plan.received), sum(layout.widths)))
         _p2p(
             [(peer, flat_sent[sent_index[e - first]]) for e, peer in plan.sends],
@@ -152,13 +179,7 @@ class _Materialize(torch.autograd.Function):
                     [(src, recv_MP[plan.rows(owner)]) for owner, src, dst in stage if dst == me],
                     group,
                 )
-        held = []
-        for p, col in zip(local_params, cols):
-            out = p.new_empty((len(layout.owned_pos) + len(layout.recv_pos), *p.shape[1:]))
-            out.index_copy_(0, layout.owned_pos, p.detach().index_select(0, layout.owned_rows))
-            out.index_copy_(0, layout.recv_pos, recv_MP[:, col].reshape(-1, *p.shape[1:]))
-            held.append(out)
-        return tuple(held)
+        return held_from_flat(layout, list(local_params), recv_MP)
 
     @staticmethod
     def backward(ctx, *grad_held):
@@ -234,6 +255,13 @@ def materialize(
     names = list(weights)
     local = [weights[n] for n in names]
     plan = _transfers(placement, dist.get_rank(group), node_of, dist.get_backend(group))
+    layout = flat_layout(weights, plan, first_expert, held_J)
+    return dict(zip(names, _Materialize.apply(plan, group, layout, *local)))
+
+
+def flat_layout(weights: dict[str, torch.Tensor], plan: _Transfers, first_expert: int, held_J: np.ndarray) -> _Layout:
+    """Where each held expert's weights come from under `plan`, and the flat message layout."""
+    local = list(weights.values())
     num_local = local[0].shape[0]
     device = local[0].device
     held = [int(e) for e in held_J]
@@ -246,7 +274,7 @@ def materialize(
     sent_rows = sorted(
         {e - first_expert for e, _ in plan.sends} | {e - first_expert for e in plan.everywhere.get(plan.me, [])}
     )
-    layout = _Layout(
+    return _Layout(
         owned_pos=torch.tensor(owned, dtype=torch.long, device=device),
         owned_rows=torch.tensor([held[j] - first_expert for j in owned], dtype=torch.long, device=device),
         recv_pos=torch.tensor(recv_pos, dtype=torch.long, device=device),
@@ -254,4 +282,3 @@ def materialize(
         widths=[int(np.prod(w.shape[1:])) for w in local],
         first_expert=first_expert,
     )
-    return dict(zip(names, _Materialize.apply(plan, group, layout, *local)))

@@ -43,6 +43,12 @@ class MoEStats:
         return self.flow.sum(0)
 
     @property
+    def load_std(self) -> float:
+        """Standard deviation of the assignments each rank computed (`device_loads`): Pro-Prophet
+        Fig. 12's balance metric, which unlike `load_imbalance` sees what copies did to the loads."""
+        return float(self.device_loads.double().std(unbiased=False))
+
+    @property
     def load_imbalance(self) -> float:
         """max / mean expert load (1.0 = perfectly balanced)."""
         counts = self.expert_counts.double()

@@ -39,6 +39,7 @@ from moeflow.routing import BALANCES, GATES
 from moeflow.routing.effects import EFFECTS
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 from moeflow.strategies.planners.ep import plan_ep
+from moeflow.strategies.planners.prophet_model import overlapped_copies
 from moeflow.strategies.schedules.base import StepLoad
 
 
@@ -61,6 +62,9 @@ class SimulatedLayer:
     """Options per axis, e.g. `{"schedule": {"group_size": 2}, "strategy": {"min_gain": 0.1}}`."""
     nonmoe_forward_s: float = 0.0
     """Forward time of the dense part of one block (attention etc.), added per layer; backward = 2×."""
+    prefetch: bool = False
+    """Pro-Prophet §V block-wise prefetch (`core.prefetch`): the copies of a planner that plans ahead
+    hide behind the block before (Eq. 8) in every layer but the first."""
 
     def __post_init__(self) -> None:
         positive_int("top_k", self.top_k)
@@ -104,12 +108,15 @@ class Breakdown:
         return out
 
 
-def _plan(planner, flow_ILWE: np.ndarray, cost_model: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _plan(build_planner, flow_ILWE: np.ndarray, cost_model: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Ask the planner for every (iteration, layer), as the layer does; returns the tokens each rank
     sends each rank ``[I, L, W, W]`` (diagonal: computed locally), the tokens each rank computes per
-    expert ``[I, L, W, E]`` and the holders ``[I, L, E, W]``."""
+    expert ``[I, L, W, E]`` and the holders ``[I, L, E, W]``. A planner that plans ahead
+    (`plans_ahead`: Pro-Prophet) keeps a history, so each layer gets its own, fed the iterations in
+    order: it sees only the past ones when it decides."""
     I, L, W, E = flow_ILWE.shape
     base = Placement.expert_parallel(E, W)
+    planner = build_planner()
     if planner is plan_ep:  # owners only, whatever the load: vectorised
         send = send_by_owner(flow_ILWE, base.owner_E)
         computed = base.holders_EW.T * flow_ILWE.sum(-2)[..., None, :]
@@ -118,30 +125,31 @@ def _plan(planner, flow_ILWE: np.ndarray, cost_model: CostModel) -> tuple[np.nda
     send = np.zeros((I, L, W, W), dtype=np.int64)
     computed = np.zeros((I, L, W, E), dtype=np.int64)
     holders = np.zeros((I, L, E, W), dtype=bool)
-    for i, layer in np.ndindex(I, L):
-        placement = planner(flow_ILWE[i, layer], base, cost_model)
-        plan_SED = dispatch_counts(flow_ILWE[i, layer], placement, node_of)
-        send[i, layer] = plan_SED.sum(axis=1)
-        computed[i, layer] = plan_SED.sum(axis=0).T
-        holders[i, layer] = placement.holders_EW
+    for layer in range(L):
+        if layer and getattr(planner, "plans_ahead", False):
+            planner = build_planner()
+        for i in range(I):
+            placement = planner(flow_ILWE[i, layer], base, cost_model)
+            plan_SED = dispatch_counts(flow_ILWE[i, layer], placement, node_of)
+            send[i, layer] = plan_SED.sum(axis=1)
+            computed[i, layer] = plan_SED.sum(axis=0).T
+            holders[i, layer] = placement.holders_EW
     return send, computed, holders
 
 
 def _copies_time_IL(cost_model: CostModel, param_bytes: float, holders_ILEW: np.ndarray) -> np.ndarray:
-    """Materialize in forward plus reduce-to-owner in backward, as the sparse collectives run them,
-    per (iteration, layer); placements repeat, so each distinct one is priced once."""
+    """Materialize in forward and reduce-to-owner in backward, as the sparse collectives run them,
+    per (iteration, layer) ``[2, I, L]``; placements repeat, so each distinct one is priced once."""
     E, W = holders_ILEW.shape[-2:]
     owner_E = Placement.expert_parallel(E, W).owner_E
-    memo: dict[bytes, float] = {}
-    out = np.zeros(holders_ILEW.shape[:2])
-    for index in np.ndindex(*out.shape):
+    memo: dict[bytes, list[float]] = {}
+    out = np.zeros((2, *holders_ILEW.shape[:2]))
+    for index in np.ndindex(*out.shape[1:]):
         holders_EW = holders_ILEW[index]
         key = holders_EW.tobytes()
         if key not in memo:
-            memo[key] = sum(
-                cost_model.copies_time(param_bytes, holders_EW, owner_E, d) for d in ("materialize", "reduce")
-            )
-        out[index] = memo[key]
+            memo[key] = [cost_model.copies_time(param_bytes, holders_EW, owner_E, d) for d in ("materialize", "reduce")]
+        out[(slice(None), *index)] = memo[key]
     return out
 
 
@@ -175,7 +183,8 @@ def simulate(
             f"(rescale it: `moeflow simulate --experts {math.lcm(E, W)}`, or Trace.rescale)"
         )
     ctx = LayerContext(E, layer.top_k, layer.shape, cost_model)
-    planners = {s: PLANNERS.build(s, ctx, layer.options.get("strategy")) for s in strategies}
+    # Built once here so that bad names and options fail before any work (and to ask what they are).
+    probes = {s: PLANNERS.build(s, ctx, layer.options.get("strategy")) for s in strategies}
     built = {s: SCHEDULES.build(s, ctx, layer.options.get("schedule")) for s in schedules}
     dispatcher = DISPATCHERS.build(layer.dispatch, ctx, layer.options.get("dispatch"))
     for schedule in built.values():
@@ -185,13 +194,21 @@ def simulate(
     param_bytes = layer.shape.param_bytes(cost_model.bytes_per_element)
     nonmoe_IL = np.full((I, L), 3.0 * layer.nonmoe_forward_s)
     results = []
-    for name, planner in planners.items():
-        send, computed, holders = _plan(planner, flow, cost_model)
-        other_IL = t_counts + _copies_time_IL(cost_model, param_bytes, holders)
-        replicated_IL = holders.sum(axis=(-2, -1)) - E
-        step = StepLoad(send, computed, layer.shape, cost_model.topology.node_of)
+    for name in strategies:
+        send, computed, holders = _plan(
+            lambda name=name: PLANNERS.build(name, ctx, layer.options.get("strategy")), flow, cost_model
+        )
         # The workload's Lat_comp and Lat_comm (FasterMoE §3.3), whatever the schedule: the roofline's R_CC.
         lat_comp_IL = cost_model.compute_time(computed, layer.shape)
+        trans_IL, agg_IL = _copies_time_IL(cost_model, param_bytes, holders)
+        copies_IL = trans_IL + agg_IL
+        if layer.prefetch and getattr(probes[name], "plans_ahead", False):
+            # Pro-Prophet Eq. 8: every layer after the first has its copies prefetched in the block before.
+            hidden_IL = overlapped_copies(trans_IL, agg_IL, lat_comp_IL, layer.nonmoe_forward_s)
+            copies_IL[:, 1:] = hidden_IL[:, 1:]
+        other_IL = t_counts + copies_IL
+        replicated_IL = holders.sum(axis=(-2, -1)) - E
+        step = StepLoad(send, computed, layer.shape, cost_model.topology.node_of)
         bytes_WW = send * (1.0 - np.eye(W)) * layer.shape.d_model * cost_model.bytes_per_element
         lat_comm_IL = dispatcher.price(cost_model, bytes_WW)  # one exchange (the combine costs the same)
         for schedule_name, schedule in built.items():

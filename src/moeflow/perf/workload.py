@@ -59,6 +59,14 @@ def add_workload_arguments(parser: Any) -> None:
         help="an option of the component on an axis, e.g. --option schedule.group_size=2 (repeatable)",
     )
     parser.add_argument("--gemm-flops", type=float, default=None, help="override P, FLOP/s per device")
+    parser.add_argument(
+        "--nonmoe-ms", type=float, default=0.0, help="forward time of a block's dense part (ms; backward 2x)"
+    )
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="Pro-Prophet block-wise prefetch: copies of planners that plan ahead hide behind the block before",
+    )
 
 
 def parse_axis_options(items: list[str]) -> dict[str, dict[str, str]]:
@@ -122,6 +130,8 @@ def workload_from_args(args: Any) -> tuple[Trace, CostModel, SimulatedLayer, lis
         balance=args.balance,
         dispatch=args.dispatch,
         options=parse_axis_options(args.options),
+        nonmoe_forward_s=args.nonmoe_ms / 1e3,
+        prefetch=args.prefetch,
     )
     strategies = _names(args.strategy or ",".join(PLANNERS.names()), PLANNERS, "--strategy")
     schedules = _names(args.schedule or ",".join(_schedules_for(layer, trace, cost_model)), SCHEDULES, "--schedule")

@@ -14,6 +14,7 @@ from moeflow.strategies.dispatchers import A2ADispatcher
 from moeflow.strategies.hierarchical_a2a import HierarchicalDispatcher
 from moeflow.strategies.planners import Planner
 from moeflow.strategies.planners.ep import plan_ep
+from moeflow.strategies.planners.prophet import ProphetOptions, ProphetPlanner
 from moeflow.strategies.planners.shadow import ShadowGreedyOptions, ShadowOptions, ShadowPlanner
 from moeflow.strategies.schedules.base import Schedule
 from moeflow.strategies.schedules.pairwise import PairwiseOptions, PairwiseSchedule
@@ -35,6 +36,13 @@ PLANNERS = Registry(
             lambda ctx, o: ShadowPlanner(ctx.expert, o),
             ShadowGreedyOptions,
             "FasterMoE shadowing with Algorithm 1 as published (stop rule, no margin)",
+            needs_cost_model=True,
+        ),
+        Component(
+            "prophet",
+            lambda ctx, o: ProphetPlanner(ctx.expert, o),
+            ProphetOptions,
+            "Pro-Prophet: hot experts replicated on the devices that send them most, planned a step ahead",
             needs_cost_model=True,
         ),
     ],

@@ -132,6 +132,9 @@ class MoEConfig:
     """Options of the chosen schedule (e.g. `group_size` of `pairwise`)."""
     dispatch_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen dispatcher."""
+    prefetch: bool = False
+    """Pro-Prophet §V block-wise prefetch (`moeflow.core.prefetch.BlockPrefetch`): copies of the experts of a
+    planner that plans ahead (`prophet`) travel during the block before, their gradient sums during its backward."""
     dispatch_dtype: str | None = None
     """Send dispatched rows and expert outputs in this precision (`bfloat16`, `float16`;
     `float8_e4m3fn` on nccl), restoring the compute dtype on arrival; None: the compute dtype."""

@@ -26,6 +26,8 @@ class StepResult:
     imbalance_L: list[float]
     dropped: int
     flow_LWE: np.ndarray | None = None
+    load_std_L: list[float] | None = None
+    """Per layer: standard deviation of the assignments each rank computed (Pro-Prophet Fig. 12)."""
     cross_node_share_L: list[float] | None = None
     """Per layer: global share of assignments dispatched across nodes (0 without a topology)."""
     extra_copies_L: list[int] | None = None
@@ -45,6 +47,7 @@ def metric_record(result: StepResult, tokens_per_s: float, val_loss: float | Non
         "tokens_per_s": tokens_per_s,
         "load_imbalance": float(np.mean(result.imbalance_L)),
         "load_imbalance_per_layer": result.imbalance_L,
+        "device_load_std_per_layer": result.load_std_L,
         "expert_counts": result.counts_LE,
         "dropped": result.dropped,
         "cross_node_share": float(np.mean(result.cross_node_share_L or [0.0])),

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import MoELayer
+from moeflow.core.prefetch import BlockPrefetch
 from moeflow.perf.costmodel import CostModel
 from moeflow.routing import routing_kind
 from moeflow.training.config import ModelConfig, MoEConfig
@@ -129,6 +130,8 @@ class MoEGPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_dense()
+        # A hook on every MoE layer (not a module: it holds no parameters); all_reduce_gradients lands it.
+        self.prefetch = BlockPrefetch([layer for _, layer in self.moe_layers()]) if moe.prefetch else None
 
     def _init_dense(self) -> None:
         # GPT-2 initialisation for the dense parts (normal, std 0.02); MoELayer initialises its own.

@@ -191,6 +191,7 @@ class Trainer:
             skipped=skipped,
             counts_LE=[s.expert_counts.tolist() for s in stats],
             imbalance_L=[s.load_imbalance for s in stats],
+            load_std_L=[s.load_std for s in stats],
             dropped=sum(s.dropped for s in stats),
             cross_node_share_L=[s.cross_node_share for s in stats],
             extra_copies_L=[int(s.placement.materialized_EW().sum()) for s in stats],

@@ -1,10 +1,21 @@
-"""Pro-Prophet's planner performance model (§IV-B, Eq. 1-8), priced by the shared `CostModel`.
+"""Pro-Prophet's planner performance model (§IV-B Eq. 1-6, with the scheduler §V-C Eq. 8).
 
-The Pro-Prophet planner (locality-based greedy search, §IV-C) compares placements with these
-terms; they are kept next to the planners, in the paper's own form, so that the planner and its
-tests use one implementation.
+Two forms of one model, both priced by the shared `CostModel`:
 
-Shape suffixes: W devices; ``...`` = any leading batch dims.
+- `prophet_layer_times`: Eq. 1-8 exactly as printed — one mean bandwidth B̄ for every pair of
+  devices, Trans/Agg spread over all D devices (`s·(D−n)·size/(D·B̄)`). Used by the planner with
+  `model="paper"` and as the reference the tests check by hand.
+- `placement_times`: the same terms (four all-to-alls, 3× forward expert compute, Trans, Agg) with
+  the functions the simulator and the other planners use — `CostModel.sync_step_times` (the
+  all-to-all on the busiest link of the topology: Eq. 1 when every link has bandwidth B̄) and
+  `CostModel.copies_time` (the sparse collectives as they run: the owner's link carries each copy it
+  sends, which Eq. 4's `/D` spreads over every device). The planner's default (`model="links"`).
+
+`overlapped_copies` is Eq. 8's `T_PTrans + T_PAgg`: with the block-wise scheduler (§V, Algorithm 2)
+Trans hides behind the forward expert and non-MoE compute of the block before, Agg behind their
+backward (2×); the simulator prices a planner that plans ahead with the same function.
+
+Shape suffixes: W devices, E experts; ``...`` = any leading batch dims.
 """
 
 from __future__ import annotations
@@ -16,23 +27,33 @@ import numpy as np
 from moeflow.core.expert_shape import ExpertShape
 
 
+def overlapped_copies(trans_s: Any, agg_s: Any, fec_s: Any, nonmoe_forward_s: float) -> np.ndarray:
+    """Eq. 8: ``max(0, T_Trans − T_FEC − T_FNEC) + max(0, T_Agg − T_BEC − T_BNEC)`` with
+    ``T_BEC = 2·T_FEC`` (Eq. 3) and the non-MoE backward likewise twice its forward."""
+    fec = np.asarray(fec_s, dtype=np.float64)
+    ptrans = np.maximum(0.0, np.asarray(trans_s, dtype=np.float64) - fec - nonmoe_forward_s)
+    pagg = np.maximum(0.0, np.asarray(agg_s, dtype=np.float64) - 2 * fec - 2 * nonmoe_forward_s)
+    return ptrans + pagg
+
+
 def prophet_layer_times(
     cost_model: Any,
     recv_tokens_W: Any,
     compute_tokens_W: Any,
-    num_transferred: Any,
-    num_not_transferred: Any,
+    copies: Any,
     shape: ExpertShape,
     nonmoe_forward_s: float = 0.0,
-    nonmoe_backward_s: float = 0.0,
 ) -> dict[str, np.ndarray]:
-    """Pro-Prophet §IV-B Eq. 1-8 for one layer. Returns every term and both totals:
+    """Pro-Prophet §IV-B Eq. 1-8 for one layer, as printed. Returns every term and both totals:
 
     ``a2a = max_i R_i·tok_bytes/B̄`` (Eq. 1, B̄ the mean bandwidth between two devices),
     ``fec = max_i`` forward expert time of ``H_i`` tokens (Eq. 2), ``bec = 2·fec`` (Eq. 3),
     ``trans = s·(D−n)·size/(D·B̄)`` (Eq. 4), ``agg`` likewise (Eq. 5),
-    ``total = 4·a2a + 3·fec + trans + agg`` (Eq. 6), ``overlapped`` with
-    ``max(0, trans − fec − fnec)`` and ``max(0, agg − bec − bnec)`` (Eq. 7-8).
+    ``total = 4·a2a + 3·fec + trans + agg`` (Eq. 6), ``overlapped`` with Eq. 8's
+    ``max(0, trans − fec − fnec)`` and ``max(0, agg − bec − bnec)``.
+
+    ``copies`` is Eq. 4's ``s·(D−n)``: s transferred experts, each sent to D−n devices. The planner
+    passes the sum over its selected experts, which may be sent to different numbers of devices.
     """
     D = cost_model.topology.num_devices
     bbar = cost_model.mean_bandwidth_bytes_per_s
@@ -44,13 +65,9 @@ def prophet_layer_times(
         cost_model.expert_forward_time(tokens_W, shape) + cost_model.elementwise_time(tokens_W, shape)
     )
     bec = 2 * fec
-    s = np.asarray(num_transferred, dtype=np.float64)
-    n = np.asarray(num_not_transferred, dtype=np.float64)
-    trans = s * (D - n) * size / (D * bbar)
+    trans = np.asarray(copies, dtype=np.float64) * size / (D * bbar)
     agg = trans
     total = 4 * a2a + 3 * fec + trans + agg
-    ptrans = np.maximum(0.0, trans - fec - nonmoe_forward_s)
-    pagg = np.maximum(0.0, agg - bec - nonmoe_backward_s)
     return {
         "a2a": a2a,
         "fec": fec,
@@ -58,5 +75,19 @@ def prophet_layer_times(
         "trans": trans,
         "agg": agg,
         "total": total,
-        "overlapped": 4 * a2a + 3 * fec + ptrans + pagg,
+        "overlapped": 4 * a2a + 3 * fec + overlapped_copies(trans, agg, fec, nonmoe_forward_s),
     }
+
+
+def placement_times(
+    cost_model: Any, plan_SED: np.ndarray, holders_EW: np.ndarray, owner_E: np.ndarray, shape: ExpertShape
+) -> dict[str, float]:
+    """Eq. 6's terms for a dispatch plan ``plan_SED`` (`core.placement.dispatch_counts`) and the
+    placement it runs on, priced with the shared cost-model functions (module docstring): ``a2a``
+    (the four exchanges), ``fec`` (one forward expert compute, slowest device), ``trans`` and
+    ``agg`` (the sparse collectives' copies and gradient sums)."""
+    compute, a2a = cost_model.sync_step_times(plan_SED.sum(1), plan_SED.sum(0).T, shape)
+    size = shape.param_bytes(cost_model.bytes_per_element)
+    trans = cost_model.copies_time(size, holders_EW, owner_E, "materialize")
+    agg = cost_model.copies_time(size, holders_EW, owner_E, "reduce")
+    return {"a2a": float(a2a), "fec": float(compute) / 3, "trans": trans, "agg": agg}

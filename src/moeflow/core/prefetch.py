@@ -1,0 +1,313 @@
+"""Block-wise prefetch of expert copies (Pro-Prophet §V, Algorithm 2), for any planner that knows
+its next placement ahead (`planner.plans_ahead`, `planner.next_placement()`).
+
+A *block* is a MoE layer and the dense layers that follow it. Because layer i+1's placement is
+known before it runs, its copies (Trans: owner → holders) travel during block i's forward compute,
+and its gradient sums (Agg: holders → owner) during block i's backward compute, instead of on the
+critical path of layer i+1. Each is split in two parts, by columns of the flat per-expert messages,
+so that neither competes with block i's all-to-alls (Algorithm 2):
+
+    forward  of block i:  A2A | EFC_i ∥ SubTrans1_{i+1} | A2A | FNEC_i ∥ SubTrans2_{i+1}
+    backward of block i:  BNEC_i ∥ SubAgg1_{i+1} | A2A | BEC_i ∥ SubAgg2_{i+1} | A2A
+
+The split gives each part its share of the compute it hides behind, from measured times (EFC vs
+FNEC forward, BNEC vs BEC backward): timers at the four marks below, agreed once across the group
+(an all-reduce of the maxima after the first step, so that every rank splits every message alike;
+0.5 before). The first MoE layer has no block before it: its copies run in its own forward.
+
+Mechanism: `BlockPrefetch` is a `MoEHook` (FSMoE §3.1) on every MoE layer; at the layer's start,
+after its dispatch, before its combine and at its end it returns the tensor through `_Mark`, an
+identity whose forward and backward run the actions of that point. Messages are point-to-point
+(`batch_isend_irecv`, asynchronous on gloo and nccl), one tag per (layer, direction, part); the
+received parameters enter autograd through `_Prefetched`, whose backward hands the copies'
+gradients to Agg and returns the owned experts' own gradients; the owners add the received sums
+into `.grad` when Agg completes. Numbers equal those of the unscheduled layer (tested).
+
+Call `finish()` after backward (`all_reduce_gradients` does) so that every Agg has landed before
+gradients are reduced or the optimizer steps.
+
+Shape suffixes: J experts held by this rank, M copies received, P flattened parameters of one expert.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moeflow.core.hooks import MoEHook
+from moeflow.core.placement import Placement
+from moeflow.core.sparse_collectives import flat_layout, held_from_flat, point_to_point_transfers
+
+TAG_BASE = 1 << 27
+"""Message tags of prefetched copies start here (the pairwise schedule's stay below 2²⁶)."""
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; runs `on_forward()` in forward and `on_backward()` when its gradient arrives."""
+
+    @staticmethod
+    def forward(ctx, x, on_forward, on_backward):
+        ctx.on_backward = on_backward
+        on_forward()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.on_backward()
+        return grad, None, None
+
+
+class _TwoParts:
+    """Point-to-point messages split in two column parts, each posted once, asynchronously; waiting
+    on a part posts it first if it was not (so a rank never waits on what it has not sent)."""
+
+    def __init__(self, group, tag: int, width: int, split: float) -> None:
+        self.group, self.tag = group, tag
+        self.cut = int(round(split * width))
+        self.works: list[list | None] = [None, None]
+
+    def columns(self, part: int) -> slice:
+        return slice(0, self.cut) if part == 0 else slice(self.cut, None)
+
+    def messages(self, part: int) -> tuple[list, list]:
+        """(sends, recvs) of `part`: lists of (peer, tensor)."""
+        raise NotImplementedError
+
+    def post(self, part: int) -> None:
+        if self.works[part] is not None:
+            return
+        sends, recvs = self.messages(part)
+        g = self.group
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(g, p), g, self.tag + part) for p, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(g, p), g, self.tag + part) for p, t in recvs]
+        self.works[part] = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self, part: int) -> None:
+        self.post(part)
+        for work in self.works[part]:
+            work.wait()
+        self.works[part] = []
+
+    def wait_all(self) -> None:
+        self.wait(0)
+        self.wait(1)
+
+
+class _Trans(_TwoParts):
+    """Copies of one layer's experts for one placement, in flight (forward)."""
+
+    def __init__(self, layer, placement: Placement, split: float, tag: int) -> None:
+        self.layer, self.placement = layer, placement
+        self.plan = point_to_point_transfers(placement, dist.get_rank(layer.group))
+        weights = layer.experts.weights()
+        held_J = np.flatnonzero(placement.holders_EW[:, self.plan.me])
+        self.layout = flat_layout(weights, self.plan, layer.experts.first_expert, held_J)
+        width = sum(self.layout.widths)
+        super().__init__(layer.group, tag, width, split)
+        self.sent_MP = self.layout.flat_sent(list(weights.values()))
+        self.recv = [self.sent_MP.new_empty((len(self.plan.recvs), w)) for w in (self.cut, width - self.cut)]
+
+    def messages(self, part: int) -> tuple[list, list]:
+        cols, index, first = self.columns(part), self.layout.sent_index, self.layout.first_expert
+        sends = [(peer, self.sent_MP[index[e - first], cols].contiguous()) for e, peer in self.plan.sends]
+        recvs = [(peer, self.recv[part][i]) for i, (_, peer) in enumerate(self.plan.recvs)]
+        return sends, recvs
+
+    def weights(self, prefetch: BlockPrefetch, index: int) -> dict[str, torch.Tensor]:
+        """Wait for both parts and return the held experts' weights, differentiable (`_Prefetched`)."""
+        self.wait_all()
+        weights = self.layer.experts.weights()
+        held = _Prefetched.apply(self, torch.cat(self.recv, dim=1), prefetch, index, *weights.values())
+        return dict(zip(weights, held))
+
+
+class _Prefetched(torch.autograd.Function):
+    """forward: the held experts' weights from the owned rows and the prefetched copies; backward:
+    the owned rows' gradients now, the copies' gradients handed to Agg (`BlockPrefetch`)."""
+
+    @staticmethod
+    def forward(ctx, trans, recv_MP, prefetch, index, *local_params):
+        ctx.trans, ctx.prefetch, ctx.index = trans, prefetch, index
+        ctx.shapes = [p.shape for p in local_params]
+        return held_from_flat(trans.layout, list(local_params), recv_MP)
+
+    @staticmethod
+    def backward(ctx, *grad_held):
+        layout = ctx.trans.layout
+        grads = []
+        for shape, g in zip(ctx.shapes, grad_held):
+            grad = g.new_zeros(shape)
+            grad.index_add_(0, layout.owned_rows, g.index_select(0, layout.owned_pos))
+            grads.append(grad)
+        n_recv = len(layout.recv_pos)
+        grad_MP = torch.cat(
+            [g.index_select(0, layout.recv_pos).reshape(n_recv, w) for g, w in zip(grad_held, layout.widths)], 1
+        )
+        ctx.prefetch.start_agg(ctx.index, ctx.trans, grad_MP)
+        return (None, None, None, None, *grads)
+
+
+class _Agg(_TwoParts):
+    """Gradient sums of one layer's copies back to their owners, in flight (backward)."""
+
+    def __init__(self, trans: _Trans, grad_MP: torch.Tensor, split: float) -> None:
+        super().__init__(trans.group, trans.tag + 2, grad_MP.shape[1], split)
+        self.trans, self.grad_MP = trans, grad_MP
+        width = grad_MP.shape[1]
+        self.incoming = [grad_MP.new_empty((len(trans.plan.sends), w)) for w in (self.cut, width - self.cut)]
+
+    def messages(self, part: int) -> tuple[list, list]:
+        cols, plan = self.columns(part), self.trans.plan
+        sends = [(peer, self.grad_MP[i, cols].contiguous()) for i, (_, peer) in enumerate(plan.recvs)]
+        recvs = [(peer, self.incoming[part][i]) for i, (_, peer) in enumerate(plan.sends)]
+        return sends, recvs
+
+    def finish(self) -> None:
+        """Wait for both parts and add the received sums into the owners' `.grad`."""
+        self.wait_all()
+        plan, layout = self.trans.plan, self.trans.layout
+        if not plan.sends:
+            return
+        incoming = torch.cat(self.incoming, dim=1)
+        rows = torch.tensor([e - layout.first_expert for e, _ in plan.sends], dtype=torch.long)
+        offsets = np.concatenate([[0], np.cumsum(layout.widths)])
+        for p, a, b in zip(self.trans.layer.experts.weights().values(), offsets[:-1], offsets[1:]):
+            flat = incoming[:, int(a) : int(b)].reshape(len(rows), *p.shape[1:])
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.index_add_(0, rows.to(p.device), flat)
+
+
+class BlockPrefetch(MoEHook):
+    """Algorithm 2 over `layers` (the model's MoE layers in forward order); see the module docstring.
+
+    prefetch = BlockPrefetch([block.ffn for block in model.blocks])
+    loss.backward(); prefetch.finish(); optimizer.step()
+    """
+
+    def __init__(self, layers: Sequence, calibrate_after: int = 1) -> None:
+        self.layers = list(layers)
+        self.calibrate_after = calibrate_after
+        self.steps = 0
+        self.split_forward = np.full(len(self.layers), 0.5)  # EFC_i share of block i's forward compute
+        self.split_backward = np.full(len(self.layers), 0.5)  # BNEC_i share of its backward compute
+        self.measured = np.zeros((len(self.layers), 4))  # EFC, FNEC, BNEC, BEC per block (seconds)
+        self._stamps: dict[tuple[int, str], float] = {}
+        self._trans: dict[int, _Trans] = {}
+        self._agg: dict[int, _Agg] = {}
+        for i, layer in enumerate(self.layers):
+            if any(isinstance(h, BlockPrefetch) for h in layer.hooks):
+                raise ValueError(f"layers[{i}] already has a BlockPrefetch")
+            layer.hooks.append(self)
+            layer.prefetch_index = i
+            if i > 0 and getattr(layer.planner, "plans_ahead", False):
+                layer.planner.prefetched = True  # its planner prices copies as hidden (Eq. 8)
+
+    # ---- which layers prefetch -------------------------------------------------------------------
+    def _ahead(self, i: int) -> Placement | None:
+        """Layer i's next placement if it has copies to prefetch (None: nothing to do ahead)."""
+        if not 0 < i < len(self.layers):
+            return None
+        layer = self.layers[i]
+        if layer.group is None or layer.cluster_mismatch or not getattr(layer.planner, "plans_ahead", False):
+            return None
+        placement = layer.planner.next_placement()
+        return None if placement is None or placement.is_owners_only() else placement
+
+    def held_weights(self, layer, placement: Placement) -> dict[str, torch.Tensor] | None:
+        """The prefetched weights of `layer` for `placement` (None: not prefetched; materialize now)."""
+        trans = self._trans.pop(getattr(layer, "prefetch_index", -1), None)
+        if trans is None:
+            return None
+        if trans.placement != placement:  # the plan changed under it: drain the messages, run sync
+            trans.wait_all()
+            return None
+        return trans.weights(self, layer.prefetch_index)
+
+    # ---- the four marks of layer i -----------------------------------------------------------------
+    def _mark(self, layer, x: torch.Tensor, point: str) -> torch.Tensor:
+        i = layer.prefetch_index
+        return _Mark.apply(x, lambda: self._forward_point(i, point), lambda: self._backward_point(i, point))
+
+    def before_moe_start(self, layer, x):
+        return self._mark(layer, x, "start")
+
+    def after_dispatch(self, layer, x):
+        return self._mark(layer, x, "dispatched")
+
+    def before_combine(self, layer, y):
+        return self._mark(layer, y, "computed")
+
+    def before_moe_end(self, layer, y):
+        return self._mark(layer, y, "end")
+
+    def _forward_point(self, i: int, point: str) -> None:
+        self._stamps[("f", point, i)] = time.perf_counter()
+        if point == "dispatched":  # SubTrans1_{i+1} ∥ EFC_i
+            placement = self._ahead(i + 1)
+            if placement is not None and (i + 1) not in self._trans:
+                tag = TAG_BASE + 8 * (i + 1)
+                self._trans[i + 1] = _Trans(self.layers[i + 1], placement, self.split_forward[i], tag)
+                self._trans[i + 1].post(0)
+        elif point == "computed" and (i + 1) in self._trans:
+            self._trans[i + 1].wait(0)
+        elif point == "end" and (i + 1) in self._trans:  # SubTrans2_{i+1} ∥ FNEC_i
+            self._trans[i + 1].post(1)
+
+    def _backward_point(self, i: int, point: str) -> None:
+        self._stamps[("b", point, i)] = time.perf_counter()
+        agg = self._agg.get(i + 1)
+        if point == "start" and i in self._agg:  # layer i's backward is over: SubAgg1_i ∥ BNEC_{i-1}
+            self._agg[i].post(0)
+        elif point == "end" and agg is not None:
+            agg.wait(0)
+        elif point == "computed" and agg is not None:  # SubAgg2_{i+1} ∥ BEC_i
+            agg.post(1)
+        elif point == "dispatched" and agg is not None:
+            self._agg.pop(i + 1).finish()
+
+    def start_agg(self, index: int, trans: _Trans, grad_MP: torch.Tensor) -> None:
+        self._agg[index] = _Agg(trans, grad_MP, self.split_backward[index - 1])
+
+    # ---- once per step -----------------------------------------------------------------------------
+    def finish(self) -> None:
+        """After backward: land every Agg still in flight; after `calibrate_after` steps, agree the
+        split points across the group from the measured compute times (module docstring)."""
+        for index in sorted(self._agg):
+            self._agg.pop(index).finish()
+        self.steps += 1
+        self._measure()
+        if self.steps == self.calibrate_after:
+            self._calibrate()
+
+    def _measure(self) -> None:
+        s = self._stamps
+        for i in range(len(self.layers) - 1):
+
+            def span(a, b):
+                return s[a] - s[b] if a in s and b in s else 0.0
+
+            self.measured[i] = [
+                span(("f", "computed", i), ("f", "dispatched", i)),  # EFC_i
+                span(("f", "start", i + 1), ("f", "end", i)),  # FNEC_i
+                span(("b", "end", i), ("b", "start", i + 1)),  # BNEC_i
+                span(("b", "dispatched", i), ("b", "computed", i)),  # BEC_i
+            ]
+        self._stamps.clear()
+
+    def _calibrate(self) -> None:
+        measured = torch.from_numpy(self.measured.copy())
+        groups = {id(layer.group): layer.group for layer in self.layers if layer.group is not None}
+        for group in groups.values():
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+        m = measured.numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            self.split_forward = np.nan_to_num(m[:, 0] / (m[:, 0] + m[:, 1]), nan=0.5)
+            self.split_backward = np.nan_to_num(m[:, 2] / (m[:, 2] + m[:, 3]), nan=0.5)
+        for i, layer in enumerate(self.layers[1:], start=1):
+            if getattr(layer.planner, "plans_ahead", False):
+                layer.planner.nonmoe_forward_s = float(m[i - 1, 1])  # T_FNEC of Eq. 8

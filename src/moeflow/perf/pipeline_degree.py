@@ -1,0 +1,461 @@
+"""FSMoE's pipeline-degree optimiser as pure functions of numbers (FSMoE §4.1 Eq. 1, §4.2
+predicates Q1–Q7 and Cases 1–4 with Eq. 2, §4.3 Algorithm 1, §4.4 forward and backward apart).
+
+Units are FSMoE's (§4.1, §6.2): α in ms, β in ms per element (communication) or per
+multiply-add (expert GEMMs). Workloads of one MoE layer per device (the paper names them n_x
+without formulas; these are the published tool's): all-to-all ``n_a2a = F·B·L·M/S`` elements,
+ESP all-gather and reduce-scatter ``n_ag = n_rs = F·B·L·M``, expert GEMMs
+``n_exp = F·B·L·M·H·N/S`` multiply-adds; F = top-k × capacity factor, S the ESP size, N the GEMMs
+of one expert. One of r chunks takes ``t_x,r = α_x + (n_x/r)·β_x`` (Eq. 1).
+
+The cases, as the paper writes them (§4.2; the four formulas below match its text):
+Case 1 (inter-node incl. Gradient-AllReduce dominates) ``2r·t_a2a,r + t_gar`` (Eq. 2);
+Case 2 (experts) ``2·t_a2a,r + t_ag,r + t_rs,r + r·t_exp,r``; Case 3 (all-to-all)
+``2r·t_a2a,r + t_ag,r + t_rs,r``; Case 4 (intra-node) ``2·t_a2a,r + r·t_ag,r + r·t_rs,r``.
+Algorithm 1 minimises each case over continuous r (SLSQP, the case's predicates as inequality
+constraints, one sub-problem per conjunction of a disjunctive case), keeps the best and snaps r to
+an integer. Backward (§4.4): α_exp and β_exp doubled, ``t_gar`` from §5 (``grad_partition``).
+
+Pricing an integer r: by the case whose predicates hold at r. The four cases partition r ≥ 1 and
+each case is the largest of the formulas where it holds (Q2, Q3 compare Case 2 with Cases 3 and 4;
+Q4–Q7 compare Case 1 with the others), so this is the max of the four formulas when
+``t_ag,r = t_rs,r`` (the paper's assumption under Q1): a lower bound of the pipeline by each of its
+resources, the binding one. Every formula is ``a·r + b/r + c`` with a, b ≥ 0, so that max is
+convex in r and the snapped optimum is one of the candidates next to a case's continuous optimum.
+
+Deviations, recorded:
+* α_exp: §4.1 multiplies α_gemm by the N GEMMs of an expert; the published tool pays α_gemm once
+  per chunk. Default ``expert_alpha="once"`` (the tool, which gives its published degrees 8 and
+  [8, 8]); ``"per_gemm"`` is §4.1 (with the tool's constants it gives backward degree 4).
+* r is bounded above by the largest candidate degree (the paper only states r ≥ 1).
+* Predicates are non-strict as SLSQP constraints (``≥ 0``); the case formulas agree on every
+  boundary, so this changes no time.
+* Not reproduced: the tool's shortcuts (forward degree 1 when one unchunked all-to-all takes
+  < 1 ms, backward degree 1 whenever the forward one is 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from scipy import optimize
+
+from moeflow.core.checks import finite_number, positive_int
+
+FIT_ORDER = ("a2a", "ag", "gemm", "rs", "ar")
+"""Order of α/β values in lists (the published tool's): all-to-all, ESP all-gather, GEMM,
+ESP reduce-scatter, gradient all-reduce."""
+COST_MODEL_KINDS = {"a2a": "a2a", "ag": "all_gather", "gemm": "gemm", "rs": "reduce_scatter", "ar": "all_reduce"}
+"""FSMoE op -> ``CostModel`` op kind (``moeflow.perf.alpha_beta.OP_KINDS``)."""
+PUBLISHED_DEGREES = (1, 2, 4, 8)
+"""The degrees the published tool snaps to."""
+CASES = (1, 2, 3, 4)
+# Each case is a disjunction of conjunctions of (predicate number, wanted truth value), §4.2.
+CASE_BRANCHES: dict[int, tuple[tuple[tuple[int, bool], ...], ...]] = {
+    1: (
+        ((1, True), (2, False), (4, True)),
+        ((1, True), (2, True), (5, True)),
+        ((1, False), (3, False), (6, True)),
+        ((1, False), (3, True), (7, True)),
+    ),
+    2: (((1, True), (2, True), (5, False)), ((1, False), (3, True), (7, False))),
+    3: (((1, True), (2, False), (4, False)),),
+    4: (((1, False), (3, False), (6, False)),),
+}
+ExpertAlpha = Literal["once", "per_gemm"]
+
+
+@dataclass(frozen=True)
+class PipelineWorkload:
+    """One MoE model as FSMoE's optimiser sees it (the published tool's inputs)."""
+
+    batch: int
+    """B: samples per device."""
+    seq: int
+    """L: sequence length."""
+    d_model: int
+    """M: embedding size."""
+    d_hidden: int
+    """H: hidden size of an expert."""
+    gemms: int
+    """N: GEMMs of one expert (2 for a plain ffn, 3 for Mixtral's)."""
+    factor: float
+    """F = top-k × capacity factor."""
+    esp: int
+    """S: devices of an expert-sharding group (one node, FSMoE §4); also the MP group of attention."""
+    layers: int
+    """MoE layers (= generalized layers, FSMoE §5.2)."""
+    others_ms: float
+    """Backward time of a generalized layer's dense part (gate, attention): its ``t_olp,dense``."""
+    dense_grad_elements: int | None = None
+    """Dense gradient elements of a generalized layer; default: the tool's GPT attention under MP = S,
+    ``(3M² + 3M + M²)/S + M`` (QKV weight and bias and output weight sharded, output bias whole)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seq", "d_model", "d_hidden", "gemms", "esp", "layers"):
+            positive_int(name, getattr(self, name))
+        finite_number("factor", self.factor, 0.0, low_open=True)
+        finite_number("others_ms", self.others_ms, 0.0)
+        for name in ("d_hidden", "d_model"):
+            if getattr(self, name) % self.esp:
+                raise ValueError(f"esp={self.esp!r} must divide {name}={getattr(self, name)!r}")
+        if self.dense_grad_elements is not None:
+            positive_int("dense_grad_elements", self.dense_grad_elements, minimum=0)
+
+    @property
+    def tokens(self) -> float:
+        """F·B·L: rows an MoE layer dispatches per device."""
+        return self.factor * self.batch * self.seq
+
+    def elements(self, op: str) -> float:
+        """n_x of one MoE layer: elements (a2a, ag, rs), multiply-adds (gemm), gradient elements (ar)."""
+        M, S = self.d_model, self.esp
+        if op == "a2a":
+            return self.tokens * M / S
+        if op in ("ag", "rs"):
+            return self.tokens * M
+        if op == "gemm":
+            return self.tokens * M * self.d_hidden * self.gemms / S
+        if op == "ar":
+            return float(self.grad_elements)
+        raise ValueError(f"op={op!r}: expected one of {list(FIT_ORDER)}")
+
+    @property
+    def grad_elements(self) -> int:
+        """Dense gradient elements of one generalized layer."""
+        if self.dense_grad_elements is not None:
+            return self.dense_grad_elements
+        M, S = self.d_model, self.esp
+        return (3 * M * M + 3 * M + M * M) // S + M
+
+
+@dataclass(frozen=True)
+class PipelineFits:
+    """α (ms) and β (ms per element, or per multiply-add for ``gemm``) per op of ``FIT_ORDER``."""
+
+    alpha_ms: tuple[float, ...]
+    beta_ms: tuple[float, ...]
+    bytes_per_element: int = 4
+    """Bytes of one element (FSMoE measures float32)."""
+    source: str = "explicit"
+
+    def __post_init__(self) -> None:
+        for name in ("alpha_ms", "beta_ms"):
+            values = tuple(getattr(self, name))
+            if len(values) != len(FIT_ORDER):
+                raise ValueError(f"{name}={list(values)!r}: expected {len(FIT_ORDER)} values ({' '.join(FIT_ORDER)})")
+            for op, v in zip(FIT_ORDER, values):
+                finite_number(f"{name}[{op}]", v, 0.0)
+            object.__setattr__(self, name, tuple(float(v) for v in values))
+        positive_int("bytes_per_element", self.bytes_per_element)
+
+    def alpha(self, op: str) -> float:
+        return self.alpha_ms[FIT_ORDER.index(op)]
+
+    def beta(self, op: str) -> float:
+        return self.beta_ms[FIT_ORDER.index(op)]
+
+    def ar_time_ms(self, elements: Any) -> np.ndarray:
+        """FSMoE §5.1 ``t_ar(n) = α_ar + β_ar·n``; nothing to reduce costs nothing (vectorised)."""
+        n = np.asarray(elements, dtype=np.float64)
+        return np.where(n > 0, self.alpha("ar") + self.beta("ar") * n, 0.0)
+
+    def ar_fit_elements(self, time_ms: float) -> float:
+        """FSMoE §5.1 ``g⁻¹(t) = (t − α_ar)/β_ar``, 0 when t does not cover the start-up."""
+        if time_ms <= self.alpha("ar"):
+            return 0.0
+        return math.inf if self.beta("ar") == 0 else (time_ms - self.alpha("ar")) / self.beta("ar")
+
+    @classmethod
+    def from_cost_model(cls, cost_model: Any, workload: PipelineWorkload) -> PipelineFits:
+        """From a moeflow ``CostModel``: its fits (seconds, per byte or per FLOP) in FSMoE units —
+        α·1e3, β·bytes_per_element·1e3 (comm) and β·2·1e3 (a multiply-add is 2 FLOPs, the unit of
+        ``moeflow profile``'s GEMM fit). A missing fit: the line through ``op_time`` at the layer's
+        size and an eighth of it (exact for the link model, which is affine in bytes)."""
+        bpe = cost_model.bytes_per_element
+        alphas, betas = [], []
+        for op in FIT_ORDER:
+            kind = COST_MODEL_KINDS[op]
+            per_unit = 2.0 if op == "gemm" else float(bpe)  # FLOPs or bytes in one FSMoE unit
+            fit = cost_model.fits.get(kind)
+            if fit is not None:
+                alpha_s, beta_s = fit.alpha_s, fit.beta_s_per_unit
+            else:
+                units = workload.elements(op) * (workload.layers if op == "ar" else 1) * per_unit
+                sizes = np.array([units / 8, units])
+                t_s = np.asarray(cost_model.op_time(kind, sizes), dtype=np.float64)
+                beta_s = max(float(t_s[1] - t_s[0]) / float(sizes[1] - sizes[0]), 0.0)
+                alpha_s = max(float(t_s[1]) - beta_s * units, 0.0)
+            alphas.append(1e3 * alpha_s)
+            betas.append(1e3 * beta_s * per_unit)
+        return cls(tuple(alphas), tuple(betas), bpe, f"cost model {cost_model.name}")
+
+
+@dataclass(frozen=True)
+class PassModel:
+    """Algorithm 1's inputs for one pass: per op (a2a, ag, rs, exp) α_x and ``n_x·β_x`` in ms."""
+
+    alpha_ms: tuple[float, float, float, float]
+    volume_ms: tuple[float, float, float, float]
+
+    def chunk_times(self, r: Any) -> np.ndarray:
+        """``[4, ...]``: t_a2a,r, t_ag,r, t_rs,r, t_exp,r (Eq. 1)."""
+        r = np.asarray(r, dtype=np.float64)
+        return np.stack([a + v / r for a, v in zip(self.alpha_ms, self.volume_ms)])
+
+
+def pass_model(
+    workload: PipelineWorkload, fits: PipelineFits, backward: bool, expert_alpha: ExpertAlpha = "once"
+) -> PassModel:
+    """Forward or backward coefficients (§4.4: the backward doubles α_exp and β_exp)."""
+    if expert_alpha not in ("once", "per_gemm"):
+        raise ValueError(f"expert_alpha={expert_alpha!r}: expected 'once' or 'per_gemm'")
+    scale = 2.0 if backward else 1.0
+    alpha_exp = fits.alpha("gemm") * (workload.gemms if expert_alpha == "per_gemm" else 1) * scale
+    ops = ("a2a", "ag", "rs", "gemm")
+    alphas = tuple(fits.alpha(op) for op in ops[:3]) + (alpha_exp,)
+    volumes = tuple(workload.elements(op) * fits.beta(op) * (scale if op == "gemm" else 1.0) for op in ops)
+    return PassModel(alphas, volumes)
+
+
+def _stack(rows: list[Any]) -> np.ndarray:
+    return np.stack(np.broadcast_arrays(*rows))
+
+
+def predicate_margins(model: PassModel, r: Any, t_gar_ms: Any) -> np.ndarray:
+    """``[7, ...]``: left minus right side of Q1..Q7 (§4.2); Qk holds where its margin is > 0.
+    ``...``: r and t_gar broadcast together."""
+    r = np.asarray(r, dtype=np.float64)
+    a2a, ag, rs, exp = model.chunk_times(r)
+    busy_a2a = 2 * (r - 1) * a2a  # all-to-alls but the first dispatch and the last combine
+    return _stack(
+        [
+            a2a - ag,  # Q1: t_a2a,r > t_ag,r
+            r * exp - busy_a2a,  # Q2: r·t_exp,r > 2(r−1)·t_a2a,r
+            r * exp - (r - 1) * (ag + rs),  # Q3: r·t_exp,r > (r−1)(t_ag,r + t_rs,r)
+            t_gar_ms - (ag + rs),  # Q4: t_gar > t_ag,r + t_rs,r
+            t_gar_ms - (r * exp - busy_a2a + ag + rs),  # Q5
+            t_gar_ms - (r * ag + r * rs - busy_a2a),  # Q6
+            t_gar_ms - (ag + rs + r * exp - busy_a2a),  # Q7
+        ]
+    )
+
+
+def case_times(model: PassModel, r: Any, t_gar_ms: Any) -> np.ndarray:
+    """``[4, ...]``: the closed-form time of Cases 1..4 at degree r (§4.2, Eq. 2)."""
+    r = np.asarray(r, dtype=np.float64)
+    a2a, ag, rs, exp = model.chunk_times(r)
+    return _stack(
+        [
+            2 * r * a2a + t_gar_ms,
+            2 * a2a + ag + rs + r * exp,
+            2 * r * a2a + ag + rs,
+            2 * a2a + r * ag + r * rs,
+        ]
+    )
+
+
+def case_at(model: PassModel, r: Any, t_gar_ms: Any) -> np.ndarray:
+    """The case (1..4) whose predicates hold at r (the cases partition r ≥ 1)."""
+    holds = predicate_margins(model, r, t_gar_ms) > 0
+    case = np.zeros(holds.shape[1:], dtype=np.int64)
+    for c in CASES:
+        for branch in CASE_BRANCHES[c]:
+            ok = np.logical_and.reduce([holds[q - 1] == want for q, want in branch])
+            case = np.where((case == 0) & ok, c, case)
+    return case
+
+
+def priced_time(model: PassModel, r: Any, t_gar_ms: Any) -> np.ndarray:
+    """Time at degree r: the formula of the case that holds there (module docstring)."""
+    times = case_times(model, r, t_gar_ms)
+    return np.take_along_axis(times, (case_at(model, r, t_gar_ms) - 1)[None], axis=0)[0]
+
+
+def best_candidate_time_ms(model: PassModel, t_gar_ms: Any, candidates: tuple[int, ...]) -> np.ndarray:
+    """Least priced time over the candidate degrees, for every t_gar ``[...]``: Algorithm 1's
+    snapped time when the priced time is convex in r (module docstring), without SLSQP; the
+    gradient partitioning evaluates it for whole populations at once."""
+    t_gar = np.asarray(t_gar_ms, dtype=np.float64)[..., None]
+    return priced_time(model, np.asarray(candidates, dtype=np.float64), t_gar).min(axis=-1)
+
+
+def overlappable_ms(model: PassModel, r: int) -> float:
+    """FSMoE §5.2 ``t_olp,moe(r)`` at t_gar = 0: the Gradient-AllReduce time the layer hides at
+    degree r — the threshold of Q5/Q7 (Case 2), Q4 (Case 3) or Q6 (Case 4); 0 in Case 1 and
+    never negative."""
+    case = int(case_at(model, r, 0.0))
+    if case == 1:
+        return 0.0
+    q = {2: 5, 3: 4, 4: 6}[case]  # Q5 and Q7 have the same right side
+    return max(0.0, -float(predicate_margins(model, r, 0.0)[q - 1]))
+
+
+@dataclass(frozen=True)
+class DegreeChoice:
+    """Algorithm 1 for one pass."""
+
+    degree: int
+    """The snapped pipeline degree."""
+    case: int
+    """The case whose predicates hold at ``degree``."""
+    time_ms: float
+    """Priced time at ``degree``."""
+    t_gar_ms: float
+    """The Gradient-AllReduce time it was solved with (0 forward)."""
+    continuous_degree: float
+    """Algorithm 1's r before snapping (best case's SLSQP optimum)."""
+    case_minima_ms: tuple[float, ...]
+    """SLSQP minimum of Cases 1..4 (nan: the case's predicates hold for no r in range)."""
+    case_degrees: tuple[float, ...]
+    """Continuous r of each case's minimum (nan where infeasible)."""
+    candidate_times_ms: tuple[tuple[int, float], ...] = field(default=())
+    """Priced time at every candidate degree, for a table."""
+
+    def to_dict(self) -> dict[str, Any]:
+        def num(v: float) -> float | None:
+            return None if math.isnan(v) else v
+
+        return {
+            "degree": self.degree,
+            "case": self.case,
+            "time_ms": self.time_ms,
+            "t_gar_ms": self.t_gar_ms,
+            "continuous_degree": self.continuous_degree,
+            "case_minima_ms": {str(c): num(v) for c, v in zip(CASES, self.case_minima_ms)},
+            "case_degrees": {str(c): num(v) for c, v in zip(CASES, self.case_degrees)},
+            "candidate_times_ms": {str(r): t for r, t in self.candidate_times_ms},
+        }
+
+
+def candidate_degrees(snap: str, chunk_dim: int | None = None) -> tuple[int, ...]:
+    """``powers``: the published tool's {1, 2, 4, 8}; ``divisors``: every divisor of ``chunk_dim``."""
+    if snap == "powers":
+        return PUBLISHED_DEGREES
+    if snap == "divisors":
+        n = positive_int("chunk_dim", chunk_dim)
+        low = np.arange(1, math.isqrt(n) + 1)
+        low = low[n % low == 0]
+        return tuple(int(d) for d in np.union1d(low, n // low))
+    raise ValueError(f"snap={snap!r}: expected 'powers' or 'divisors'")
+
+
+def _solve_case(model: PassModel, t_gar_ms: float, case: int, r_max: float) -> tuple[float, float]:
+    """SLSQP over r in [1, r_max] for one case, one sub-problem per conjunction; (r, time) or nans."""
+    best = (math.nan, math.inf)
+    starts = sorted({1.0, math.sqrt(r_max), r_max})
+    for branch in CASE_BRANCHES[case]:
+        signs = [(q - 1, 1.0 if want else -1.0) for q, want in branch]
+
+        def margins(x: np.ndarray, signs: list = signs) -> np.ndarray:
+            m = predicate_margins(model, x[0], t_gar_ms)
+            return np.array([s * m[i] for i, s in signs])
+
+        def objective(x: np.ndarray) -> float:
+            return float(case_times(model, x[0], t_gar_ms)[case - 1])
+
+        for x0 in starts:
+            res = optimize.minimize(
+                objective,
+                np.array([x0]),
+                method="SLSQP",
+                bounds=[(1.0, r_max)],
+                constraints=[{"type": "ineq", "fun": margins}],
+            )
+            r = float(np.clip(res.x[0], 1.0, r_max))
+            scale = 1e-6 * (1.0 + objective(np.array([r])))
+            if np.all(margins(np.array([r])) >= -scale) and objective(np.array([r])) < best[1]:
+                best = (r, objective(np.array([r])))
+    return best if math.isfinite(best[1]) else (math.nan, math.nan)
+
+
+@functools.lru_cache(maxsize=4096)
+def find_degree(
+    model: PassModel, t_gar_ms: float = 0.0, candidates: tuple[int, ...] = PUBLISHED_DEGREES
+) -> DegreeChoice:
+    """FSMoE Algorithm 1 (§4.3) with snapping: each case minimised by SLSQP under its predicates,
+    then the candidate degrees next to every feasible case's optimum priced (``priced_time``), the
+    cheapest kept (ties: the smaller degree). Memoised."""
+    finite_number("t_gar_ms", t_gar_ms, 0.0)
+    cands = np.asarray(sorted(set(candidates)), dtype=np.float64)
+    if cands.size == 0 or cands[0] < 1:
+        raise ValueError(f"candidates={candidates!r}: expected degrees >= 1")
+    solved = [_solve_case(model, t_gar_ms, c, float(cands[-1])) for c in CASES]
+    degrees = np.array([r for r, _ in solved])
+    minima = np.array([t for _, t in solved])
+    near: set[float] = set()
+    for r in degrees[np.isfinite(degrees)]:
+        near.update(cands[cands <= r + 1e-9][-1:].tolist() + cands[cands >= r - 1e-9][:1].tolist())
+    if not near:  # no case solved (SLSQP failed everywhere): price every candidate
+        near = set(cands.tolist())
+    near_r = np.array(sorted(near))
+    near_t = priced_time(model, near_r, t_gar_ms)
+    pick = int(np.argmin(near_t))
+    best_case = int(np.nanargmin(np.where(np.isfinite(minima), minima, np.inf))) if np.isfinite(minima).any() else 0
+    all_t = priced_time(model, cands, t_gar_ms)
+    return DegreeChoice(
+        degree=int(near_r[pick]),
+        case=int(case_at(model, near_r[pick], t_gar_ms)),
+        time_ms=float(near_t[pick]),
+        t_gar_ms=float(t_gar_ms),
+        continuous_degree=float(degrees[best_case]),
+        case_minima_ms=tuple(float(t) for t in minima),
+        case_degrees=tuple(float(r) for r in degrees),
+        candidate_times_ms=tuple((int(r), float(t)) for r, t in zip(cands, all_t)),
+    )
+
+
+@dataclass(frozen=True)
+class DegreePlan:
+    """Pipeline degrees of a model: one forward degree, one backward degree per MoE layer."""
+
+    forward: DegreeChoice
+    backward: tuple[DegreeChoice, ...]
+    """Per MoE layer in forward order (layer 0 first)."""
+    candidates: tuple[int, ...]
+    snap: str
+
+    @property
+    def forward_degree(self) -> int:
+        return self.forward.degree
+
+    @property
+    def backward_degrees(self) -> list[int]:
+        return [b.degree for b in self.backward]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "forward_degree": self.forward_degree,
+            "backward_degrees": self.backward_degrees,
+            "forward_case": self.forward.case,
+            "backward_cases": [b.case for b in self.backward],
+            "snap": self.snap,
+            "candidates": list(self.candidates),
+            "forward": self.forward.to_dict(),
+            "backward": [b.to_dict() for b in self.backward],
+        }
+
+
+def plan_degrees(
+    workload: PipelineWorkload,
+    fits: PipelineFits,
+    gar_ms_per_layer: tuple[float, ...] | None = None,
+    snap: str = "powers",
+    chunk_dim: int | None = None,
+    expert_alpha: ExpertAlpha = "once",
+) -> DegreePlan:
+    """Algorithm 1 forward (t_gar = 0) and backward for every MoE layer with its Gradient-AllReduce
+    time (``grad_partition.partition_gradients``; default none). ``chunk_dim`` (``divisors`` only)
+    defaults to B·L, the tokens of a device's batch."""
+    candidates = candidate_degrees(snap, chunk_dim or workload.batch * workload.seq)
+    gars = tuple(gar_ms_per_layer) if gar_ms_per_layer is not None else (0.0,) * workload.layers
+    if len(gars) != workload.layers:
+        raise ValueError(f"gar_ms_per_layer has {len(gars)} values: expected one per MoE layer ({workload.layers})")
+    forward = find_degree(pass_model(workload, fits, False, expert_alpha), 0.0, candidates)
+    backward_model = pass_model(workload, fits, True, expert_alpha)
+    backward = tuple(find_degree(backward_model, float(g), candidates) for g in gars)
+    return DegreePlan(forward, backward, candidates, snap)
