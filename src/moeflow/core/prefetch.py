@@ -40,7 +40,13 @@ import torch.distributed as dist
 
 from moeflow.core.hooks import MoEHook
 from moeflow.core.placement import Placement
-from moeflow.core.sparse_collectives import flat_layout, held_from_flat, point_to_point_transfers
+from moeflow.core.sparse_collectives import (
+    add_flat_rows,
+    flat_layout,
+    held_from_flat,
+    point_to_point_transfers,
+    split_held_gradients,
+)
 
 TAG_BASE = 1 << 27
 """Message tags of prefetched copies start here (the pairwise schedule's stay below 2²⁶)."""
@@ -68,6 +74,7 @@ class _TwoParts:
     def __init__(self, group, tag: int, width: int, split: float) -> None:
         self.group, self.tag = group, tag
         self.cut = int(round(split * width))
+        self.widths = (self.cut, width - self.cut)
         self.works: list[list | None] = [None, None]
 
     def columns(self, part: int) -> slice:
@@ -79,6 +86,9 @@ class _TwoParts:
 
     def post(self, part: int) -> None:
         if self.works[part] is not None:
+            return
+        if self.widths[part] == 0:  # nothing in this part (a split of 0 or 1): no empty messages
+            self.works[part] = []
             return
         sends, recvs = self.messages(part)
         g = self.group
@@ -109,7 +119,7 @@ class _Trans(_TwoParts):
         width = sum(self.layout.widths)
         super().__init__(layer.group, tag, width, split)
         self.sent_MP = self.layout.flat_sent(list(weights.values()))
-        self.recv = [self.sent_MP.new_empty((len(self.plan.recvs), w)) for w in (self.cut, width - self.cut)]
+        self.recv = [self.sent_MP.new_empty((len(self.plan.recvs), w)) for w in self.widths]
 
     def messages(self, part: int) -> tuple[list, list]:
         cols, index, first = self.columns(part), self.layout.sent_index, self.layout.first_expert
@@ -137,16 +147,7 @@ class _Prefetched(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_held):
-        layout = ctx.trans.layout
-        grads = []
-        for shape, g in zip(ctx.shapes, grad_held):
-            grad = g.new_zeros(shape)
-            grad.index_add_(0, layout.owned_rows, g.index_select(0, layout.owned_pos))
-            grads.append(grad)
-        n_recv = len(layout.recv_pos)
-        grad_MP = torch.cat(
-            [g.index_select(0, layout.recv_pos).reshape(n_recv, w) for g, w in zip(grad_held, layout.widths)], 1
-        )
+        grads, grad_MP = split_held_gradients(ctx.trans.layout, ctx.shapes, grad_held)
         ctx.prefetch.start_agg(ctx.index, ctx.trans, grad_MP)
         return (None, None, None, None, *grads)
 
@@ -157,8 +158,7 @@ class _Agg(_TwoParts):
     def __init__(self, trans: _Trans, grad_MP: torch.Tensor, split: float) -> None:
         super().__init__(trans.group, trans.tag + 2, grad_MP.shape[1], split)
         self.trans, self.grad_MP = trans, grad_MP
-        width = grad_MP.shape[1]
-        self.incoming = [grad_MP.new_empty((len(trans.plan.sends), w)) for w in (self.cut, width - self.cut)]
+        self.incoming = [grad_MP.new_empty((len(trans.plan.sends), w)) for w in self.widths]
 
     def messages(self, part: int) -> tuple[list, list]:
         cols, plan = self.columns(part), self.trans.plan
@@ -172,14 +172,12 @@ class _Agg(_TwoParts):
         plan, layout = self.trans.plan, self.trans.layout
         if not plan.sends:
             return
-        incoming = torch.cat(self.incoming, dim=1)
-        rows = torch.tensor([e - layout.first_expert for e, _ in plan.sends], dtype=torch.long)
-        offsets = np.concatenate([[0], np.cumsum(layout.widths)])
-        for p, a, b in zip(self.trans.layer.experts.weights().values(), offsets[:-1], offsets[1:]):
-            flat = incoming[:, int(a) : int(b)].reshape(len(rows), *p.shape[1:])
-            if p.grad is None:
+        params = list(self.trans.layer.experts.weights().values())
+        for p in params:
+            if p.grad is None:  # only copies' gradients reached this parameter (no owned tokens)
                 p.grad = torch.zeros_like(p)
-            p.grad.index_add_(0, rows.to(p.device), flat)
+        rows = [e - layout.first_expert for e, _ in plan.sends]
+        add_flat_rows([p.grad for p in params], layout, rows, torch.cat(self.incoming, dim=1))
 
 
 class BlockPrefetch(MoEHook):

@@ -138,6 +138,28 @@ def held_from_flat(layout: _Layout, local_params: list[torch.Tensor], recv_MP: t
     return tuple(held)
 
 
+def split_held_gradients(layout: _Layout, shapes: list, grad_held: tuple) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Backward of the held weights: the owned experts' gradients in the local parameters' shapes,
+    and the copies' gradients as flat message rows `[M, P]` (to be summed into their owners)."""
+    grads = []
+    for shape, g in zip(shapes, grad_held):
+        grad = g.new_zeros(shape)
+        grad.index_add_(0, layout.owned_rows, g.index_select(0, layout.owned_pos))
+        grads.append(grad)
+    n_recv = len(layout.recv_pos)
+    grad_MP = torch.cat(
+        [g.index_select(0, layout.recv_pos).reshape(n_recv, w) for g, w in zip(grad_held, layout.widths)], 1
+    )
+    return grads, grad_MP
+
+
+def add_flat_rows(grads: list[torch.Tensor], layout: _Layout, rows: list[int], flat: torch.Tensor) -> None:
+    """Add flat message rows `[len(rows), P]` into local rows `rows` of each parameter's gradient."""
+    index = torch.tensor(rows, dtype=torch.long, device=flat.device)
+    for grad, col in zip(grads, _columns(layout.widths)):
+        grad.index_add_(0, index.to(grad.device), flat[:, col].reshape(len(rows), *grad.shape[1:]))
+
+
 def _columns(widths: list[int]) -> list[slice]:
     offsets = np.concatenate([[0], np.cumsum(widths)])
     return [slice(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])]
@@ -185,23 +207,11 @@ class _Materialize(torch.autograd.Function):
     def backward(ctx, *grad_held):
         plan, group, layout, me = ctx.plan, ctx.group, ctx.layout, ctx.plan.me
         first = layout.first_expert
-        cols = _columns(layout.widths)
-        grads = []
-        for shape, g in zip(ctx.shapes, grad_held):
-            grad = g.new_zeros(shape)
-            grad.index_add_(0, layout.owned_rows, g.index_select(0, layout.owned_pos))
-            grads.append(grad)
-        # The copies' gradients, one flat row per received expert (the messages' layout).
-        n_recv = len(layout.recv_pos)
-        grad_MP = torch.cat(
-            [g.index_select(0, layout.recv_pos).reshape(n_recv, w) for g, w in zip(grad_held, layout.widths)], 1
-        )
+        grads, grad_MP = split_held_gradients(layout, ctx.shapes, grad_held)
         width = grad_MP.shape[1]
 
         def add_rows(rows: list[int], flat: torch.Tensor) -> None:
-            index = torch.tensor(rows, dtype=torch.long, device=flat.device)
-            for grad, col in zip(grads, cols):
-                grad.index_add_(0, index, flat[:, col].reshape(len(rows), *grad.shape[1:]))
+            add_flat_rows(grads, layout, rows, flat)
 
         # reduce_to_owner: every holder's gradient for a copy is summed into the owner's row.
         incoming = grad_MP.new_empty((len(plan.sends), width))
