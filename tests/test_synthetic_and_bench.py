@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeflow.bench.interleave import balanced_order, williams_rows
-from moeflow.bench.strategies import Variant, _add_speedups
+from moeflow.bench.strategies import StrategyBenchConfig, Variant, _add_speedups
 from moeflow.commands.bench import _print_strategy_rows
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
 
@@ -76,7 +76,15 @@ def test_balanced_order_gives_every_variant_every_position_and_every_predecessor
 
 
 def test_bench_variants_parse_and_name_the_bad_one():
-    assert Variant.parse("shadow:pairwise") == ("shadow", "pairwise", "a2a", None)
+    assert Variant.parse("shadow:pairwise") == ("shadow", "pairwise", "a2a", None, False)
+    assert Variant.parse("prophet:sync+prefetch").prefetch and not Variant.parse("prophet:sync").prefetch
+    assert str(Variant.parse("prophet:sync+prefetch:a2a:bfloat16")) == "prophet:sync+prefetch:a2a:bfloat16"
+    with pytest.raises(ValueError, match=r"\+prefetch"):
+        Variant.parse("prophet:sync+overlap")
+    with pytest.raises(ValueError, match="--blocks >= 2"):
+        StrategyBenchConfig(variants=(Variant.parse("prophet:sync+prefetch"),))
+    with pytest.raises(ValueError, match="trace_replay"):
+        StrategyBenchConfig(trace_replay=True)
     assert str(Variant.parse("ep:sync:hierarchical")) == "ep:sync:hierarchical"
     assert Variant.parse("ep:sync:a2a:bfloat16").wire_dtype == "bfloat16"
     assert str(Variant.parse("ep:sync:a2a:bfloat16")) == "ep:sync:a2a:bfloat16"
@@ -147,3 +155,26 @@ def test_strategy_bench_on_two_ranks(tmp_path, capsys):
     assert all("pairwise_bound" in r for r in rows if r["schedule"] == "pairwise")
     skewed = [r for r in rows if r["routing"] == "zipf-1.5"]
     assert skewed[0]["load_imbalance"] > rows[0]["load_imbalance"]
+
+
+@pytest.mark.multirank
+def test_blocks_prefetch_and_trace_replay_on_two_ranks(tmp_path, capsys):
+    """Pro-Prophet as its paper measures it: two blocks, the prefetch, the trace replayed step by step."""
+    import json
+
+    from moeflow import cli
+    from moeflow.perf.costmodel import CostModel
+    from moeflow.perf.topology import Topology
+
+    cost_model = tmp_path / "cm.json"
+    CostModel(Topology.homogeneous(2, 1e10), gemm_flops_per_s=1e8).save(cost_model)
+    argv = ["bench", "--nproc", "2", "--tokens", "64", "--d-model", "16", "--d-hidden", "32", "--experts", "2"]
+    argv += ["--skews", "2", "--trace", "smartmoe", "--trace-replay", "--blocks", "2", "--iterations", "3"]
+    argv += ["--cost-model", str(cost_model), "--variants", "ep:sync", "prophet:sync+prefetch", "--json"]
+    assert cli.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["routing"] for r in rows] == ["zipf-2", "zipf-2", "trace-replay@245", "trace-replay@245"]
+    for r in rows:
+        assert r["model_predicted_s"] > 0 and r["load_std_mean"] >= 0 and len(r["times_s"]) == 3
+        assert (r["copies_mean"] > 0) == (r["strategy"] == "prophet"), r  # fast network, slow GEMMs
+    assert [r["prefetch"] for r in rows] == [False, True, False, True]

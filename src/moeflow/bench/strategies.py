@@ -16,32 +16,42 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeflow.bench.blocks import BenchBlocks
 from moeflow.bench.interleave import balanced_order
+from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.layer import MoELayer
 from moeflow.perf.traces import resolve_trace
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
+from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
 
 
 class Variant(NamedTuple):
-    """One timed layer: `strategy:schedule[:dispatch[:wire_dtype]]` on the command line."""
+    """One timed model: `strategy:schedule[+prefetch][:dispatch[:wire_dtype]]` on the command line."""
 
     strategy: str
     schedule: str
     dispatch: str = "a2a"
     wire_dtype: str | None = None
     """`MoELayer(dispatch_dtype=...)`: the dispatched rows' precision on the wire (None: compute dtype)."""
+    prefetch: bool = False
+    """Pro-Prophet §V block-wise prefetch over the model's MoE layers (`schedule` text `sync+prefetch`)."""
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         parts = text.split(":")
         if not 2 <= len(parts) <= 4 or not all(parts):
             raise ValueError(
-                f"--variants {text!r}: expected strategy:schedule[:dispatch[:wire_dtype]], e.g. ep:sync:hierarchical"
+                f"--variants {text!r}: expected strategy:schedule[+prefetch][:dispatch[:wire_dtype]], "
+                f"e.g. ep:sync:hierarchical or prophet:sync+prefetch"
             )
-        return cls(*parts)
+        schedule, plus, extra = parts[1].partition("+")
+        if plus and extra != "prefetch":
+            raise ValueError(f"--variants {text!r}: the only schedule modifier is '+prefetch', got '+{extra}'")
+        return cls(parts[0], schedule, *parts[2:4], prefetch=bool(plus))
 
     def __str__(self) -> str:
-        parts = [self.strategy, self.schedule, self.dispatch, self.wire_dtype or ""]
+        schedule = self.schedule + ("+prefetch" if self.prefetch else "")
+        parts = [self.strategy, schedule, self.dispatch, self.wire_dtype or ""]
         while len(parts) > 2 and parts[-1] in ("", "a2a"):
             parts.pop()
         return ":".join(parts)
@@ -64,6 +74,12 @@ class StrategyBenchConfig:
     """Optional routing trace (.npz): its per-rank expert distribution is replayed as one more case."""
     trace_iteration: int = -1
     """Which recorded iteration of the trace to replay (negative: from the end)."""
+    trace_replay: bool = False
+    """Replay the trace's consecutive iterations, one per timed iteration, block b taking the trace's
+    layer b mod L (so a planner that plans ahead meets real locality), from `trace_iteration` (negative:
+    the last iterations that fit)."""
+    blocks: int = 1
+    """MoE layers per timed model, each followed by a dense residual part (`bench.blocks`); 1: one layer."""
     variants: tuple[Variant, ...] = (
         Variant("ep", "sync"),
         Variant("shadow", "sync"),
@@ -78,11 +94,16 @@ class StrategyBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tokens_per_rank", "d_model", "d_hidden", "experts_per_rank", "top_k", "iterations"):
+        for name in ("tokens_per_rank", "d_model", "d_hidden", "experts_per_rank", "top_k", "iterations", "blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if any(s < 0 for s in self.skews):
             raise ValueError(f"skews={self.skews}: every skew must be >= 0")
+        if self.trace_replay and not self.trace:
+            raise ValueError("trace_replay=True needs a trace (--trace smartmoe or a .npz path)")
+        for v in self.variants:
+            if v.prefetch and self.blocks < 2:
+                raise ValueError(f"variant {str(v)!r}: a prefetch needs a block before the layer (--blocks >= 2)")
 
 
 class PhaseTimer:
@@ -114,11 +135,33 @@ class PhaseTimer:
         }
 
 
-def _trace_probabilities(trace: str, iteration: int, world: int, num_experts: int) -> torch.Tensor:
-    """Per-rank expert distribution `[W, E]` of one recorded iteration (layer 0) of a trace
+def _trace_probabilities(trace: str, world: int, num_experts: int) -> torch.Tensor:
+    """Per-rank expert distributions `[I, L, W, E]` of every recorded iteration and layer of a trace
     (`smartmoe` or a path), rescaled onto this group (`Trace.rescale`)."""
-    flow = resolve_trace(trace).rescale(world, num_experts).flow_ILWE[iteration, 0].astype("float64")
-    return torch.as_tensor(flow / flow.sum(1, keepdims=True), dtype=torch.float32)
+    flow = resolve_trace(trace).rescale(world, num_experts).flow_ILWE.astype("float64")
+    return torch.as_tensor(flow / flow.sum(-1, keepdims=True).clip(min=1), dtype=torch.float32)
+
+
+def _routing_cases(cfg: StrategyBenchConfig, world: int, num_experts: int) -> list[tuple[str, torch.Tensor]]:
+    """(name, probabilities `[I, B, W, E]`) per routing case: what block b's gate draws from at timed
+    or warm-up iteration i (I = 1: the same every iteration). Zipf: each block its own random expert
+    order (block 0's that of the single-layer benchmark); a trace: layer b mod L of one recorded
+    iteration, or with `trace_replay` of consecutive ones."""
+    cases = []
+    for skew in cfg.skews:
+        zipf_BE = torch.stack([zipf_probabilities(num_experts, skew, cfg.seed + b) for b in range(cfg.blocks)])
+        cases.append((f"zipf-{skew:g}", zipf_BE[None, :, None, :].expand(1, -1, world, -1)))
+    if cfg.trace:
+        probs_ILWE = _trace_probabilities(cfg.trace, world, num_experts)
+        layers_B = [b % probs_ILWE.shape[1] for b in range(cfg.blocks)]
+        if cfg.trace_replay:
+            n, total = probs_ILWE.shape[0], cfg.warmup + cfg.iterations
+            start = cfg.trace_iteration if cfg.trace_iteration >= 0 else max(0, n + cfg.trace_iteration + 1 - total)
+            steps = [min(start + i, n - 1) for i in range(total)]
+            cases.append((f"trace-replay@{start}", probs_ILWE[steps][:, layers_B]))
+        else:
+            cases.append((f"trace@{cfg.trace_iteration}", probs_ILWE[[cfg.trace_iteration]][:, layers_B]))
+    return cases
 
 
 def _max_over_ranks(value: float) -> float:
@@ -133,50 +176,72 @@ def _sum_over_ranks(value: float) -> float:
     return float(t)
 
 
-def _layer(cfg: StrategyBenchConfig, variant: Variant, probs: torch.Tensor, cost_model, timer: PhaseTimer) -> MoELayer:
-    """The variant's layer on the live group, with the benchmark's seeded weights and sampled routing."""
-    torch.manual_seed(cfg.seed)
-    num_experts = cfg.experts_per_rank * dist.get_world_size()
-    return MoELayer(
-        cfg.d_model,
-        cfg.d_hidden,
-        num_experts,
-        top_k=cfg.top_k,
-        expert=cfg.expert,
-        gate=SampledGate(cfg.d_model, num_experts, cfg.top_k, probs, cfg.seed, dist.get_rank()),
-        strategy=variant.strategy,
-        schedule=variant.schedule,
-        dispatch=variant.dispatch,
-        cost_model=cost_model,
-        schedule_options=cfg.schedule_options if variant.schedule != "sync" else None,
-        dispatch_dtype=variant.wire_dtype,
-        hooks=[timer] if variant.schedule == "sync" else None,
-    ).to_expert_parallel(dist.group.WORLD)
+def _model(cfg: StrategyBenchConfig, variant: Variant, probs_BWE: torch.Tensor, cost_model, timer) -> BenchBlocks:
+    """The variant's blocks on the live group, with the benchmark's seeded weights and sampled routing
+    (the timer on block 0's layer, sync schedules only)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    num_experts = cfg.experts_per_rank * world
+    layers = []
+    for b in range(cfg.blocks):
+        torch.manual_seed(cfg.seed + b)
+        layer = MoELayer(
+            cfg.d_model,
+            cfg.d_hidden,
+            num_experts,
+            top_k=cfg.top_k,
+            expert=cfg.expert,
+            gate=SampledGate(cfg.d_model, num_experts, cfg.top_k, probs_BWE[b], cfg.seed + b, rank),
+            strategy=variant.strategy,
+            schedule=variant.schedule,
+            dispatch=variant.dispatch,
+            cost_model=cost_model,
+            schedule_options=cfg.schedule_options if variant.schedule != "sync" else None,
+            dispatch_dtype=variant.wire_dtype,
+            hooks=[timer] if variant.schedule == "sync" and b == 0 else None,
+        )
+        layers.append(layer.to_expert_parallel(dist.group.WORLD))
+    if variant.prefetch and not getattr(layers[0].planner, "plans_ahead", False):
+        raise ValueError(
+            f"variant {str(variant)!r}: strategy {variant.strategy!r} does not plan ahead; nothing to prefetch"
+        )
+    return BenchBlocks(layers, prefetch=variant.prefetch)
 
 
 @dataclass
 class _Run:
-    """One variant's layer and what its timed iterations recorded."""
+    """One variant's model and what its timed iterations recorded."""
 
     variant: Variant
-    layer: MoELayer
+    model: BenchBlocks
     timer: PhaseTimer
+    cost_model: object = None
     times: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)
-    shadowed: list[int] = field(default_factory=list)
+    shadowed: list[float] = field(default_factory=list)
+    copies: list[float] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)
+    model_predicted: list[float] = field(default_factory=list)
+    load_std: list[float] = field(default_factory=list)
     bytes: list[float] = field(default_factory=list)
 
     def record(self, elapsed_s: float) -> None:
-        """One timed iteration (collective: every rank calls it)."""
+        """One timed iteration (collective: every rank calls it). Per layer, averaged over the blocks:
+        copies beyond the owners, the balance metric (Pro-Prophet Fig. 12), and the planner's own
+        predicted speedup for the placement it chose; summed over the blocks, the cost model's time
+        for the flows and placements the layers ran (its error against the measured time)."""
         self.times.append(_max_over_ranks(elapsed_s))
         if self.variant.schedule == "sync":
             self.phases.append({k: _max_over_ranks(v) for k, v in self.timer.phases().items()})
-        decision = getattr(self.layer.planner, "last", None)  # a shadow planner's ShadowDecision
-        self.shadowed.append(len(decision.shadowed) if decision else 0)
-        if decision:  # its predicted speedup over plain EP: the cost model's error made visible
-            self.predicted.append(decision.predicted_s[0] / decision.best_s)
-        self.bytes.append(_sum_over_ranks(float(self.layer.stats.bytes_sent.sum())))
+        layers = list(self.model.moe)
+        decisions = [getattr(layer.planner, "last", None) for layer in layers]  # shadow, prophet decisions
+        self.shadowed.append(np.mean([len(getattr(d, "shadowed", ())) for d in decisions]))
+        self.copies.append(np.mean([layer.stats.placement.materialized_EW().sum() for layer in layers]))
+        self.load_std.append(np.mean([layer.stats.load_std for layer in layers]))
+        if all(d is not None for d in decisions):  # the planners' predicted speedups over plain EP
+            self.predicted.append(np.mean([d.predicted_s[0] / d.best_s for d in decisions]))
+        if self.cost_model is not None and self.variant.schedule == "sync":
+            self.model_predicted.append(sum(_layer_price(layer, self.cost_model) for layer in layers))
+        self.bytes.append(_sum_over_ranks(float(sum(layer.stats.bytes_sent.sum() for layer in layers))))
 
     def row(self, routing_name: str) -> dict:
         row = {
@@ -184,9 +249,12 @@ class _Run:
             **self.variant._asdict(),
             "median_s": float(np.median(self.times)),
             "times_s": self.times,
-            "load_imbalance": self.layer.stats.load_imbalance,
+            "load_imbalance": float(np.mean([layer.stats.load_imbalance for layer in self.model.moe])),
             "shadowed_mean": float(np.mean(self.shadowed)),
+            "copies_mean": float(np.mean(self.copies)),
+            "load_std_mean": float(np.mean(self.load_std)),
             "planner_predicted_speedup": float(np.mean(self.predicted)) if self.predicted else None,
+            "model_predicted_s": float(np.median(self.model_predicted)) if self.model_predicted else None,
             "dispatch_bytes_on_network": float(np.mean(self.bytes)),
         }
         if self.phases:
@@ -195,29 +263,35 @@ class _Run:
         return row
 
 
+def _layer_price(layer: MoELayer, cost_model) -> float:
+    """The cost model's forward + backward time of `layer`'s last step (Pro-Prophet Eq. 6 over the
+    shared cost model: the terms every planner prices placements with)."""
+    stats = layer.stats
+    shape = ExpertShape(layer.d_model, layer.d_hidden, layer.experts.kind)
+    return price_placement(stats.flow.numpy(), stats.placement, cost_model, shape, ProphetOptions(), layer.node_of)
+
+
 def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
     """Run on every rank of the initialized default group; returns rows (identical on all ranks).
     The variants are interleaved iteration by iteration in a Williams order (each runs after every
-    other equally often: `moeflow.bench.interleave`), so machine noise hits them alike."""
+    other equally often: `moeflow.bench.interleave`), so machine noise hits them alike; with a
+    replayed trace every variant meets the same routing at the same iteration."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    num_experts = cfg.experts_per_rank * world
-    cases = [(f"zipf-{s:g}", zipf_probabilities(num_experts, s, cfg.seed)) for s in cfg.skews]
-    if cfg.trace:
-        cases.append(
-            (f"trace@{cfg.trace_iteration}", _trace_probabilities(cfg.trace, cfg.trace_iteration, world, num_experts))
-        )
     rows = []
-    for routing_name, probs in cases:
+    for routing_name, probs_IBWE in _routing_cases(cfg, world, cfg.experts_per_rank * world):
         runs = []
         for variant in cfg.variants:
             timer = PhaseTimer()
-            runs.append(_Run(variant, _layer(cfg, variant, probs, cost_model, timer), timer))
+            runs.append(_Run(variant, _model(cfg, variant, probs_IBWE[0], cost_model, timer), timer, cost_model))
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
         for it in range(cfg.warmup + cfg.iterations):
             for run in balanced_order(runs, it):
+                if probs_IBWE.shape[0] > 1:
+                    run.model.set_popularity(probs_IBWE[it], rank)
                 dist.barrier()
                 start = time.perf_counter()
-                run.layer(x).square().mean().backward()
+                run.model(x).square().mean().backward()
+                run.model.finish()
                 dist.barrier()
                 if it >= cfg.warmup:
                     run.record(time.perf_counter() - start)
@@ -233,7 +307,8 @@ def _add_speedups(rows: list[dict]) -> None:
     base = {
         r["routing"]: r
         for r in rows
-        if (r["strategy"], r["schedule"], r["dispatch"], r.get("wire_dtype")) == ("ep", "sync", "a2a", None)
+        if (r["strategy"], r["schedule"], r["dispatch"], r.get("wire_dtype"), r.get("prefetch", False))
+        == ("ep", "sync", "a2a", None, False)
     }
     for r in rows:
         ref = base.get(r["routing"])

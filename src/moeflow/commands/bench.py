@@ -29,11 +29,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.8, 1.2, 1.6], help="Zipf exponents")
     parser.add_argument("--trace", default=None, help="also replay this routing trace: smartmoe or a .npz path")
     parser.add_argument(
+        "--trace-replay",
+        action="store_true",
+        help="replay the trace's consecutive iterations, one per timed iteration (real locality), not one iteration",
+    )
+    parser.add_argument(
+        "--blocks", type=int, default=1, help="MoE layers per timed model, each followed by a dense part (default 1)"
+    )
+    parser.add_argument(
         "--variants",
         nargs="+",
         default=["ep:sync", "shadow:sync", "ep:pairwise", "shadow:pairwise"],
-        help="layers to time, strategy:schedule[:dispatch[:wire dtype]] (default a2a, the compute dtype; "
-        "e.g. ep:sync:hierarchical, ep:sync:a2a:bfloat16)",
+        help="layers to time, strategy:schedule[+prefetch][:dispatch[:wire dtype]] (default a2a, the compute "
+        "dtype; e.g. ep:sync:hierarchical, ep:sync:a2a:bfloat16, prophet:sync+prefetch with --blocks 2)",
     )
     parser.add_argument(
         "--group-size", type=int, default=None, help="pairwise: schedule_options group_size (default: from topology)"
@@ -64,15 +72,17 @@ def _strategy_worker(cfg, cost_model_source):
 
 
 def _print_strategy_rows(rows: list[dict]) -> None:
-    header = f"{'routing':<14}{'strategy':<15}{'schedule':<10}{'dispatch':<14}{'wire':<10}{'ms':>9}{'speedup':>9}"
-    print(header + f"{'shadowed':>9}{'predicted':>10}{'bound':>7}{'of bound':>9}")
+    header = f"{'routing':<18}{'strategy':<15}{'schedule':<18}{'dispatch':<14}{'wire':<10}{'ms':>9}{'speedup':>9}"
+    print(header + f"{'copies':>8}{'load std':>9}{'predicted':>10}{'model ms':>9}{'bound':>7}{'of bound':>9}")
     for r in rows:
         bound = f"{r['pairwise_bound']:7.2f}{r['share_of_bound']:9.0%}" if "pairwise_bound" in r else f"{'':7}{'':9}"
-        predicted = r["planner_predicted_speedup"]
+        predicted, model = r["planner_predicted_speedup"], r.get("model_predicted_s")
+        schedule = r["schedule"] + ("+prefetch" if r.get("prefetch") else "")
         print(
-            f"{r['routing']:<14}{r['strategy']:<15}{r['schedule']:<10}{r['dispatch']:<14}{r['wire_dtype'] or '-':<10}"
-            f"{1e3 * r['median_s']:9.1f}{r.get('speedup_vs_ep', float('nan')):9.2f}{r['shadowed_mean']:9.1f}"
-            f"{'' if predicted is None else f'{predicted:.2f}':>10}{bound}"
+            f"{r['routing']:<18}{r['strategy']:<15}{schedule:<18}{r['dispatch']:<14}{r['wire_dtype'] or '-':<10}"
+            f"{1e3 * r['median_s']:9.1f}{r.get('speedup_vs_ep', float('nan')):9.2f}{r.get('copies_mean', 0):8.1f}"
+            f"{r.get('load_std_mean', 0):9.1f}{'' if predicted is None else f'{predicted:.2f}':>10}"
+            f"{'' if model is None else f'{1e3 * model:.1f}':>9}{bound}"
         )
 
 
@@ -95,6 +105,8 @@ def _strategy_result(args, world: int, outer: bool) -> dict | None:
         expert=args.expert or "ffn",
         skews=tuple(args.skews),
         trace=args.trace,
+        trace_replay=args.trace_replay,
+        blocks=args.blocks,
         variants=variants,
         schedule_options=None if args.group_size is None else {"group_size": args.group_size},
         iterations=args.iterations,
