@@ -110,3 +110,9 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     assert copies > 0 and idle > 0, (copies, idle)
     assert prefetched > 0
     assert prefetch.steps == ITERATIONS and 0.0 < prefetch.split_forward[0] < 1.0, prefetch.split_forward
+    # What the prefetch measured to hide reached layer 2's planner (the same on every rank).
+    share = torch.tensor([models["pf"].moe2.planner.hidden_share], dtype=torch.float64)
+    assert 0.0 <= float(share) <= 1.0 and float(share) == prefetch.hidden_share[1]
+    agreed = share.clone()
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    assert float(agreed) == float(share)

@@ -85,6 +85,9 @@ def test_min_gain_margin_keeps_plain_ep():
 def test_eq8_overlap_and_links_model_use_the_shared_cost_model():
     assert float(overlapped_copies(5.0, 9.0, 2.0, 1.0)) == pytest.approx((5 - 2 - 1) + (9 - 4 - 2))
     assert float(overlapped_copies(1.0, 1.0, 2.0, 0.0)) == 0.0
+    # Half the windows hide copies: max(0, 5 - 0.5·3) + max(0, 9 - 0.5·6); none: Eq. 6's sum.
+    assert float(overlapped_copies(5.0, 9.0, 2.0, 1.0, hidden_share=0.5)) == pytest.approx(3.5 + 6.0)
+    assert float(overlapped_copies(5.0, 9.0, 2.0, 1.0, hidden_share=0.0)) == pytest.approx(14.0)
     flow = np.array([[10, 1, 1, 1], [60, 1, 1, 1], [60, 1, 1, 1], [0, 1, 1, 1]], float)
     extra = np.zeros((4, 4), dtype=bool)
     extra[0, [1, 2]] = True

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.hooks import MoEHook
 from moeflow.core.placement import Placement
 from moeflow.core.sparse_collectives import (
@@ -76,6 +77,7 @@ class _TwoParts:
         self.cut = int(round(split * width))
         self.widths = (self.cut, width - self.cut)
         self.works: list[list | None] = [None, None]
+        self.exposed_s = 0.0  # time the compute thread waited on these messages
 
     def columns(self, part: int) -> slice:
         return slice(0, self.cut) if part == 0 else slice(self.cut, None)
@@ -98,8 +100,10 @@ class _TwoParts:
 
     def wait(self, part: int) -> None:
         self.post(part)
+        start = time.perf_counter()
         for work in self.works[part]:
             work.wait()
+        self.exposed_s += time.perf_counter() - start
         self.works[part] = []
 
     def wait_all(self) -> None:
@@ -187,13 +191,16 @@ class BlockPrefetch(MoEHook):
     loss.backward(); prefetch.finish(); optimizer.step()
     """
 
-    def __init__(self, layers: Sequence, calibrate_after: int = 1) -> None:
+    def __init__(self, layers: Sequence) -> None:
         self.layers = list(layers)
-        self.calibrate_after = calibrate_after
         self.steps = 0
         self.split_forward = np.full(len(self.layers), 0.5)  # EFC_i share of block i's forward compute
         self.split_backward = np.full(len(self.layers), 0.5)  # BNEC_i share of its backward compute
         self.measured = np.zeros((len(self.layers), 4))  # EFC, FNEC, BNEC, BEC per block (seconds)
+        # Per layer since the last calibration: waited on its prefetched copies, and their price.
+        self.exposed_s = np.zeros(len(self.layers))
+        self.predicted_s = np.zeros(len(self.layers))
+        self.hidden_share = np.zeros(len(self.layers))
         self._stamps: dict[tuple[int, str], float] = {}
         self._trans: dict[int, _Trans] = {}
         self._agg: dict[int, _Agg] = {}
@@ -223,8 +230,20 @@ class BlockPrefetch(MoEHook):
             return None
         if trans.placement != placement:  # the plan changed under it: drain the messages, run sync
             trans.wait_all()
+            self.exposed_s[layer.prefetch_index] += trans.exposed_s
             return None
-        return trans.weights(self, layer.prefetch_index)
+        weights = trans.weights(self, layer.prefetch_index)
+        self.exposed_s[layer.prefetch_index] += trans.exposed_s
+        return weights
+
+    @staticmethod
+    def _copies_price(layer, placement: Placement) -> float:
+        """The cost model's time of one direction of the layer's copies, point-to-point as sent here."""
+        cm = layer.cost_model
+        if cm is None or layer.cluster_mismatch:
+            return 0.0
+        size = ExpertShape(layer.d_model, layer.d_hidden, layer.experts.kind).param_bytes(cm.bytes_per_element)
+        return float(cm.materialize_time(size, placement.holders_EW, placement.owner_E))
 
     # ---- the four marks of layer i -----------------------------------------------------------------
     def _mark(self, layer, x: torch.Tensor, point: str) -> torch.Tensor:
@@ -251,6 +270,7 @@ class BlockPrefetch(MoEHook):
                 tag = TAG_BASE + 8 * (i + 1)
                 self._trans[i + 1] = _Trans(self.layers[i + 1], placement, self.split_forward[i], tag)
                 self._trans[i + 1].post(0)
+                self.predicted_s[i + 1] += 2 * self._copies_price(self.layers[i + 1], placement)
         elif point == "computed" and (i + 1) in self._trans:
             self._trans[i + 1].wait(0)
         elif point == "end" and (i + 1) in self._trans:  # SubTrans2_{i+1} ∥ FNEC_i
@@ -266,29 +286,35 @@ class BlockPrefetch(MoEHook):
         elif point == "computed" and agg is not None:  # SubAgg2_{i+1} ∥ BEC_i
             agg.post(1)
         elif point == "dispatched" and agg is not None:
-            self._agg.pop(i + 1).finish()
+            self._finish_agg(i + 1)
+
+    def _finish_agg(self, index: int) -> None:
+        agg = self._agg.pop(index)
+        agg.finish()
+        self.exposed_s[index] += agg.exposed_s
 
     def start_agg(self, index: int, trans: _Trans, grad_MP: torch.Tensor) -> None:
         self._agg[index] = _Agg(trans, grad_MP, self.split_backward[index - 1])
 
     # ---- once per step -----------------------------------------------------------------------------
     def finish(self) -> None:
-        """After backward: land every Agg still in flight; after `calibrate_after` steps, agree the
-        split points across the group from the measured compute times (module docstring)."""
+        """After backward: land every Agg still in flight; after steps 1, 2, 4, 8, ... agree across
+        the group what was measured (module docstring): the split points, and for each planner the
+        non-MoE time and the share of the windows that hid copies."""
         for index in sorted(self._agg):
-            self._agg.pop(index).finish()
+            self._finish_agg(index)
         self.steps += 1
         self._measure()
-        if self.steps == self.calibrate_after:
+        if self.steps & (self.steps - 1) == 0:  # a power of two: ever rarer, one small all-reduce
             self._calibrate()
 
     def _measure(self) -> None:
         s = self._stamps
+
+        def span(a, b) -> float:
+            return s[a] - s[b] if a in s and b in s else 0.0
+
         for i in range(len(self.layers) - 1):
-
-            def span(a, b):
-                return s[a] - s[b] if a in s and b in s else 0.0
-
             self.measured[i] = [
                 span(("f", "computed", i), ("f", "dispatched", i)),  # EFC_i
                 span(("f", "start", i + 1), ("f", "end", i)),  # FNEC_i
@@ -298,14 +324,20 @@ class BlockPrefetch(MoEHook):
         self._stamps.clear()
 
     def _calibrate(self) -> None:
-        measured = torch.from_numpy(self.measured.copy())
+        values = np.concatenate([self.measured, self.exposed_s[:, None], self.predicted_s[:, None]], axis=1)
+        agreed = torch.from_numpy(values)
         groups = {id(layer.group): layer.group for layer in self.layers if layer.group is not None}
         for group in groups.values():
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-        m = measured.numpy()
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        m, exposed, predicted = agreed[:, :4].numpy(), agreed[:, 4].numpy(), agreed[:, 5].numpy()
         with np.errstate(invalid="ignore", divide="ignore"):
             self.split_forward = np.nan_to_num(m[:, 0] / (m[:, 0] + m[:, 1]), nan=0.5)
             self.split_backward = np.nan_to_num(m[:, 2] / (m[:, 2] + m[:, 3]), nan=0.5)
+            measured_share = np.clip(1.0 - exposed / predicted, 0.0, 1.0)
+        # Layers whose copies were priced and sent since the last time: what they hid.
+        self.hidden_share = np.where(predicted > 0, measured_share, self.hidden_share)
+        self.exposed_s[:], self.predicted_s[:] = 0.0, 0.0
         for i, layer in enumerate(self.layers[1:], start=1):
             if getattr(layer.planner, "plans_ahead", False):
                 layer.planner.nonmoe_forward_s = float(m[i - 1, 1])  # T_FNEC of Eq. 8
+                layer.planner.hidden_share = float(self.hidden_share[i])

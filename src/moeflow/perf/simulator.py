@@ -203,8 +203,11 @@ def simulate(
         trans_IL, agg_IL = _copies_time_IL(cost_model, param_bytes, holders)
         copies_IL = trans_IL + agg_IL
         if layer.prefetch and getattr(probes[name], "plans_ahead", False):
-            # Pro-Prophet Eq. 8: every layer after the first has its copies prefetched in the block before.
-            hidden_IL = overlapped_copies(trans_IL, agg_IL, lat_comp_IL, layer.nonmoe_forward_s)
+            # Pro-Prophet Eq. 8: every layer after the first has its copies prefetched in the block
+            # before, point-to-point from their owners as `core.prefetch` sends them; a GPU's copy
+            # engines hide them behind the whole window (hidden share 1).
+            p2p_IL = cost_model.materialize_time(param_bytes, holders, Placement.expert_parallel(E, W).owner_E)
+            hidden_IL = overlapped_copies(p2p_IL, p2p_IL, lat_comp_IL, layer.nonmoe_forward_s)
             copies_IL[:, 1:] = hidden_IL[:, 1:]
         other_IL = t_counts + copies_IL
         replicated_IL = holders.sum(axis=(-2, -1)) - E

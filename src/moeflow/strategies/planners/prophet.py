@@ -69,9 +69,12 @@ class ProphetOptions:
     min_gain: float = 0.05
     """Take a placement only if predicted at least this fraction faster than plain EP."""
     overlap: bool = False
-    """Price copies as Eq. 8 (hidden by the block-wise scheduler). `moe.prefetch` turns it on."""
+    """Price copies as Eq. 8 (hidden by the block-wise scheduler, sent point-to-point as it sends
+    them). `moe.prefetch` turns it on, with the two values below measured."""
     nonmoe_forward_s: float = 0.0
     """T_FNEC of Eq. 8: forward time of the dense part of a block (backward: twice)."""
+    hidden_share: float = 1.0
+    """Share of Eq. 8's compute windows that hides copies (1: Eq. 8 as printed)."""
     model: Literal["links", "paper"] = "links"
     """`links`: the shared cost-model functions; `paper`: Eq. 1-8 as printed (mean bandwidth)."""
 
@@ -88,6 +91,7 @@ class ProphetOptions:
         if self.min_gain >= 1.0:
             raise ValueError(f"min_gain={self.min_gain!r}: expected a fraction in [0, 1)")
         finite_number("nonmoe_forward_s", self.nonmoe_forward_s, low=0.0)
+        finite_number("hidden_share", self.hidden_share, 0.0, 1.0)
 
 
 @dataclass
@@ -119,9 +123,9 @@ def price_placement(
         copies = int(placement.materialized_EW().sum())
         t = prophet_layer_times(cost_model, recv_W, plan_SED.sum((0, 1)), copies, shape, options.nonmoe_forward_s)
         return float(t["overlapped" if options.overlap else "total"])
-    t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape)
+    t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape, options.overlap)
     copies = (
-        overlapped_copies(t["trans"], t["agg"], t["fec"], options.nonmoe_forward_s)
+        overlapped_copies(t["trans"], t["agg"], t["fec"], options.nonmoe_forward_s, options.hidden_share)
         if options.overlap
         else t["trans"] + t["agg"]
     )
@@ -218,6 +222,7 @@ class ProphetPlanner:
         self.calls = 0
         self.prefetched = False  # set by `core.prefetch.BlockPrefetch`: copies are hidden (Eq. 8)
         self.nonmoe_forward_s = 0.0  # T_FNEC measured by the prefetch (agreed across ranks)
+        self.hidden_share = 0.0  # what the prefetch measured to hide; nothing until measured
         self.last: ProphetDecision | None = None
         self._next: Future | Placement | None = None
 
@@ -235,12 +240,14 @@ class ProphetPlanner:
         return self._next
 
     def search_options(self) -> ProphetOptions:
-        """The options Algorithm 1 runs with: under the block-wise prefetch, copies priced as hidden
-        (Eq. 8) behind the measured non-MoE time unless `nonmoe_forward_s` was given."""
+        """The options Algorithm 1 runs with: under the block-wise prefetch, copies priced as Eq. 8
+        with the windows the prefetch measured — the non-MoE time (unless `nonmoe_forward_s` was
+        given) and the share of the windows that really hid copies (0 until measured: a prefetch
+        is trusted only once it has been seen to hide something)."""
         if not self.prefetched:
             return self.options
         nonmoe = self.options.nonmoe_forward_s or self.nonmoe_forward_s
-        return replace(self.options, overlap=True, nonmoe_forward_s=nonmoe)
+        return replace(self.options, overlap=True, nonmoe_forward_s=nonmoe, hidden_share=self.hidden_share)
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
         if cost_model is None:

@@ -27,12 +27,19 @@ import numpy as np
 from moeflow.core.expert_shape import ExpertShape
 
 
-def overlapped_copies(trans_s: Any, agg_s: Any, fec_s: Any, nonmoe_forward_s: float) -> np.ndarray:
+def overlapped_copies(
+    trans_s: Any, agg_s: Any, fec_s: Any, nonmoe_forward_s: float, hidden_share: Any = 1.0
+) -> np.ndarray:
     """Eq. 8: ``max(0, T_Trans − T_FEC − T_FNEC) + max(0, T_Agg − T_BEC − T_BNEC)`` with
-    ``T_BEC = 2·T_FEC`` (Eq. 3) and the non-MoE backward likewise twice its forward."""
+    ``T_BEC = 2·T_FEC`` (Eq. 3) and the non-MoE backward likewise twice its forward.
+
+    ``hidden_share`` scales the compute windows: 1 is Eq. 8 as printed (communication costs the
+    compute nothing, as with a GPU's copy engines); where transfers and compute share cores (gloo
+    on CPUs) less of a window hides them, and `core.prefetch` measures how much."""
     fec = np.asarray(fec_s, dtype=np.float64)
-    ptrans = np.maximum(0.0, np.asarray(trans_s, dtype=np.float64) - fec - nonmoe_forward_s)
-    pagg = np.maximum(0.0, np.asarray(agg_s, dtype=np.float64) - 2 * fec - 2 * nonmoe_forward_s)
+    h = np.asarray(hidden_share, dtype=np.float64)
+    ptrans = np.maximum(0.0, np.asarray(trans_s, dtype=np.float64) - h * (fec + nonmoe_forward_s))
+    pagg = np.maximum(0.0, np.asarray(agg_s, dtype=np.float64) - h * 2 * (fec + nonmoe_forward_s))
     return ptrans + pagg
 
 
@@ -80,14 +87,23 @@ def prophet_layer_times(
 
 
 def placement_times(
-    cost_model: Any, plan_SED: np.ndarray, holders_EW: np.ndarray, owner_E: np.ndarray, shape: ExpertShape
+    cost_model: Any,
+    plan_SED: np.ndarray,
+    holders_EW: np.ndarray,
+    owner_E: np.ndarray,
+    shape: ExpertShape,
+    point_to_point: bool = False,
 ) -> dict[str, float]:
     """Eq. 6's terms for a dispatch plan ``plan_SED`` (`core.placement.dispatch_counts`) and the
     placement it runs on, priced with the shared cost-model functions (module docstring): ``a2a``
     (the four exchanges), ``fec`` (one forward expert compute, slowest device), ``trans`` and
-    ``agg`` (the sparse collectives' copies and gradient sums)."""
+    ``agg`` (the sparse collectives' copies and gradient sums; ``point_to_point``: every copy
+    from its owner, as the block-wise prefetch sends them)."""
     compute, a2a = cost_model.sync_step_times(plan_SED.sum(1), plan_SED.sum(0).T, shape)
     size = shape.param_bytes(cost_model.bytes_per_element)
-    trans = cost_model.copies_time(size, holders_EW, owner_E, "materialize")
-    agg = cost_model.copies_time(size, holders_EW, owner_E, "reduce")
+    if point_to_point:
+        trans = agg = float(cost_model.materialize_time(size, holders_EW, owner_E))
+    else:
+        trans = cost_model.copies_time(size, holders_EW, owner_E, "materialize")
+        agg = cost_model.copies_time(size, holders_EW, owner_E, "reduce")
     return {"a2a": float(a2a), "fec": float(compute) / 3, "trans": trans, "agg": agg}
