@@ -45,13 +45,16 @@ def main() -> int:
     result = json.loads(raw.read_text())
     command = " ".join(["python benchmarks/prophet_testbed.py", *sys.argv[1:]])
     Path(args.out).write_text(json.dumps({"command": command, **result}, indent=2) + "\n")
-    print(f"{'routing':<18}{'variant':<24}{'ms':>8}{'vs EP':>7}{'copies':>8}{'load std':>9}{'model ms':>9}")
+    print(
+        f"{'routing':<18}{'variant':<24}{'ms':>8}{'vs EP':>7}{'copies':>8}{'load std':>9}{'model ms':>9}{'hidden':>8}"
+    )
     for r in result["rows"]:
         variant = f"{r['strategy']}:{r['schedule']}" + ("+prefetch" if r["prefetch"] else "")
         model = r["model_predicted_s"]
         print(
             f"{r['routing']:<18}{variant:<24}{1e3 * r['median_s']:8.1f}{r['speedup_vs_ep']:7.2f}"
             f"{r['copies_mean']:8.1f}{r['load_std_mean']:9.1f}{'' if model is None else f'{1e3 * model:.1f}':>9}"
+            f"{' '.join(f'{h:.2f}' for h in r.get('prefetch_hidden_share', [])):>8}"
         )
     print(f"wrote {args.out}")
     return 0

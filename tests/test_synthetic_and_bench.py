@@ -178,3 +178,4 @@ def test_blocks_prefetch_and_trace_replay_on_two_ranks(tmp_path, capsys):
         assert r["model_predicted_s"] > 0 and r["load_std_mean"] >= 0 and len(r["times_s"]) == 3
         assert (r["copies_mean"] > 0) == (r["strategy"] == "prophet"), r  # fast network, slow GEMMs
     assert [r["prefetch"] for r in rows] == [False, True, False, True]
+    assert all(0.0 <= h <= 1.0 for r in rows if r["prefetch"] for h in r["prefetch_hidden_share"])

@@ -257,6 +257,8 @@ class _Run:
             "model_predicted_s": float(np.median(self.model_predicted)) if self.model_predicted else None,
             "dispatch_bytes_on_network": float(np.mean(self.bytes)),
         }
+        if self.model.prefetch is not None:  # what the prefetch measured its windows to hide (layers > 0)
+            row["prefetch_hidden_share"] = [float(h) for h in self.model.prefetch.hidden_share[1:]]
         if self.phases:
             row["forward_a2a_s"] = float(np.median([p["a2a_s"] for p in self.phases]))
             row["forward_compute_s"] = float(np.median([p["compute_s"] for p in self.phases]))
