@@ -45,7 +45,7 @@ from moeflow.core.sparse_collectives import (
     add_flat_rows,
     flat_layout,
     held_from_flat,
-    point_to_point_transfers,
+    prefetch_transfers,
     split_held_gradients,
 )
 
@@ -69,8 +69,10 @@ class _Mark(torch.autograd.Function):
 
 
 class _TwoParts:
-    """Point-to-point messages split in two column parts, each posted once, asynchronously; waiting
-    on a part posts it first if it was not (so a rank never waits on what it has not sent)."""
+    """Messages split in two column parts, each posted once, asynchronously — point-to-point for
+    partial replica sets, one collective per owner for experts held everywhere (a pipelined ring
+    on NCCL, FasterMoE Eq. 8); waiting on a part posts it first if it was not (so a rank never
+    waits on what it has not sent). Every rank posts in the same order: owners ascending."""
 
     def __init__(self, group, tag: int, width: int, split: float) -> None:
         self.group, self.tag = group, tag
@@ -86,6 +88,10 @@ class _TwoParts:
         """(sends, recvs) of `part`: lists of (peer, tensor)."""
         raise NotImplementedError
 
+    def collectives(self, part: int) -> list:
+        """Asynchronous collectives of `part`: callables that launch one and return its work."""
+        raise NotImplementedError
+
     def post(self, part: int) -> None:
         if self.works[part] is not None:
             return
@@ -96,7 +102,9 @@ class _TwoParts:
         g = self.group
         ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(g, p), g, self.tag + part) for p, t in sends]
         ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(g, p), g, self.tag + part) for p, t in recvs]
-        self.works[part] = dist.batch_isend_irecv(ops) if ops else []
+        self.works[part] = (dist.batch_isend_irecv(ops) if ops else []) + [
+            launch() for launch in self.collectives(part)
+        ]
 
     def wait(self, part: int) -> None:
         self.post(part)
@@ -116,20 +124,32 @@ class _Trans(_TwoParts):
 
     def __init__(self, layer, placement: Placement, split: float, tag: int) -> None:
         self.layer, self.placement = layer, placement
-        self.plan = point_to_point_transfers(placement, dist.get_rank(layer.group))
+        self.plan = prefetch_transfers(placement, dist.get_rank(layer.group))
         weights = layer.experts.weights()
         held_J = np.flatnonzero(placement.holders_EW[:, self.plan.me])
         self.layout = flat_layout(weights, self.plan, layer.experts.first_expert, held_J)
         width = sum(self.layout.widths)
         super().__init__(layer.group, tag, width, split)
         self.sent_MP = self.layout.flat_sent(list(weights.values()))
-        self.recv = [self.sent_MP.new_empty((len(self.plan.recvs), w)) for w in self.widths]
+        self.recv = [self.sent_MP.new_empty((len(self.plan.received), w)) for w in self.widths]
 
     def messages(self, part: int) -> tuple[list, list]:
         cols, index, first = self.columns(part), self.layout.sent_index, self.layout.first_expert
         sends = [(peer, self.sent_MP[index[e - first], cols].contiguous()) for e, peer in self.plan.sends]
         recvs = [(peer, self.recv[part][i]) for i, (_, peer) in enumerate(self.plan.recvs)]
         return sends, recvs
+
+    def collectives(self, part: int) -> list:
+        plan, cols, index, first = self.plan, self.columns(part), self.layout.sent_index, self.layout.first_expert
+        launches = []
+        for owner, experts in plan.everywhere.items():
+            if owner == plan.me:
+                buf = self.sent_MP[[index[e - first] for e in experts]][:, cols].contiguous()
+            else:
+                buf = self.recv[part][plan.rows(owner)]
+            src = dist.get_global_rank(self.group, owner)
+            launches.append(lambda buf=buf, src=src: dist.broadcast(buf, src=src, group=self.group, async_op=True))
+        return launches
 
     def weights(self, prefetch: BlockPrefetch, index: int) -> dict[str, torch.Tensor]:
         """Wait for both parts and return the held experts' weights, differentiable (`_Prefetched`)."""
@@ -163,6 +183,15 @@ class _Agg(_TwoParts):
         super().__init__(trans.group, trans.tag + 2, grad_MP.shape[1], split)
         self.trans, self.grad_MP = trans, grad_MP
         self.incoming = [grad_MP.new_empty((len(trans.plan.sends), w)) for w in self.widths]
+        plan = trans.plan
+        # Per owner of experts held everywhere: this rank's gradients of them, summed at the owner.
+        self.partial = {
+            owner: [
+                grad_MP.new_zeros((len(experts), w)) if owner == plan.me else grad_MP[plan.rows(owner), cols].clone()
+                for w, cols in zip(self.widths, (self.columns(0), self.columns(1)))
+            ]
+            for owner, experts in plan.everywhere.items()
+        }
 
     def messages(self, part: int) -> tuple[list, list]:
         cols, plan = self.columns(part), self.trans.plan
@@ -170,18 +199,33 @@ class _Agg(_TwoParts):
         recvs = [(peer, self.incoming[part][i]) for i, (_, peer) in enumerate(plan.sends)]
         return sends, recvs
 
+    def collectives(self, part: int) -> list:
+        launches = []
+        for owner, bufs in self.partial.items():
+            dst = dist.get_global_rank(self.group, owner)
+            launches.append(
+                lambda buf=bufs[part], dst=dst: dist.reduce(
+                    buf, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+                )
+            )
+        return launches
+
     def finish(self) -> None:
         """Wait for both parts and add the received sums into the owners' `.grad`."""
         self.wait_all()
         plan, layout = self.trans.plan, self.trans.layout
-        if not plan.sends:
+        mine = plan.everywhere.get(plan.me, [])
+        if not plan.sends and not mine:
             return
         params = list(self.trans.layer.experts.weights().values())
         for p in params:
             if p.grad is None:  # only copies' gradients reached this parameter (no owned tokens)
                 p.grad = torch.zeros_like(p)
-        rows = [e - layout.first_expert for e, _ in plan.sends]
-        add_flat_rows([p.grad for p in params], layout, rows, torch.cat(self.incoming, dim=1))
+        grads, first = [p.grad for p in params], layout.first_expert
+        if plan.sends:
+            add_flat_rows(grads, layout, [e - first for e, _ in plan.sends], torch.cat(self.incoming, dim=1))
+        if mine:
+            add_flat_rows(grads, layout, [e - first for e in mine], torch.cat(self.partial[plan.me], dim=1))
 
 
 class BlockPrefetch(MoEHook):
@@ -238,12 +282,12 @@ class BlockPrefetch(MoEHook):
 
     @staticmethod
     def _copies_price(layer, placement: Placement) -> float:
-        """The cost model's time of one direction of the layer's copies, point-to-point as sent here."""
+        """The cost model's time of one direction of the layer's copies, as sent here."""
         cm = layer.cost_model
         if cm is None or layer.cluster_mismatch:
             return 0.0
         size = ExpertShape(layer.d_model, layer.d_hidden, layer.experts.kind).param_bytes(cm.bytes_per_element)
-        return float(cm.materialize_time(size, placement.holders_EW, placement.owner_E))
+        return cm.copies_time(size, placement.holders_EW, placement.owner_E, "materialize", tree=False)
 
     # ---- the four marks of layer i -----------------------------------------------------------------
     def _mark(self, layer, x: torch.Tensor, point: str) -> torch.Tensor:

@@ -53,15 +53,12 @@ class _Transfers:
         raise KeyError(owner)
 
 
-def _transfers(
-    placement: Placement, me: int, node_of: Sequence[int] | None, backend: str, p2p_only: bool = False
-) -> _Transfers:
+def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, backend: str) -> _Transfers:
     """Experts replicated on every rank go as one message per owner (FasterMoE Eq. 8: each link
     carries the parameters once); partial replica sets (Pro-Prophet, Hecate) through batched
-    point-to-point, which works for arbitrary subsets without subgroups. `p2p_only`: every copy
-    point-to-point (the asynchronous prefetch of `core.prefetch` posts them ahead)."""
+    point-to-point, which works for arbitrary subsets without subgroups."""
     extra_EW = placement.materialized_EW()
-    everywhere_E = placement.holders_EW.all(1) & extra_EW.any(1) & (not p2p_only)
+    everywhere_E = placement.holders_EW.all(1) & extra_EW.any(1)
     sends, recvs = [], []
     for e, d in zip(*np.nonzero(extra_EW & ~everywhere_E[:, None])):
         owner = int(placement.owner_E[e])
@@ -83,9 +80,11 @@ def _transfers(
     return _Transfers(me, sends, recvs, everywhere, tree, received)
 
 
-def point_to_point_transfers(placement: Placement, me: int) -> _Transfers:
-    """Every copy of `placement` as one point-to-point message (expert, holder)."""
-    return _transfers(placement, me, None, "nccl", p2p_only=True)
+def prefetch_transfers(placement: Placement, me: int) -> _Transfers:
+    """The copies of `placement` as `core.prefetch` launches them asynchronously: partial replica
+    sets point-to-point, experts held everywhere one broadcast / reduce per owner — never the
+    two-stage tree, whose second stage would have to wait for the first."""
+    return _transfers(placement, me, None, "nccl")
 
 
 def _p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]], group) -> None:

@@ -37,7 +37,12 @@ class CopiesPricing:
         return np.where(extra.any(axis=(-2, -1)), t, 0.0)
 
     def copies_time(
-        self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray, direction: str = "materialize"
+        self,
+        param_bytes: float,
+        holders_EW: np.ndarray,
+        owner_E: np.ndarray,
+        direction: str = "materialize",
+        tree: bool | None = None,
     ) -> float:
         """The sparse collectives as ``moeflow.core.sparse_collectives`` runs them, one direction
         (``"materialize"``: forward copies, ``"reduce"``: gradients back). Experts held by *every*
@@ -48,7 +53,9 @@ class CopiesPricing:
         when the profile has a ``copies`` fit: the link model calibrated on every owner copying at
         once, as the all-to-all's is on the uniform exchange (concurrent messages on a CPU backend
         reach less than the links' rates). Partial replica sets go point-to-point
-        (``materialize_time``; the gradients retrace the same routes reversed)."""
+        (``materialize_time``; the gradients retrace the same routes reversed). ``tree=False``: one
+        broadcast / reduce per owner whatever the backend (the block-wise prefetch of
+        ``core.prefetch`` launches them asynchronously: a two-stage tree would block in between)."""
         if direction not in ("materialize", "reduce"):
             raise ValueError(f"direction={direction!r}: expected 'materialize' or 'reduce'")
         holders = np.asarray(holders_EW, dtype=bool)
@@ -58,7 +65,7 @@ class CopiesPricing:
         everywhere_E = holders.all(axis=1) & (holders & ~owner_onehot_EW).any(axis=1)
         per_owner = np.bincount(owner[everywhere_E], minlength=W)
         node_of = self.topology.node_of
-        if copies_by_tree(node_of, self.backend):
+        if copies_by_tree(node_of, self.backend) if tree is None else tree:
             flows = [f for f in tree_flows(self.topology.node_of, per_owner * param_bytes) if f.any()]
             t = sum(float(self._copies_eta * self.link_time(f) + self._latency(f)) for f in flows)
         else:

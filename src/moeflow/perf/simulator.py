@@ -108,12 +108,17 @@ class Breakdown:
         return out
 
 
-def _plan(build_planner, flow_ILWE: np.ndarray, cost_model: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _plan(
+    build_planner, flow_ILWE: np.ndarray, cost_model: CostModel, prefetch_nonmoe_s: float | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Ask the planner for every (iteration, layer), as the layer does; returns the tokens each rank
     sends each rank ``[I, L, W, W]`` (diagonal: computed locally), the tokens each rank computes per
     expert ``[I, L, W, E]`` and the holders ``[I, L, E, W]``. A planner that plans ahead
     (`plans_ahead`: Pro-Prophet) keeps a history, so each layer gets its own, fed the iterations in
-    order: it sees only the past ones when it decides."""
+    order: it sees only the past ones when it decides. With `prefetch_nonmoe_s` (the block-wise
+    prefetch on), such planners of every layer but the first know their copies are prefetched, as
+    `core.prefetch.BlockPrefetch` tells them in a run, with the dense time given and the whole
+    window hiding copies (a GPU's copy engines)."""
     I, L, W, E = flow_ILWE.shape
     base = Placement.expert_parallel(E, W)
     planner = build_planner()
@@ -128,6 +133,9 @@ def _plan(build_planner, flow_ILWE: np.ndarray, cost_model: CostModel) -> tuple[
     for layer in range(L):
         if layer and getattr(planner, "plans_ahead", False):
             planner = build_planner()
+            if prefetch_nonmoe_s is not None:
+                planner.prefetched, planner.hidden_share = True, 1.0
+                planner.nonmoe_forward_s = prefetch_nonmoe_s
         for i in range(I):
             placement = planner(flow_ILWE[i, layer], base, cost_model)
             plan_SED = dispatch_counts(flow_ILWE[i, layer], placement, node_of)
@@ -137,9 +145,12 @@ def _plan(build_planner, flow_ILWE: np.ndarray, cost_model: CostModel) -> tuple[
     return send, computed, holders
 
 
-def _copies_time_IL(cost_model: CostModel, param_bytes: float, holders_ILEW: np.ndarray) -> np.ndarray:
+def _copies_time_IL(
+    cost_model: CostModel, param_bytes: float, holders_ILEW: np.ndarray, tree: bool | None = None
+) -> np.ndarray:
     """Materialize in forward and reduce-to-owner in backward, as the sparse collectives run them,
-    per (iteration, layer) ``[2, I, L]``; placements repeat, so each distinct one is priced once."""
+    per (iteration, layer) ``[2, I, L]``; placements repeat, so each distinct one is priced once.
+    ``tree``: as `CostModel.copies_time` (False: as the block-wise prefetch sends them)."""
     E, W = holders_ILEW.shape[-2:]
     owner_E = Placement.expert_parallel(E, W).owner_E
     memo: dict[bytes, list[float]] = {}
@@ -148,7 +159,9 @@ def _copies_time_IL(cost_model: CostModel, param_bytes: float, holders_ILEW: np.
         holders_EW = holders_ILEW[index]
         key = holders_EW.tobytes()
         if key not in memo:
-            memo[key] = [cost_model.copies_time(param_bytes, holders_EW, owner_E, d) for d in ("materialize", "reduce")]
+            memo[key] = [
+                cost_model.copies_time(param_bytes, holders_EW, owner_E, d, tree) for d in ("materialize", "reduce")
+            ]
         out[(slice(None), *index)] = memo[key]
     return out
 
@@ -196,7 +209,10 @@ def simulate(
     results = []
     for name in strategies:
         send, computed, holders = _plan(
-            lambda name=name: PLANNERS.build(name, ctx, layer.options.get("strategy")), flow, cost_model
+            lambda name=name: PLANNERS.build(name, ctx, layer.options.get("strategy")),
+            flow,
+            cost_model,
+            layer.nonmoe_forward_s if layer.prefetch else None,
         )
         # The workload's Lat_comp and Lat_comm (FasterMoE §3.3), whatever the schedule: the roofline's R_CC.
         lat_comp_IL = cost_model.compute_time(computed, layer.shape)
@@ -204,10 +220,10 @@ def simulate(
         copies_IL = trans_IL + agg_IL
         if layer.prefetch and getattr(probes[name], "plans_ahead", False):
             # Pro-Prophet Eq. 8: every layer after the first has its copies prefetched in the block
-            # before, point-to-point from their owners as `core.prefetch` sends them; a GPU's copy
-            # engines hide them behind the whole window (hidden share 1).
-            p2p_IL = cost_model.materialize_time(param_bytes, holders, Placement.expert_parallel(E, W).owner_E)
-            hidden_IL = overlapped_copies(p2p_IL, p2p_IL, lat_comp_IL, layer.nonmoe_forward_s)
+            # before, as `core.prefetch` sends them; a GPU's copy engines hide them behind the whole
+            # window (hidden share 1).
+            sent_IL = _copies_time_IL(cost_model, param_bytes, holders, tree=False)
+            hidden_IL = overlapped_copies(sent_IL[0], sent_IL[1], lat_comp_IL, layer.nonmoe_forward_s)
             copies_IL[:, 1:] = hidden_IL[:, 1:]
         other_IL = t_counts + copies_IL
         replicated_IL = holders.sum(axis=(-2, -1)) - E

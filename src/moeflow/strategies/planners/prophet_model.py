@@ -92,18 +92,16 @@ def placement_times(
     holders_EW: np.ndarray,
     owner_E: np.ndarray,
     shape: ExpertShape,
-    point_to_point: bool = False,
+    prefetched: bool = False,
 ) -> dict[str, float]:
     """Eq. 6's terms for a dispatch plan ``plan_SED`` (`core.placement.dispatch_counts`) and the
     placement it runs on, priced with the shared cost-model functions (module docstring): ``a2a``
     (the four exchanges), ``fec`` (one forward expert compute, slowest device), ``trans`` and
-    ``agg`` (the sparse collectives' copies and gradient sums; ``point_to_point``: every copy
-    from its owner, as the block-wise prefetch sends them)."""
+    ``agg`` (the sparse collectives' copies and gradient sums; ``prefetched``: as the block-wise
+    prefetch sends them — one asynchronous broadcast / reduce per owner, never the two-stage tree)."""
     compute, a2a = cost_model.sync_step_times(plan_SED.sum(1), plan_SED.sum(0).T, shape)
     size = shape.param_bytes(cost_model.bytes_per_element)
-    if point_to_point:
-        trans = agg = float(cost_model.materialize_time(size, holders_EW, owner_E))
-    else:
-        trans = cost_model.copies_time(size, holders_EW, owner_E, "materialize")
-        agg = cost_model.copies_time(size, holders_EW, owner_E, "reduce")
+    tree = False if prefetched else None
+    trans = cost_model.copies_time(size, holders_EW, owner_E, "materialize", tree)
+    agg = cost_model.copies_time(size, holders_EW, owner_E, "reduce", tree)
     return {"a2a": float(a2a), "fec": float(compute) / 3, "trans": trans, "agg": agg}
