@@ -11,15 +11,20 @@ so that neither competes with block i's all-to-alls (Algorithm 2):
     backward of block i:  BNEC_i ∥ SubAgg1_{i+1} | A2A | BEC_i ∥ SubAgg2_{i+1} | A2A
 
 The split gives each part its share of the compute it hides behind, from measured times (EFC vs
-FNEC forward, BNEC vs BEC backward): timers at the four marks below, agreed once across the group
-(an all-reduce of the maxima after the first step, so that every rank splits every message alike;
-0.5 before). The first MoE layer has no block before it: its copies run in its own forward.
+FNEC forward, BNEC vs BEC backward): timers at the four marks below, agreed across the group (an
+all-reduce of the maxima after steps 1, 2, 4, 8, …, so that every rank splits every message
+alike; 0.5 before). The same all-reduce agrees, per layer, the share of those windows that really
+hid copies — 1 − (time waited on the copies) / (the cost model's time for them) — and hands it and
+the dense time to the layer's planner, which prices copies with them (Eq. 8). The first MoE layer
+has no block before it: its copies run in its own forward.
 
 Mechanism: `BlockPrefetch` is a `MoEHook` (FSMoE §3.1) on every MoE layer; at the layer's start,
 after its dispatch, before its combine and at its end it returns the tensor through `_Mark`, an
-identity whose forward and backward run the actions of that point. Messages are point-to-point
-(`batch_isend_irecv`, asynchronous on gloo and nccl), one tag per (layer, direction, part); the
-received parameters enter autograd through `_Prefetched`, whose backward hands the copies'
+identity whose forward and backward run the actions of that point. Partial replica sets travel
+point-to-point (`batch_isend_irecv`, one tag per layer, direction and part), experts held everywhere
+as one asynchronous broadcast (forward) / reduce (backward) per owner — a pipelined ring on NCCL,
+not the two-stage tree of `placement.broadcast_tree`, whose second stage would wait on the first;
+the received parameters enter autograd through `_Prefetched`, whose backward hands the copies'
 gradients to Agg and returns the owned experts' own gradients; the owners add the received sums
 into `.grad` when Agg completes. Numbers equal those of the unscheduled layer (tested).
 
