@@ -270,6 +270,8 @@ def test_cli_simulate_and_roofline(capsys, tmp_path):
     assert "expected AXIS.KEY=VALUE" in capsys.readouterr().err
     assert main(["simulate", "--cluster", "mars"]) == 2
     assert "--cluster='mars'" in capsys.readouterr().err
+    assert main(["simulate", "--nonmoe-ms", "-1", "--iterations", "1"]) == 2
+    assert "--nonmoe-ms=-1.0" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(tmp_path / "none.npz")]) == 2
     assert "none.npz" in capsys.readouterr().err
     assert (

@@ -76,3 +76,23 @@ def test_planner_and_simulator_price_a_step_alike():
         planner(trace.flow_ILWE[i, 0], Placement.expert_parallel(8, 4), cm)
         assert planner.last.best_s == pytest.approx(shadow.total_I[i] - cm.count_exchange_time(8), rel=1e-9)
     assert shadow.replicated_IL.sum() > 0
+
+
+def test_prophet_in_the_simulator_sees_only_the_past_and_prefetch_hides_copies():
+    from moeflow.core.expert_shape import ExpertShape
+    from moeflow.perf.costmodel import CostModel
+    from moeflow.perf.simulator import SimulatedLayer, simulate
+    from moeflow.perf.traces import synthetic_trace
+
+    cm = CostModel.from_preset("prophet_lpwnv")
+    trace = synthetic_trace("zipf", 4, 2, 8, 16, 8192, 2, skew=1.6)
+    shape = ExpertShape(1024, 4096)
+    plain, hidden = (
+        simulate(trace, cm, SimulatedLayer(shape, nonmoe_forward_s=0.01, prefetch=p), ["prophet"], ["sync"])[0]
+        for p in (False, True)
+    )
+    for r in (plain, hidden):
+        assert (r.replicated_IL[0] == 0).all()  # iteration 0: nothing seen yet, plain EP
+        assert (r.replicated_IL[1:] > 0).all()  # then planned from the past (Zipf 1.6: worth copying)
+    # Layer 0 has no block before it; layer 1's copies hide behind block 0 (Eq. 8, whole window).
+    assert hidden.total_I[1:].mean() < plain.total_I[1:].mean()

@@ -120,6 +120,8 @@ def workload_from_args(args: Any) -> tuple[Trace, CostModel, SimulatedLayer, lis
     d_model = args.d_model or int(trace.meta.get("d_model") or 1024)
     d_hidden = args.d_hidden or int(trace.meta.get("d_hidden") or 4 * d_model)
     shape = ExpertShape(d_model, d_hidden, args.expert or trace.meta.get("expert") or "ffn")
+    if not args.nonmoe_ms >= 0:
+        raise ValueError(f"--nonmoe-ms={args.nonmoe_ms!r}: must be a time >= 0 (milliseconds)")
     for flag, value, registry in (("--gate", args.gate, GATES), ("--balance", args.balance, BALANCES)):
         if value not in registry:
             raise ValueError(f"{flag}={value!r}: unknown; valid: {registry.names()}")
