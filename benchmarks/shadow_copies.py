@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     node_of = cost_model.topology.node_of
     num_experts = args.experts_per_rank * world
     experts = GroupedExperts(num_experts, args.d_model, args.d_hidden, "ffn")
-    experts.shard_(rank * args.experts_per_rank, args.experts_per_rank)
+    experts.shard_(range(rank * args.experts_per_rank, (rank + 1) * args.experts_per_rank))
     weights = experts.weights()
     param_bytes = sum(int(np.prod(w.shape[1:])) for w in weights.values()) * 4
     base = Placement.expert_parallel(num_experts, world)
@@ -71,7 +71,7 @@ def worker(args: argparse.Namespace) -> None:
             for variant, layout in balanced_order((("tree", node_of), ("flat", None)), it):
                 dist.barrier()
                 start = time.perf_counter()
-                out = materialize(weights, placement, dist.group.WORLD, experts.first_expert, held, layout)
+                out = materialize(weights, placement, dist.group.WORLD, experts.expert_ids, held, layout)
                 sum(w.sum() for w in out.values()).backward()
                 dist.barrier()
                 elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)

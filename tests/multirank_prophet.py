@@ -27,10 +27,12 @@ HOT = [3, 3, 3, 1, 1, 0]
 class TwoBlocks(nn.Module):
     """MoE → dense → MoE, residual: two blocks, so layer 2's copies can be prefetched in block 1."""
 
-    def __init__(self, world: int, strategy: str, cost_model) -> None:
+    def __init__(self, world: int, strategy: str, cost_model, strategy_options=None) -> None:
         super().__init__()
         torch.manual_seed(5)
-        kw = dict(top_k=2, balance_weight=0.01, strategy=strategy, cost_model=cost_model)
+        kw = dict(
+            top_k=2, balance_weight=0.01, strategy=strategy, cost_model=cost_model, strategy_options=strategy_options
+        )
         self.moe1 = MoELayer(D, H, 2 * world, **kw)
         self.mid = nn.Linear(D, D)
         self.moe2 = MoELayer(D, H, 2 * world, **kw)

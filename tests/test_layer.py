@@ -189,8 +189,8 @@ def test_bad_input_and_check_finite():
 def test_experts_module_sharding_and_errors():
     e = GroupedExperts(6, 4, 8)
     full_w1 = e.w1.detach().clone()
-    e.shard_(2, 2)
-    assert e.first_expert == 2 and e.num_local == 2
+    e.shard_([2, 3])
+    assert e.expert_ids == [2, 3] and e.num_local == 2 and e.row_of(3) == 1
     torch.testing.assert_close(e.w1.detach(), full_w1[2:4])
     with pytest.raises(ValueError, match="expert='moe'"):
         GroupedExperts(2, 4, 8, kind="moe")

@@ -71,7 +71,7 @@ def test_parallelize_on_one_process_keeps_all_experts():
     before = {n: p.clone() for n, p in model.named_parameters()}
     parallelize(model, ParallelLayout(ep_size=1))
     for _, layer in model.moe_layers():
-        assert layer.experts.num_local == MOE.num_experts and layer.experts.first_expert == 0
+        assert layer.experts.num_local == MOE.num_experts and layer.experts.expert_ids == list(range(MOE.num_experts))
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 

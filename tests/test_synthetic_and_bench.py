@@ -76,7 +76,12 @@ def test_balanced_order_gives_every_variant_every_position_and_every_predecessor
 
 
 def test_bench_variants_parse_and_name_the_bad_one():
-    assert Variant.parse("shadow:pairwise") == ("shadow", "pairwise", "a2a", None, False)
+    assert Variant.parse("shadow:pairwise") == ("shadow", "pairwise", "a2a", None, False, ())
+    fssdp = Variant.parse("fssdp/rematerialize=true/window=3:sync+prefetch")
+    assert fssdp.options == (("rematerialize", "true"), ("window", "3")) and fssdp.prefetch
+    assert str(fssdp) == "fssdp/rematerialize=true/window=3:sync+prefetch"
+    with pytest.raises(ValueError, match="key=value"):
+        Variant.parse("fssdp/rematerialize:sync")
     assert Variant.parse("prophet:sync+prefetch").prefetch and not Variant.parse("prophet:sync").prefetch
     assert str(Variant.parse("prophet:sync+prefetch:a2a:bfloat16")) == "prophet:sync+prefetch:a2a:bfloat16"
     with pytest.raises(ValueError, match=r"\+prefetch"):

@@ -20,13 +20,15 @@ from moeflow.bench.blocks import BenchBlocks
 from moeflow.bench.interleave import balanced_order
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.layer import MoELayer
+from moeflow.core.resharding import maybe_reshard
 from moeflow.perf.traces import resolve_trace
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
 from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
 
 
 class Variant(NamedTuple):
-    """One timed model: `strategy:schedule[+prefetch][:dispatch[:wire_dtype]]` on the command line."""
+    """One timed model: `strategy[/key=value...]:schedule[+prefetch][:dispatch[:wire_dtype]]` on the
+    command line (`fssdp/rematerialize=true:sync+prefetch`: the strategy's options after slashes)."""
 
     strategy: str
     schedule: str
@@ -35,6 +37,8 @@ class Variant(NamedTuple):
     """`MoELayer(dispatch_dtype=...)`: the dispatched rows' precision on the wire (None: compute dtype)."""
     prefetch: bool = False
     """Pro-Prophet §V block-wise prefetch over the model's MoE layers (`schedule` text `sync+prefetch`)."""
+    options: tuple[tuple[str, str], ...] = ()
+    """The strategy's options as (key, value) text pairs (parsed by its options dataclass)."""
 
     @classmethod
     def parse(cls, text: str) -> Variant:
@@ -47,11 +51,16 @@ class Variant(NamedTuple):
         schedule, plus, extra = parts[1].partition("+")
         if plus and extra != "prefetch":
             raise ValueError(f"--variants {text!r}: the only schedule modifier is '+prefetch', got '+{extra}'")
-        return cls(parts[0], schedule, *parts[2:4], prefetch=bool(plus))
+        strategy, *pairs = parts[0].split("/")
+        options = tuple(tuple(pair.partition("=")[::2]) for pair in pairs)
+        if any(not key or not value for key, value in options):
+            raise ValueError(f"--variants {text!r}: strategy options are key=value after '/', e.g. fssdp/window=3")
+        return cls(strategy, schedule, *parts[2:4], prefetch=bool(plus), options=options)
 
     def __str__(self) -> str:
         schedule = self.schedule + ("+prefetch" if self.prefetch else "")
-        parts = [self.strategy, schedule, self.dispatch, self.wire_dtype or ""]
+        strategy = "/".join([self.strategy, *(f"{k}={v}" for k, v in self.options)])
+        parts = [strategy, schedule, self.dispatch, self.wire_dtype or ""]
         while len(parts) > 2 and parts[-1] in ("", "a2a"):
             parts.pop()
         return ":".join(parts)
@@ -192,6 +201,7 @@ def _model(cfg: StrategyBenchConfig, variant: Variant, probs_BWE: torch.Tensor, 
             expert=cfg.expert,
             gate=SampledGate(cfg.d_model, num_experts, cfg.top_k, probs_BWE[b], cfg.seed + b, rank),
             strategy=variant.strategy,
+            strategy_options=dict(variant.options) or None,
             schedule=variant.schedule,
             dispatch=variant.dispatch,
             cost_model=cost_model,
@@ -223,6 +233,9 @@ class _Run:
     model_predicted: list[float] = field(default_factory=list)
     load_std: list[float] = field(default_factory=list)
     bytes: list[float] = field(default_factory=list)
+    memory: list[dict[str, float]] = field(default_factory=list)
+    reshards: list[tuple[int, float]] = field(default_factory=list)
+    """(experts moved, seconds) of every re-sharding (FSSDP, `core.resharding`)."""
 
     def record(self, elapsed_s: float) -> None:
         """One timed iteration (collective: every rank calls it). Per layer, averaged over the blocks:
@@ -242,6 +255,14 @@ class _Run:
         if self.cost_model is not None and self.variant.schedule == "sync":
             self.model_predicted.append(sum(_layer_price(layer, self.cost_model) for layer in layers))
         self.bytes.append(_sum_over_ranks(float(sum(layer.stats.bytes_sent.sum() for layer in layers))))
+        self.memory.append({k: _max_over_ranks(v) for k, v in _expert_memory(layers).items()})
+
+    def reshard(self, step: int) -> None:
+        """Re-shard when the strategy is due (collective; outside the timed iteration, measured)."""
+        start = time.perf_counter()
+        moved = maybe_reshard(self.model, None, step)
+        if moved is not None:
+            self.reshards.append((moved, _max_over_ranks(time.perf_counter() - start)))
 
     def row(self, routing_name: str) -> dict:
         row = {
@@ -256,6 +277,8 @@ class _Run:
             "planner_predicted_speedup": float(np.mean(self.predicted)) if self.predicted else None,
             "model_predicted_s": float(np.median(self.model_predicted)) if self.model_predicted else None,
             "dispatch_bytes_on_network": float(np.mean(self.bytes)),
+            **{k: float(np.max([m[k] for m in self.memory])) for k in self.memory[0]},
+            "reshards": [{"moved": n, "seconds": t} for n, t in self.reshards],
         }
         if self.model.prefetch is not None:  # what the prefetch measured its windows to hide (layers > 0)
             row["prefetch_hidden_share"] = [float(h) for h in self.model.prefetch.hidden_share[1:]]
@@ -263,6 +286,23 @@ class _Run:
             row["forward_a2a_s"] = float(np.median([p["a2a_s"] for p in self.phases]))
             row["forward_compute_s"] = float(np.median([p["compute_s"] for p in self.phases]))
         return row
+
+
+def _expert_memory(layers: list[MoELayer]) -> dict[str, float]:
+    """This rank's expert memory, counted from the tensors: the owned experts' parameters, the AdamW
+    state they would carry (2 moments of the same size; the benchmark has no optimizer), the held
+    weights the planners materialized, and the peak of those at the forward/backward boundary: what
+    is still allocated, plus the largest set a re-materializing layer gathers again in backward."""
+    params = float(sum(p.numel() * p.element_size() for layer in layers for p in layer.experts.parameters()))
+    built = [layer.stats.materialized_bytes for layer in layers]
+    alive = [layer.stats.held_bytes for layer in layers]
+    regathered = max([b - a for b, a in zip(built, alive)], default=0)
+    return {
+        "expert_param_bytes": params,
+        "expert_adam_bytes": 2 * params,
+        "materialized_bytes": float(sum(built)),
+        "materialized_peak_bytes": float(sum(alive) + regathered),
+    }
 
 
 def _layer_price(layer: MoELayer, cost_model) -> float:
@@ -297,6 +337,8 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
                 dist.barrier()
                 if it >= cfg.warmup:
                     run.record(time.perf_counter() - start)
+                run.model.zero_grad(set_to_none=True)
+                run.reshard(it + 1)
         rows += [run.row(routing_name) for run in runs]
     _add_speedups(rows)
     return rows

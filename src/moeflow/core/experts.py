@@ -96,13 +96,17 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class GroupedExperts(nn.Module):
-    """`num_local` experts of one layer; global ids `[first_expert, first_expert + num_local)`."""
+    """`num_local` experts of one layer; row l holds global expert `expert_ids[l]` (ascending).
 
-    def __init__(self, num_local: int, d_model: int, d_hidden: int, kind: str = "ffn", first_expert: int = 0):
+    Plain expert parallelism keeps a contiguous range; Hecate's heterogeneous sharding (§4.3) any
+    set, of any size (0 included), per layer and rank (`reshard_`)."""
+
+    def __init__(self, num_local: int, d_model: int, d_hidden: int, kind: str = "ffn"):
         super().__init__()
         if kind not in EXPERT_KINDS:
             raise ValueError(f"unknown expert={kind!r}; valid: {sorted(EXPERT_KINDS)}")
-        self.kind, self.first_expert = kind, first_expert
+        self.kind = kind
+        self.expert_ids = list(range(num_local))
         self.d_model, self.d_hidden = d_model, d_hidden
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
         self.w2 = nn.Parameter(torch.empty(num_local, d_hidden, d_model))
@@ -146,15 +150,30 @@ class GroupedExperts(nn.Module):
         gated_NH = F.silu(grouped_mm(x_ND, w["w1"], counts_L)) * grouped_mm(x_ND, w["w3"], counts_L)
         return grouped_mm(gated_NH, w["w2"], counts_L)
 
-    def shard_(self, first: int, count: int) -> GroupedExperts:
-        """Keep experts `[first, first + count)` of those held now (global ids shift accordingly)."""
+    def row_of(self, expert: int) -> int:
+        """Local row of global expert `expert` (KeyError when this rank does not own it)."""
+        return self._rows[expert]
+
+    @property
+    def expert_ids(self) -> list[int]:
+        return self._ids
+
+    @expert_ids.setter
+    def expert_ids(self, ids: list[int]) -> None:
+        self._ids = [int(e) for e in ids]
+        self._rows = {e: row for row, e in enumerate(self._ids)}
+
+    def shard_(self, expert_ids) -> GroupedExperts:
+        """Keep only the experts `expert_ids` (global ids) of those held now, as new parameters."""
+        ids = sorted(int(e) for e in expert_ids)
+        missing = [e for e in ids if e not in self._rows]
+        if missing:
+            raise ValueError(f"shard_: experts {missing} are not held here (held: {self.expert_ids})")
+        rows = torch.tensor([self._rows[e] for e in ids], dtype=torch.long)
         for name, param in list(self.named_parameters()):
-            setattr(self, name, nn.Parameter(param.detach()[first : first + count].clone()))
-        self.first_expert += first
+            setattr(self, name, nn.Parameter(param.detach().index_select(0, rows.to(param.device))))
+        self.expert_ids = ids
         return self
 
     def extra_repr(self) -> str:
-        return (
-            f"kind={self.kind}, experts=[{self.first_expert}, {self.first_expert + self.num_local}), "
-            f"d_model={self.d_model}, d_hidden={self.d_hidden}"
-        )
+        return f"kind={self.kind}, experts={self.expert_ids}, d_model={self.d_model}, d_hidden={self.d_hidden}"

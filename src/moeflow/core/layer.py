@@ -35,6 +35,7 @@ from moeflow.core.hooks import HOOK_POINTS, WIRE_DTYPES, MoEHook, run_hooks, wir
 from moeflow.core.placement import Placement, cross_node_share, dispatch_counts
 from moeflow.core.prefetch import BlockPrefetch
 from moeflow.core.registry import LayerContext
+from moeflow.core.rematerialize import held_bytes, release_after_forward
 from moeflow.core.sparse_collectives import materialize
 from moeflow.core.stats import MoEStats
 from moeflow.routing import BALANCES, GATES, check_balance_fits_gate, default_balance, routing_kind
@@ -159,6 +160,8 @@ class MoELayer(nn.Module):
         self._forwards = 0
         self.aux_loss = torch.zeros(())
         self.stats: MoEStats | None = None
+        self._held: dict[str, torch.Tensor] | None = None  # this forward's held weights (copies)
+        self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
         self.group: dist.ProcessGroup | None = None
         self._bind(Placement.expert_parallel(num_experts, 1))
         if group is not None:
@@ -199,10 +202,19 @@ class MoELayer(nn.Module):
                 f"dispatch_dtype={self.dispatch_dtype!r} needs the nccl backend (gloo moves no float8): "
                 f"use 'bfloat16' or 'float16'"
             )
-        self.experts.shard_(dispatch.group_rank(group) * local, local)
+        me = dispatch.group_rank(group)
+        self.experts.shard_(range(me * local, (me + 1) * local))
         self.group = group
         self._bind(Placement.expert_parallel(self.num_experts, world))
         return self
+
+    def rebind(self, placement: Placement) -> None:
+        """Adopt new owners once `core.resharding` has moved the shards (Hecate §4.3)."""
+        if placement.world_size != self.placement.world_size:
+            raise ValueError(f"rebind: {placement} has another group size than {self.placement}")
+        self._bind(placement)
+        if hasattr(self.planner, "owners_changed") and not self.cluster_mismatch:
+            self.planner.owners_changed(placement, self.cost_model)  # re-plan what it had planned ahead
 
     def _bind(self, placement: Placement) -> None:
         """Set the owners and decide whether the cost model describes this group (D = W)."""
@@ -289,6 +301,7 @@ class MoELayer(nn.Module):
         # assignments add zero. It accumulates in the input's dtype (fp32 under autocast; a bf16
         # model sums k bf16 terms, as Hugging Face's and MegaBlocks' combines do).
         y_TD = routing.combine(y_back_AD.to(x.dtype), order_A, x_TD.shape[0])
+        y_TD = self._release_copies(y_TD, placement, me)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
         self._record(block, flow_WE, choices_WE, plan_SED, placement, dropped, routing.redirected, me)
         return y_TD.reshape(x.shape)
@@ -304,8 +317,11 @@ class MoELayer(nn.Module):
         materialized by the planner's copies) on rows received source-major."""
         held_J = np.flatnonzero(placement.holders_EW[:, me])
         weights_J = self._held_weights(placement, held_J)
+        self._held = weights_J
 
         def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
+            if held_J.size == 0:  # a rank that owns none of this layer's experts (Hecate §4.3)
+                return torch.zeros_like(x_recv_RD)
             # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
             perm = dispatch.source_major_to_expert_major(counts_SJ)
             if perm is None:  # one source: already grouped by expert
@@ -332,11 +348,38 @@ class MoELayer(nn.Module):
             placement=placement,
             redirected=redirected,
             cross_node_share=cross_node_share(plan_SED.sum(1), self.node_of),
+            materialized_bytes=self.held_bytes[0],
+            held_bytes=self.held_bytes[1],
         )
         if self.training and self.balance.observes:
             choices = self.stats.choices.to(torch.float64)
             self._choices_WE = choices if self._choices_WE is None else self._choices_WE + choices
             self._forwards += 1
+
+    def _release_copies(self, y_TD: torch.Tensor, placement: Placement, me: int) -> torch.Tensor:
+        """Re-materialization (`core.rematerialize`, the planner's `rematerialize` option): free the
+        copies this forward computed with, gather them again for backward. Records their bytes."""
+        weights, self._held = self._held, None
+        if weights is None:
+            self.held_bytes = (0, 0)
+            return y_TD
+        built = held_bytes(weights)
+        if getattr(getattr(self.planner, "options", None), "rematerialize", False):
+            y_TD = release_after_forward(y_TD, weights, self._refill(placement, me))
+        self.held_bytes = (built, held_bytes(weights))
+        return y_TD
+
+    def _refill(self, placement: Placement, me: int):
+        """The re-materializing gather of `placement`'s held weights, run again in backward."""
+        held_J = np.flatnonzero(placement.holders_EW[:, me])
+
+        def refill() -> dict[str, torch.Tensor]:
+            with torch.no_grad():
+                return materialize(
+                    self.experts.weights(), placement, self.group, self.experts.expert_ids, held_J, self.node_of
+                )
+
+        return refill
 
     def _notice_mismatch(self) -> None:
         """Say once (Python's warnings filter keeps one per place) that the cost model is unused."""
@@ -388,9 +431,7 @@ class MoELayer(nn.Module):
                 weights = hook.held_weights(self, placement)
                 if weights is not None:
                     return weights
-        return materialize(
-            self.experts.weights(), placement, self.group, self.experts.first_expert, held_J, self.node_of
-        )
+        return materialize(self.experts.weights(), placement, self.group, self.experts.expert_ids, held_J, self.node_of)
 
     def extra_repr(self) -> str:
         axes = ", ".join(f"{axis}={name!r}" for axis, name in self.axes.items())

@@ -151,10 +151,13 @@ def all_reduce_gradients(model: nn.Module, layout: ParallelLayout) -> None:
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.update_balance(layout.expert_dp_group, layout.dp_size)
+    experts = [p for _, p in expert_parameters(model)]
+    for p in experts:  # every shard steps, even one without rows (Hecate §4.3): equal step counts
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     if layout.world_size == 1:
         return
     _all_reduce_mean([p for _, p in dense_parameters(model)], None, layout.world_size)
-    experts = [p for _, p in expert_parameters(model)]
     if layout.dp_size > 1:
         _all_reduce_mean(experts, layout.expert_dp_group, layout.world_size)
     else:

@@ -132,24 +132,24 @@ class _Trans(_TwoParts):
         self.plan = prefetch_transfers(placement, dist.get_rank(layer.group))
         weights = layer.experts.weights()
         held_J = np.flatnonzero(placement.holders_EW[:, self.plan.me])
-        self.layout = flat_layout(weights, self.plan, layer.experts.first_expert, held_J)
+        self.layout = flat_layout(weights, self.plan, layer.experts.expert_ids, held_J)
         width = sum(self.layout.widths)
         super().__init__(layer.group, tag, width, split)
         self.sent_MP = self.layout.flat_sent(list(weights.values()))
         self.recv = [self.sent_MP.new_empty((len(self.plan.received), w)) for w in self.widths]
 
     def messages(self, part: int) -> tuple[list, list]:
-        cols, index, first = self.columns(part), self.layout.sent_index, self.layout.first_expert
-        sends = [(peer, self.sent_MP[index[e - first], cols].contiguous()) for e, peer in self.plan.sends]
+        cols, index, row_of = self.columns(part), self.layout.sent_index, self.layout.row_of
+        sends = [(peer, self.sent_MP[index[row_of[e]], cols].contiguous()) for e, peer in self.plan.sends]
         recvs = [(peer, self.recv[part][i]) for i, (_, peer) in enumerate(self.plan.recvs)]
         return sends, recvs
 
     def collectives(self, part: int) -> list:
-        plan, cols, index, first = self.plan, self.columns(part), self.layout.sent_index, self.layout.first_expert
+        plan, cols, index, row_of = self.plan, self.columns(part), self.layout.sent_index, self.layout.row_of
         launches = []
         for owner, experts in plan.everywhere.items():
             if owner == plan.me:
-                buf = self.sent_MP[[index[e - first] for e in experts]][:, cols].contiguous()
+                buf = self.sent_MP[[index[row_of[e]] for e in experts]][:, cols].contiguous()
             else:
                 buf = self.recv[part][plan.rows(owner)]
             src = dist.get_global_rank(self.group, owner)
@@ -226,11 +226,11 @@ class _Agg(_TwoParts):
         for p in params:
             if p.grad is None:  # only copies' gradients reached this parameter (no owned tokens)
                 p.grad = torch.zeros_like(p)
-        grads, first = [p.grad for p in params], layout.first_expert
+        grads = [p.grad for p in params]
         if plan.sends:
-            add_flat_rows(grads, layout, [e - first for e, _ in plan.sends], torch.cat(self.incoming, dim=1))
+            add_flat_rows(grads, layout, layout.rows(e for e, _ in plan.sends), torch.cat(self.incoming, dim=1))
         if mine:
-            add_flat_rows(grads, layout, [e - first for e in mine], torch.cat(self.partial[plan.me], dim=1))
+            add_flat_rows(grads, layout, layout.rows(mine), torch.cat(self.partial[plan.me], dim=1))
 
 
 class BlockPrefetch(MoEHook):

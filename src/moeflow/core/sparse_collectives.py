@@ -87,7 +87,7 @@ def prefetch_transfers(placement: Placement, me: int) -> _Transfers:
     return _transfers(placement, me, None, "nccl")
 
 
-def _p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]], group) -> None:
+def batched_p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]], group) -> None:
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for peer, t in send]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for peer, t in recv]
     if ops:
@@ -110,8 +110,12 @@ class _Layout:
     flattened into messages."""
     widths: list[int]
     """Elements of one expert in each parameter (the columns of a flat message)."""
-    first_expert: int
-    """Global id of local row 0."""
+    row_of: dict[int, int]
+    """Global expert id -> its local row (the experts this rank owns)."""
+
+    def rows(self, experts) -> list[int]:
+        """Local rows of the owned `experts` (global ids)."""
+        return [self.row_of[e] for e in experts]
 
     @property
     def sent_index(self) -> dict[int, int]:
@@ -172,14 +176,14 @@ class _Materialize(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, group, layout, *local_params):
-        me, first = plan.me, layout.first_expert
+        me, row_of = plan.me, layout.row_of
         ctx.plan, ctx.group, ctx.layout = plan, group, layout
         ctx.shapes = [p.shape for p in local_params]
         sent_index = layout.sent_index
         flat_sent = layout.flat_sent(list(local_params))
         recv_MP = flat_sent.new_empty((len(plan.received), sum(layout.widths)))
-        _p2p(
-            [(peer, flat_sent[sent_index[e - first]]) for e, peer in plan.sends],
+        batched_p2p(
+            [(peer, flat_sent[sent_index[row_of[e]]]) for e, peer in plan.sends],
             [(peer, recv_MP[i]) for i, (_, peer) in enumerate(plan.recvs)],
             group,
         )
@@ -187,7 +191,7 @@ class _Materialize(torch.autograd.Function):
         def message(owner: int) -> torch.Tensor:
             """`owner`'s everywhere-experts: the local rows on the owner, the received rows elsewhere."""
             if owner == me:
-                return flat_sent[[sent_index[e - first] for e in plan.everywhere[owner]]]
+                return flat_sent[[sent_index[row_of[e]] for e in plan.everywhere[owner]]]
             return recv_MP[plan.rows(owner)]
 
         if plan.tree is None:
@@ -195,7 +199,7 @@ class _Materialize(torch.autograd.Function):
                 dist.broadcast(message(owner), src=dist.get_global_rank(group, owner), group=group)
         else:
             for stage in plan.tree:  # a leader forwards in stage 2 what it received in stage 1
-                _p2p(
+                batched_p2p(
                     [(dst, message(owner)) for owner, src, dst in stage if src == me],
                     [(src, recv_MP[plan.rows(owner)]) for owner, src, dst in stage if dst == me],
                     group,
@@ -205,7 +209,6 @@ class _Materialize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_held):
         plan, group, layout, me = ctx.plan, ctx.group, ctx.layout, ctx.plan.me
-        first = layout.first_expert
         grads, grad_MP = split_held_gradients(layout, ctx.shapes, grad_held)
         width = grad_MP.shape[1]
 
@@ -214,13 +217,13 @@ class _Materialize(torch.autograd.Function):
 
         # reduce_to_owner: every holder's gradient for a copy is summed into the owner's row.
         incoming = grad_MP.new_empty((len(plan.sends), width))
-        _p2p(
+        batched_p2p(
             [(peer, grad_MP[i]) for i, (_, peer) in enumerate(plan.recvs)],
             [(peer, incoming[i]) for i, (_, peer) in enumerate(plan.sends)],
             group,
         )
         if plan.sends:
-            add_rows([e - first for e, _ in plan.sends], incoming)
+            add_rows(layout.rows(e for e, _ in plan.sends), incoming)
         # Per owner of everywhere-experts: this rank's partial sum of their gradients.
         partial = {
             owner: grad_MP.new_zeros((len(rows), width)) if owner == me else grad_MP[plan.rows(owner)].clone()
@@ -232,7 +235,7 @@ class _Materialize(torch.autograd.Function):
         else:
             for stage in reversed(plan.tree):  # a leader sums its node-mates' before sending on
                 inbox = [(owner, dst, torch.empty_like(partial[owner])) for owner, src, dst in stage if src == me]
-                _p2p(
+                batched_p2p(
                     [(src, partial[owner]) for owner, src, dst in stage if dst == me],
                     [(dst, buf) for _, dst, buf in inbox],
                     group,
@@ -240,7 +243,7 @@ class _Materialize(torch.autograd.Function):
                 for owner, _, buf in inbox:
                     partial[owner] += buf
         if me in plan.everywhere:
-            add_rows([e - first for e in plan.everywhere[me]], partial[me])
+            add_rows(layout.rows(plan.everywhere[me]), partial[me])
         return (None, None, None, *grads)
 
 
@@ -248,13 +251,14 @@ def materialize(
     weights: dict[str, torch.Tensor],
     placement: Placement,
     group,
-    first_expert: int,
+    expert_ids: Sequence[int],
     held_J: np.ndarray,
     node_of: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Weights `[J, ...]` of the experts this rank holds (in `held_J` order), differentiable:
-    owned experts are this rank's own rows; the others arrive from their owners, and their
-    gradients flow back to the owners (reduce_to_owner) in backward.
+    owned experts (`expert_ids`: the global id of each local row) are this rank's own rows; the
+    others arrive from their owners, and their gradients flow back to the owners (reduce_to_owner)
+    in backward.
 
     `node_of` (node of every rank; None: one node) routes copies of experts held everywhere through
     a two-level tree when the ranks span nodes on gloo (`placement.copies_by_tree`). Every rank of
@@ -264,30 +268,31 @@ def materialize(
     names = list(weights)
     local = [weights[n] for n in names]
     plan = _transfers(placement, dist.get_rank(group), node_of, dist.get_backend(group))
-    layout = flat_layout(weights, plan, first_expert, held_J)
+    layout = flat_layout(weights, plan, expert_ids, held_J)
     return dict(zip(names, _Materialize.apply(plan, group, layout, *local)))
 
 
-def flat_layout(weights: dict[str, torch.Tensor], plan: _Transfers, first_expert: int, held_J: np.ndarray) -> _Layout:
-    """Where each held expert's weights come from under `plan`, and the flat message layout."""
+def flat_layout(
+    weights: dict[str, torch.Tensor], plan: _Transfers, expert_ids: Sequence[int], held_J: np.ndarray
+) -> _Layout:
+    """Where each held expert's weights come from under `plan`, and the flat message layout
+    (`expert_ids`: the global id of every local row)."""
     local = list(weights.values())
-    num_local = local[0].shape[0]
+    row_of = {int(e): row for row, e in enumerate(expert_ids)}
     device = local[0].device
     held = [int(e) for e in held_J]
     received = {e: i for i, e in enumerate(plan.received)}
-    owned = [j for j, e in enumerate(held) if first_expert <= e < first_expert + num_local]
+    owned = [j for j, e in enumerate(held) if e in row_of]
     recv_pos = [0] * len(received)
     for j, e in enumerate(held):
         if e in received:
             recv_pos[received[e]] = j
-    sent_rows = sorted(
-        {e - first_expert for e, _ in plan.sends} | {e - first_expert for e in plan.everywhere.get(plan.me, [])}
-    )
+    sent_rows = sorted({row_of[e] for e, _ in plan.sends} | {row_of[e] for e in plan.everywhere.get(plan.me, [])})
     return _Layout(
         owned_pos=torch.tensor(owned, dtype=torch.long, device=device),
-        owned_rows=torch.tensor([held[j] - first_expert for j in owned], dtype=torch.long, device=device),
+        owned_rows=torch.tensor([row_of[held[j]] for j in owned], dtype=torch.long, device=device),
         recv_pos=torch.tensor(recv_pos, dtype=torch.long, device=device),
         sent_rows=sent_rows,
         widths=[int(np.prod(w.shape[1:])) for w in local],
-        first_expert=first_expert,
+        row_of=row_of,
     )

@@ -36,6 +36,12 @@ class MoEStats:
     cross_node_share: float = 0.0
     """Global share of the dispatched rows that travel to a rank on another node, by the dispatch
     plan (rows served by a local copy do not cross); 0 without a node layout."""
+    materialized_bytes: int = 0
+    """Bytes of the held-weight tensors this rank computed with when a planner materialized copies
+    (owned rows and copies, `[J, ...]` per parameter), counted from the tensors when built."""
+    held_bytes: int = 0
+    """Of `materialized_bytes`, what is still allocated after the forward: 0 with re-materialization,
+    which frees them until this layer's backward (`core.rematerialize`)."""
 
     @property
     def expert_counts(self) -> torch.Tensor:

@@ -39,6 +39,7 @@ from moeflow.routing import BALANCES, GATES
 from moeflow.routing.effects import EFFECTS
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 from moeflow.strategies.planners.ep import plan_ep
+from moeflow.strategies.planners.fssdp import plan_resharding, resharding_time
 from moeflow.strategies.planners.prophet_model import overlapped_copies
 from moeflow.strategies.schedules.base import StepLoad
 
@@ -109,55 +110,70 @@ class Breakdown:
 
 
 def _plan(
-    build_planner, flow_ILWE: np.ndarray, cost_model: CostModel, prefetch_nonmoe_s: float | None = None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    build_planner, flow_ILWE: np.ndarray, cost_model: CostModel, layer: SimulatedLayer, prefetch: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Ask the planner for every (iteration, layer), as the layer does; returns the tokens each rank
     sends each rank ``[I, L, W, W]`` (diagonal: computed locally), the tokens each rank computes per
-    expert ``[I, L, W, E]`` and the holders ``[I, L, E, W]``. A planner that plans ahead
-    (`plans_ahead`: Pro-Prophet) keeps a history, so each layer gets its own, fed the iterations in
-    order: it sees only the past ones when it decides. With `prefetch_nonmoe_s` (the block-wise
-    prefetch on), such planners of every layer but the first know their copies are prefetched, as
-    `core.prefetch.BlockPrefetch` tells them in a run, with the dense time given and the whole
-    window hiding copies (a GPU's copy engines)."""
+    expert ``[I, L, W, E]``, the holders ``[I, L, E, W]``, the owners ``[I, L, E]`` and the time of
+    re-sharding after each iteration ``[I]``. A planner that plans ahead (`plans_ahead`: Pro-Prophet,
+    FSSDP) keeps a history, so each layer gets its own, fed the iterations in order: it sees only the
+    past ones when it decides. With `prefetch` (the block-wise prefetch on), such planners of every
+    layer but the first know their copies are prefetched, as `core.prefetch.BlockPrefetch` tells
+    them in a run, with the dense time given and the whole window hiding copies (a GPU's copy
+    engines). FSSDP planners re-shard all layers together every `reshard_interval` iterations
+    (`fssdp.plan_resharding`, as `core.resharding` does after an optimizer step)."""
     I, L, W, E = flow_ILWE.shape
     base = Placement.expert_parallel(E, W)
     planner = build_planner()
+    owners = np.broadcast_to(base.owner_E, (I, L, E))
     if planner is plan_ep:  # owners only, whatever the load: vectorised
         send = send_by_owner(flow_ILWE, base.owner_E)
         computed = base.holders_EW.T * flow_ILWE.sum(-2)[..., None, :]
-        return send, computed, np.broadcast_to(base.holders_EW, (I, L, E, W))
+        return send, computed, np.broadcast_to(base.holders_EW, (I, L, E, W)), owners, np.zeros(I)
     node_of = cost_model.topology.node_of
+    planners = [planner] + [build_planner() if getattr(planner, "plans_ahead", False) else planner for _ in range(1, L)]
+    for p in planners[1:] if prefetch and getattr(planner, "plans_ahead", False) else []:
+        p.prefetched, p.hidden_share, p.nonmoe_forward_s = True, 1.0, layer.nonmoe_forward_s
+    current = [base] * L
     send = np.zeros((I, L, W, W), dtype=np.int64)
     computed = np.zeros((I, L, W, E), dtype=np.int64)
     holders = np.zeros((I, L, E, W), dtype=bool)
-    for layer in range(L):
-        if layer and getattr(planner, "plans_ahead", False):
-            planner = build_planner()
-            if prefetch_nonmoe_s is not None:
-                planner.prefetched, planner.hidden_share = True, 1.0
-                planner.nonmoe_forward_s = prefetch_nonmoe_s
-        for i in range(I):
-            placement = planner(flow_ILWE[i, layer], base, cost_model)
-            plan_SED = dispatch_counts(flow_ILWE[i, layer], placement, node_of)
-            send[i, layer] = plan_SED.sum(axis=1)
-            computed[i, layer] = plan_SED.sum(axis=0).T
-            holders[i, layer] = placement.holders_EW
-    return send, computed, holders
+    owners, reshard_I = owners.copy(), np.zeros(I)
+    resharding = getattr(getattr(planner, "options", None), "reshard_interval", 0) > 0
+    for i in range(I):
+        for li in range(L):
+            placement = planners[li](flow_ILWE[i, li], current[li], cost_model)
+            plan_SED = dispatch_counts(flow_ILWE[i, li], placement, node_of)
+            send[i, li] = plan_SED.sum(axis=1)
+            computed[i, li] = plan_SED.sum(axis=0).T
+            holders[i, li] = placement.holders_EW
+            owners[i, li] = placement.owner_E
+        new_LE = plan_resharding(planners, cost_model, W, node_of, i + 1) if resharding else None
+        if new_LE is not None:
+            reshard_I[i] = resharding_time(
+                cost_model, owners[i], new_LE, layer.shape.param_bytes(cost_model.bytes_per_element)
+            )
+            current = [Placement.owners_only(new_E, W) for new_E in new_LE]
+            for p, moved in zip(planners, current):
+                p.owners_changed(moved, cost_model)
+    return send, computed, holders, owners, reshard_I
 
 
 def _copies_time_IL(
-    cost_model: CostModel, param_bytes: float, holders_ILEW: np.ndarray, tree: bool | None = None
+    cost_model: CostModel,
+    param_bytes: float,
+    holders_ILEW: np.ndarray,
+    owners_ILE: np.ndarray,
+    tree: bool | None = None,
 ) -> np.ndarray:
     """Materialize in forward and reduce-to-owner in backward, as the sparse collectives run them,
     per (iteration, layer) ``[2, I, L]``; placements repeat, so each distinct one is priced once.
     ``tree``: as `CostModel.copies_time` (False: as the block-wise prefetch sends them)."""
-    E, W = holders_ILEW.shape[-2:]
-    owner_E = Placement.expert_parallel(E, W).owner_E
     memo: dict[bytes, list[float]] = {}
     out = np.zeros((2, *holders_ILEW.shape[:2]))
     for index in np.ndindex(*out.shape[1:]):
-        holders_EW = holders_ILEW[index]
-        key = holders_EW.tobytes()
+        holders_EW, owner_E = holders_ILEW[index], owners_ILE[index]
+        key = holders_EW.tobytes() + owner_E.tobytes()
         if key not in memo:
             memo[key] = [
                 cost_model.copies_time(param_bytes, holders_EW, owner_E, d, tree) for d in ("materialize", "reduce")
@@ -208,24 +224,26 @@ def simulate(
     nonmoe_IL = np.full((I, L), 3.0 * layer.nonmoe_forward_s)
     results = []
     for name in strategies:
-        send, computed, holders = _plan(
+        send, computed, holders, owners, reshard_I = _plan(
             lambda name=name: PLANNERS.build(name, ctx, layer.options.get("strategy")),
             flow,
             cost_model,
-            layer.nonmoe_forward_s if layer.prefetch else None,
+            layer,
+            layer.prefetch,
         )
         # The workload's Lat_comp and Lat_comm (FasterMoE §3.3), whatever the schedule: the roofline's R_CC.
         lat_comp_IL = cost_model.compute_time(computed, layer.shape)
-        trans_IL, agg_IL = _copies_time_IL(cost_model, param_bytes, holders)
+        trans_IL, agg_IL = _copies_time_IL(cost_model, param_bytes, holders, owners)
         copies_IL = trans_IL + agg_IL
         if layer.prefetch and getattr(probes[name], "plans_ahead", False):
             # Pro-Prophet Eq. 8: every layer after the first has its copies prefetched in the block
             # before, as `core.prefetch` sends them; a GPU's copy engines hide them behind the whole
             # window (hidden share 1).
-            sent_IL = _copies_time_IL(cost_model, param_bytes, holders, tree=False)
+            sent_IL = _copies_time_IL(cost_model, param_bytes, holders, owners, tree=False)
             hidden_IL = overlapped_copies(sent_IL[0], sent_IL[1], lat_comp_IL, layer.nonmoe_forward_s)
             copies_IL[:, 1:] = hidden_IL[:, 1:]
         other_IL = t_counts + copies_IL
+        other_IL[:, -1] += reshard_I  # moving shards (FSSDP), after the iteration's last layer
         replicated_IL = holders.sum(axis=(-2, -1)) - E
         step = StepLoad(send, computed, layer.shape, cost_model.topology.node_of)
         bytes_WW = send * (1.0 - np.eye(W)) * layer.shape.d_model * cost_model.bytes_per_element

@@ -43,28 +43,28 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _expert_first_ids(model: nn.Module) -> dict[str, int]:
-    """Full parameter name -> global id of its row 0, for every expert parameter."""
+def _expert_ids(model: nn.Module) -> dict[str, list[int]]:
+    """Full parameter name -> global expert id of each of its rows, for every expert parameter."""
     out = {}
     for module_name, module in model.named_modules():
         if isinstance(module, GroupedExperts):
             for pname, _ in module.named_parameters(recurse=False):
-                out[f"{module_name}.{pname}" if module_name else pname] = module.first_expert
+                out[f"{module_name}.{pname}" if module_name else pname] = module.expert_ids
     return out
 
 
-def _split(prefix: str, tensor: torch.Tensor, first_expert: int | None) -> dict[str, torch.Tensor]:
+def _split(prefix: str, tensor: torch.Tensor, expert_ids: list[int] | None) -> dict[str, torch.Tensor]:
     """One entry for a dense tensor; one entry per expert row (views: loading writes in place)."""
-    if first_expert is None:
+    if expert_ids is None:
         return {prefix: tensor}
-    return {f"{prefix}.e{first_expert + i}": tensor[i] for i in range(tensor.shape[0])}
+    return {f"{prefix}.e{e}": tensor[i] for i, e in enumerate(expert_ids)}
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    firsts = _expert_first_ids(model)
+    ids = _expert_ids(model)
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        state.update(_split(f"model.{name}", param.data, firsts.get(name)))
+        state.update(_split(f"model.{name}", param.data, ids.get(name)))
     for name, buf in model.named_buffers():
         state[f"model.{name}"] = buf
     return state
@@ -91,13 +91,13 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    firsts = _expert_first_ids(model)
+    ids = _expert_ids(model)
     state: dict[str, Any] = {}
     for name, param in model.named_parameters():
         for key, value in optimizer.state.get(param, {}).items():
             prefix = f"optim.{name}.{key}"
             if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
-                state.update(_split(prefix, value, firsts.get(name)))
+                state.update(_split(prefix, value, ids.get(name)))
             else:
                 state[prefix] = value  # AdamW's scalar `step`: identical on every rank
     return state

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moeflow.core.parallel import ParallelLayout, all_reduce_gradients
+from moeflow.core.resharding import maybe_reshard
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.traces import TraceRecorder
 from moeflow.training import checkpoint
@@ -176,6 +177,7 @@ class Trainer:
             grad_norm = clip_gradients(self.model, self.layout, self.cfg.optim.grad_clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        maybe_reshard(self.model, self.optimizer, step)  # Hecate's heterogeneous sharding (fssdp)
         with warnings.catch_warnings():
             # A skipped step still advances the schedule (it is a function of the step number);
             # torch warns when that happens before any optimizer.step().

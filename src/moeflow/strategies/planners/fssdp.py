@@ -1,0 +1,246 @@
+"""`strategy="fssdp"`: Hecate's Fully Sharded Sparse Data Parallelism (§3-4) as a planner.
+
+Every expert has one owner (its shard: parameters and optimizer state, one global copy); each
+iteration the planner materializes experts where the estimated load needs them (Algorithm 1,
+`hecate.sparse_materialization`), the layer's sparse collectives copy them owner → holders
+(SparseAllGather) and sum their gradients back (SparseReduceScatter), and the dispatch plan sends
+a token to its own device if it holds the expert, else to a holder on its node, else across nodes
+(§4.4, `core.placement.dispatch_counts`). The load is the mean of the last `window` iterations
+(w = 5), so the placement of iteration j is known before it runs: with `moe.prefetch` the copies
+travel during the dense compute before the layer (`core.prefetch.BlockPrefetch`, shared with
+Pro-Prophet). Every `reshard_interval` iterations `core.resharding` moves whole shards between
+devices (Algorithm 2, `hecate.heterogeneous_sharding`).
+
+Deviations, recorded: (1) the overlap degree t (Eq. 1) bounds the *candidates*; of Algorithm 1's
+plan, experts in load order, the planner takes the prefix with the lowest predicted time under the
+shared cost model (copies priced as hidden by the share the prefetch measured, Eq. 8 with h), and
+none unless it is predicted `min_gain` faster than the owners alone — as every moeflow planner.
+Hecate trusts t to keep copies off the critical path; on gloo over CPUs the prefetch hides copies
+but frees no time (docs/benchmarks.md, Pro-Prophet on the testbed), so an unpriced plan would be
+paid in full. (2) Before measurements t is the expert count, bounded by the memory m. (3) The
+calibration (§4.2, after the gate) re-runs Algorithm 1 on the real flow with the memory left and
+accepts the result only if predicted faster with all its copies on the critical path (under the
+prefetch a changed placement is materialized again, synchronously).
+
+Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeflow.core.checks import finite_number, positive_int
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import Placement
+from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
+from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
+
+
+@dataclass(frozen=True)
+class FSSDPOptions:
+    """Options of `strategy="fssdp"` (`--set moe.strategy_options.<key>=...`)."""
+
+    window: int = 5
+    """Iterations whose mean load estimates the next (Hecate: w = 5)."""
+    overlap_degree: int | None = None
+    """t: experts whose copies fit in the dense compute before the layer; None: Eq. 1 from the
+    non-MoE time (measured by `moe.prefetch`, or `nonmoe_forward_s`), the expert count before."""
+    memory_experts: int | None = None
+    """m: copies of other devices' experts one device may hold; None: one shard's worth (E/W)."""
+    memory_bytes: float | None = None
+    """m from a byte budget instead (floor of budget / one expert's parameter bytes)."""
+    calibrate: bool = False
+    """Re-run Algorithm 1 after the gate on the real flow (module docstring, deviation 3)."""
+    reshard_interval: int = 100
+    """Re-shard all MoE layers every this many optimizer steps (Algorithm 2; 0: never)."""
+    rematerialize: bool = False
+    """Free the copies after their forward use and gather them again for backward (memory mode)."""
+    min_gain: float = 0.05
+    """Take a placement only if predicted at least this fraction faster than the owners alone."""
+    nonmoe_forward_s: float = 0.0
+    """T_nonMoE of Eq. 1 if known (0: what the prefetch measures)."""
+
+    def __post_init__(self) -> None:
+        positive_int("window", self.window)
+        if self.overlap_degree is not None:
+            positive_int("overlap_degree", self.overlap_degree, minimum=0)
+        if self.memory_experts is not None:
+            positive_int("memory_experts", self.memory_experts, minimum=0)
+        if self.memory_bytes is not None:
+            finite_number("memory_bytes", self.memory_bytes, low=0.0)
+        if self.memory_experts is not None and self.memory_bytes is not None:
+            raise ValueError(
+                f"memory_experts={self.memory_experts} and memory_bytes={self.memory_bytes}: give one of them"
+            )
+        positive_int("reshard_interval", self.reshard_interval, minimum=0)
+        finite_number("min_gain", self.min_gain, 0.0, 1.0)
+        if self.min_gain >= 1.0:
+            raise ValueError(f"min_gain={self.min_gain!r}: expected a fraction in [0, 1)")
+        finite_number("nonmoe_forward_s", self.nonmoe_forward_s, low=0.0)
+
+
+@dataclass
+class FSSDPDecision:
+    """What the planner decided for one iteration."""
+
+    overlap: int
+    """t used."""
+    memory: int
+    """m used."""
+    predicted_s: list[float]
+    """predicted_s[i]: the layer's predicted time with the first i experts' copies (0: owners)."""
+    accepted: int
+    """How many experts' copies the placement applies."""
+    calibrated: bool = False
+    """The calibration replaced the planned placement."""
+    load_E: np.ndarray = field(default=None, repr=False)
+    """The estimated load the plan ran on."""
+
+    @property
+    def best_s(self) -> float:
+        return self.predicted_s[self.accepted]
+
+
+class FSSDPPlanner:
+    """`strategy="fssdp"`: iteration j runs on the placement planned from iterations < j."""
+
+    needs_cost_model = True
+    plans_ahead = True
+
+    def __init__(self, shape: ExpertShape, options: FSSDPOptions | None = None):
+        self.shape = shape
+        self.options = options or FSSDPOptions()
+        self.history: deque[np.ndarray] = deque(maxlen=self.options.window)
+        self.prefetched = False  # set by `core.prefetch.BlockPrefetch`: copies may be hidden
+        self.nonmoe_forward_s = 0.0  # measured by the prefetch (agreed across ranks)
+        self.hidden_share = 0.0  # share of the prefetch windows that hid copies; 0 until measured
+        self.last: FSSDPDecision | None = None
+        self._next: Placement | None = None
+
+    # ---- the numbers Algorithm 1 runs with ---------------------------------------------------------
+    def estimate(self) -> np.ndarray:
+        """The next iteration's flow `[W, E]`: mean of the window (Hecate §4.2)."""
+        return np.mean(np.stack(self.history), axis=0)
+
+    def degrees(self, cost_model, num_experts: int, world: int) -> tuple[int, int]:
+        """(t, m) for this cluster and expert size (options, Eq. 1)."""
+        o = self.options
+        size = self.shape.param_bytes(cost_model.bytes_per_element)
+        if o.memory_experts is not None:
+            memory = o.memory_experts
+        elif o.memory_bytes is not None:
+            memory = int(o.memory_bytes // size)
+        else:
+            memory = num_experts // world
+        nonmoe = o.nonmoe_forward_s or self.nonmoe_forward_s
+        if o.overlap_degree is not None:
+            overlap = o.overlap_degree
+        elif nonmoe > 0:
+            slowest = max(float(cost_model.p2p_time(size, i, j)) for i in range(world) for j in range(world) if i != j)
+            overlap = overlap_degree(nonmoe, slowest, num_experts)
+        else:
+            overlap = num_experts
+        return overlap, memory
+
+    def pricing(self) -> ProphetOptions:
+        """How copies are priced: hidden by the measured share under the prefetch, else in full."""
+        if not self.prefetched:
+            return ProphetOptions(min_gain=self.options.min_gain)
+        nonmoe = self.options.nonmoe_forward_s or self.nonmoe_forward_s
+        return ProphetOptions(
+            min_gain=self.options.min_gain, overlap=True, nonmoe_forward_s=nonmoe, hidden_share=self.hidden_share
+        )
+
+    # ---- planning ------------------------------------------------------------------------------------
+    def plan(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple[Placement, FSSDPDecision]:
+        """Algorithm 1 on `flow_WE`, then the best-priced prefix (module docstring, deviation 1)."""
+        flow = np.asarray(flow_WE, dtype=np.float64)
+        world, num_experts = placement.world_size, placement.num_experts
+        overlap, memory = self.degrees(cost_model, num_experts, world)
+        load_E, node_of = flow.sum(0), cost_model.topology.node_of
+        base = Placement.owners_only(placement.owner_E, world)
+        holders = sparse_materialization(load_E, placement.owner_E, world, node_of, overlap, memory)
+        copied = [e for e in np.argsort(-load_E, kind="stable") if holders[e].sum() > 1]
+        options = self.pricing()
+        candidates = [base]
+        for k in range(1, len(copied) + 1):
+            extra = np.zeros_like(holders)
+            extra[copied[:k]] = holders[copied[:k]]
+            candidates.append(base.with_holders(extra))
+        predicted = [price_placement(flow, c, cost_model, self.shape, options, node_of) for c in candidates]
+        best = int(np.argmin(predicted))
+        if predicted[best] > (1.0 - self.options.min_gain) * predicted[0]:
+            best = 0
+        decision = FSSDPDecision(overlap, memory, predicted, best, load_E=load_E)
+        return candidates[best], decision
+
+    def calibrate(self, flow_WE: np.ndarray, planned: Placement, cost_model) -> Placement:
+        """§4.2's calibration on the real flow (module docstring, deviation 3)."""
+        flow = np.asarray(flow_WE, dtype=np.float64)
+        world, num_experts = planned.world_size, planned.num_experts
+        overlap, memory = self.degrees(cost_model, num_experts, world)
+        used_W = planned.materialized_EW().sum(0)
+        left, node_of = int(max(0, memory - used_W.max(initial=0))), cost_model.topology.node_of
+        extra = sparse_materialization(flow.sum(0), planned.owner_E, world, node_of, overlap, left)
+        candidate = planned.with_holders(extra)
+        if candidate == planned:
+            return planned
+        unhidden = ProphetOptions(min_gain=self.options.min_gain)
+        now = price_placement(flow, planned, cost_model, self.shape, self.pricing(), node_of)
+        if price_placement(flow, candidate, cost_model, self.shape, unhidden, node_of) < now:
+            if self.last is not None:
+                self.last.calibrated = True
+            return candidate
+        return planned
+
+    def owners_changed(self, placement: Placement, cost_model) -> None:
+        """The shards moved (`core.resharding`): plan the next iteration on the new owners."""
+        self._next = self.plan(self.estimate(), placement, cost_model)[0] if self.history else None
+
+    def next_placement(self) -> Placement | None:
+        """The placement the next call will run (None before the first flow was seen)."""
+        return self._next
+
+    def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
+        if cost_model is None:
+            raise ValueError("strategy='fssdp' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
+        planned = self._next
+        if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
+            planned = Placement.owners_only(placement.owner_E, placement.world_size)  # first call, or re-sharded
+        if self.options.calibrate:
+            planned = self.calibrate(flow_WE, planned, cost_model)
+        self.history.append(np.asarray(flow_WE, dtype=np.float64))
+        self._next, self.last = self.plan(self.estimate(), placement, cost_model)
+        return planned
+
+    def expert_load(self) -> np.ndarray | None:
+        """Estimated tokens per expert `[E]` (the window's mean), for Algorithm 2; None if unseen."""
+        return self.estimate().sum(0) if self.history else None
+
+
+def plan_resharding(planners, cost_model, world: int, node_of, step: int) -> np.ndarray | None:
+    """Algorithm 2 (`hecate.heterogeneous_sharding`) over the FSSDP planners of a model's MoE
+    layers after optimizer step `step` → owner_LE, or None when not due (`reshard_interval`) or
+    some layer has seen no load yet. The same on every rank: the loads are global flows."""
+    if not planners:
+        return None
+    interval = planners[0].options.reshard_interval
+    loads = [p.expert_load() for p in planners]
+    if interval == 0 or step % interval or any(load is None for load in loads):
+        return None
+    num_experts = loads[0].size
+    overlap = min(p.degrees(cost_model, num_experts, world)[0] for p in planners)
+    return heterogeneous_sharding(np.stack(loads), overlap, world, node_of)
+
+
+def resharding_time(cost_model, old_LE: np.ndarray, new_LE: np.ndarray, expert_bytes: float) -> float:
+    """Predicted time of `core.resharding.reshard_experts`: every moved expert's parameters and
+    its two Adam moments (3 × `expert_bytes`) old owner → new owner, in one batched exchange."""
+    W = cost_model.topology.num_devices
+    bytes_WW = np.zeros((W, W))
+    moved = np.asarray(old_LE) != np.asarray(new_LE)
+    np.add.at(bytes_WW, (np.asarray(old_LE)[moved], np.asarray(new_LE)[moved]), 3.0 * expert_bytes)
+    return float(cost_model.a2a_time(bytes_WW)) if moved.any() else 0.0
