@@ -113,9 +113,14 @@ def test_calibration_adds_copies_only_when_predicted_faster():
 def test_degrees_from_options_and_eq1():
     cm = _cm(1e9)
     size = SHAPE.param_bytes(cm.bytes_per_element)
-    planner = FSSDPPlanner(SHAPE, FSSDPOptions(memory_bytes=3.5 * size, nonmoe_forward_s=1.0))
-    copy_s = float(cm.p2p_time(size, 0, 1))
-    assert planner.degrees(cm, 8, 4) == (min(8, int(1.0 // copy_s)), 3)
+    copy_s = float(cm.p2p_time(size, 0, 1))  # Eq. 1: 3.5 copies' time of dense compute -> t = 3
+    planner = FSSDPPlanner(SHAPE, FSSDPOptions(overlap="eq1", memory_bytes=3.5 * size, nonmoe_forward_s=3.5 * copy_s))
+    assert planner.degrees(cm, 8, 4) == (3, 3)
+    priced = FSSDPPlanner(SHAPE, FSSDPOptions(nonmoe_forward_s=3.5 * copy_s))
+    assert (
+        priced.degrees(cm, 8, 4)[0] == 8
+        and FSSDPPlanner(SHAPE, FSSDPOptions(overlap_degree=2)).degrees(cm, 8, 4)[0] == 2
+    )
     assert FSSDPPlanner(SHAPE).degrees(cm, 8, 4) == (8, 2)  # unmeasured: t = E, m = E/W
 
 
@@ -126,6 +131,7 @@ def test_degrees_from_options_and_eq1():
         ({"memory_experts": 2, "memory_bytes": 10.0}, "memory_experts=2"),
         ({"reshard_interval": -1}, "reshard_interval"),
         ({"min_gain": 1.0}, "min_gain"),
+        ({"overlap": "eq8"}, "overlap='eq8'"),
     ],
 )
 def test_option_errors_name_the_option(options, named):

@@ -21,6 +21,7 @@ Shape suffixes: I iterations, L layers, W ranks, E experts; ``...`` = (I, L).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -193,6 +194,17 @@ def routed_flow(trace: Trace, cost_model: CostModel, layer: SimulatedLayer) -> n
     return flow
 
 
+def _strategy_options(strategies: Sequence[str], raw: Mapping[str, Any] | None) -> dict[str, dict]:
+    """Each strategy's share of the strategy options (strategies are compared side by side: an
+    option goes to those that have it); an option none of them has is an error naming it."""
+    raw = dict(raw or {})
+    known = {s: {f.name for f in dataclasses.fields(PLANNERS.get(s).options)} for s in strategies}
+    for key in raw:
+        if not any(key in names for names in known.values()):
+            raise ValueError(f"strategy option {key!r}: none of the strategies {list(strategies)} has it")
+    return {s: {k: v for k, v in raw.items() if k in known[s]} for s in strategies}
+
+
 def simulate(
     trace: Trace,
     cost_model: CostModel,
@@ -212,8 +224,9 @@ def simulate(
             f"(rescale it: `moeflow simulate --experts {math.lcm(E, W)}`, or Trace.rescale)"
         )
     ctx = LayerContext(E, layer.top_k, layer.shape, cost_model)
+    options = _strategy_options(strategies, layer.options.get("strategy"))
     # Built once here so that bad names and options fail before any work (and to ask what they are).
-    probes = {s: PLANNERS.build(s, ctx, layer.options.get("strategy")) for s in strategies}
+    probes = {s: PLANNERS.build(s, ctx, options[s]) for s in strategies}
     built = {s: SCHEDULES.build(s, ctx, layer.options.get("schedule")) for s in schedules}
     dispatcher = DISPATCHERS.build(layer.dispatch, ctx, layer.options.get("dispatch"))
     for schedule in built.values():
@@ -225,7 +238,7 @@ def simulate(
     results = []
     for name in strategies:
         send, computed, holders, owners, reshard_I = _plan(
-            lambda name=name: PLANNERS.build(name, ctx, layer.options.get("strategy")),
+            lambda name=name: PLANNERS.build(name, ctx, options[name]),
             flow,
             cost_model,
             layer,

@@ -11,13 +11,17 @@ travel during the dense compute before the layer (`core.prefetch.BlockPrefetch`,
 Pro-Prophet). Every `reshard_interval` iterations `core.resharding` moves whole shards between
 devices (Algorithm 2, `hecate.heterogeneous_sharding`).
 
-Deviations, recorded: (1) the overlap degree t (Eq. 1) bounds the *candidates*; of Algorithm 1's
-plan, experts in load order, the planner takes the prefix with the lowest predicted time under the
-shared cost model (copies priced as hidden by the share the prefetch measured, Eq. 8 with h), and
-none unless it is predicted `min_gain` faster than the owners alone — as every moeflow planner.
-Hecate trusts t to keep copies off the critical path; on gloo over CPUs the prefetch hides copies
-but frees no time (docs/benchmarks.md, Pro-Prophet on the testbed), so an unpriced plan would be
-paid in full. (2) Before measurements t is the expert count, bounded by the memory m. (3) The
+Deviations, recorded: (1) of Algorithm 1's plan, experts in load order, the planner takes the
+prefix with the lowest predicted time under the shared cost model (copies priced as hidden by the
+share the prefetch measured, Eq. 8 with h), and none unless it is predicted `min_gain` faster than
+the owners alone — as every moeflow planner. Hecate trusts t to keep copies off the critical path;
+on gloo over CPUs the prefetch hides copies but frees no time (docs/benchmarks.md, Pro-Prophet on
+the testbed), so an unpriced plan would be paid in full. (2) By default (`overlap="priced"`) every
+expert is a candidate (t = E, bounded by the memory m) and the price decides; Eq. 1's t
+(`overlap="eq1"`, from the non-MoE time the prefetch measures) is offered but is 0-2 experts at
+realistic sizes — on `hecate_a`, a 33 MB expert over 100 Gb/s takes 2.7 ms, about one attention
+forward — which turns the strategy into plain EP where copies on the critical path still pay
+(`moeflow simulate`, docs/benchmarks.md). (3) The
 calibration (§4.2, after the gate) re-runs Algorithm 1 on the real flow with the memory left and
 accepts the result only if predicted faster with all its copies on the critical path (under the
 prefetch a changed placement is materialized again, synchronously).
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -38,6 +43,8 @@ from moeflow.core.placement import Placement
 from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
 from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
 
+OVERLAPS = ("priced", "eq1")
+
 
 @dataclass(frozen=True)
 class FSSDPOptions:
@@ -45,9 +52,12 @@ class FSSDPOptions:
 
     window: int = 5
     """Iterations whose mean load estimates the next (Hecate: w = 5)."""
+    overlap: Literal["priced", "eq1"] = "priced"
+    """t, the candidate experts: `priced`: all (the cost model picks how many, deviation 2); `eq1`:
+    Hecate's Eq. 1 from the non-MoE time (measured by `moe.prefetch`, or `nonmoe_forward_s`; all
+    experts until measured)."""
     overlap_degree: int | None = None
-    """t: experts whose copies fit in the dense compute before the layer; None: Eq. 1 from the
-    non-MoE time (measured by `moe.prefetch`, or `nonmoe_forward_s`), the expert count before."""
+    """t given explicitly (overrides `overlap`)."""
     memory_experts: int | None = None
     """m: copies of other devices' experts one device may hold; None: one shard's worth (E/W)."""
     memory_bytes: float | None = None
@@ -65,6 +75,8 @@ class FSSDPOptions:
 
     def __post_init__(self) -> None:
         positive_int("window", self.window)
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"overlap={self.overlap!r}: expected one of {list(OVERLAPS)}")
         if self.overlap_degree is not None:
             positive_int("overlap_degree", self.overlap_degree, minimum=0)
         if self.memory_experts is not None:
@@ -138,7 +150,7 @@ class FSSDPPlanner:
         nonmoe = o.nonmoe_forward_s or self.nonmoe_forward_s
         if o.overlap_degree is not None:
             overlap = o.overlap_degree
-        elif nonmoe > 0:
+        elif o.overlap == "eq1" and nonmoe > 0:
             slowest = max(float(cost_model.p2p_time(size, i, j)) for i in range(world) for j in range(world) if i != j)
             overlap = overlap_degree(nonmoe, slowest, num_experts)
         else:
