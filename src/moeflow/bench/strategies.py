@@ -19,6 +19,7 @@ import torch.distributed as dist
 from moeflow.bench.blocks import BenchBlocks
 from moeflow.bench.interleave import balanced_order
 from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.heap import HeapTrim
 from moeflow.core.layer import MoELayer
 from moeflow.core.resharding import maybe_reshard
 from moeflow.perf.traces import resolve_trace
@@ -326,6 +327,7 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
             timer = PhaseTimer()
             runs.append(_Run(variant, _model(cfg, variant, probs_IBWE[0], cost_model, timer), timer, cost_model))
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
+        heap = HeapTrim()
         for it in range(cfg.warmup + cfg.iterations):
             for run in balanced_order(runs, it):
                 if probs_IBWE.shape[0] > 1:
@@ -339,6 +341,7 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
                     run.record(time.perf_counter() - start)
                 run.model.zero_grad(set_to_none=True)
                 run.reshard(it + 1)
+                heap.maybe_trim()  # outside the timed iteration
         rows += [run.row(routing_name) for run in runs]
     _add_speedups(rows)
     return rows

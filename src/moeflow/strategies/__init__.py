@@ -14,6 +14,7 @@ from moeflow.strategies.dispatchers import A2ADispatcher
 from moeflow.strategies.hierarchical_a2a import HierarchicalDispatcher
 from moeflow.strategies.planners import Planner
 from moeflow.strategies.planners.ep import plan_ep
+from moeflow.strategies.planners.eplb import EPLBOptions, EPLBPlanner
 from moeflow.strategies.planners.fssdp import FSSDPOptions, FSSDPPlanner
 from moeflow.strategies.planners.prophet import ProphetOptions, ProphetPlanner
 from moeflow.strategies.planners.shadow import ShadowGreedyOptions, ShadowOptions, ShadowPlanner
@@ -44,6 +45,13 @@ PLANNERS = Registry(
             lambda ctx, o: ProphetPlanner(ctx.expert, o),
             ProphetOptions,
             "Pro-Prophet: hot experts replicated on the devices that send them most, planned a step ahead",
+            needs_cost_model=True,
+        ),
+        Component(
+            "eplb",
+            lambda ctx, o: EPLBPlanner(ctx.expert, o),
+            EPLBOptions,
+            "DeepSeek EPLB baseline: redundant slots to the heaviest load per copy, balanced packing, priced",
             needs_cost_model=True,
         ),
         Component(

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from moeflow.core.heap import HeapTrim
 from moeflow.training import checkpoint
 from moeflow.training.config import RunConfig, write_config
 from moeflow.training.data import Corpus
@@ -55,6 +56,7 @@ def run(
     # Throughput counts the training steps only, not evaluation and checkpoint time.
     step_time, steps_timed = 0.0, 0
     train_time = 0.0  # cumulative step time of this launch, for loss-vs-wall-time comparisons
+    heap = HeapTrim()  # CPU runs: freed heap memory back to the system now and then (core.heap)
     summary: dict[str, Any] = {"first_step": first_step, "out": str(out), "corpus": trainer.corpus_source}
     with (out / METRICS_FILE).open("a") if rank0 else contextlib.nullcontext() as metrics:
         while trainer.step < cfg.train.steps:
@@ -62,6 +64,7 @@ def run(
             result = trainer.train_step()
             elapsed = time.perf_counter() - started
             step_time, train_time, steps_timed = step_time + elapsed, train_time + elapsed, steps_timed + 1
+            heap.maybe_trim()
             step = result.step
             if trainer.trace is not None and rank0:
                 trainer.trace.append(step, result.flow_LWE)
