@@ -1,5 +1,5 @@
-"""Hecate's FSSDP on the network testbed: EP, FasterMoE shadowing, Pro-Prophet with its prefetch and
-`fssdp` (without and with the block-wise prefetch, and re-materializing), side by side (Williams
+"""Hecate's FSSDP on the network testbed: EP, FasterMoE shadowing, Pro-Prophet with its prefetch, the
+EPLB baseline and `fssdp` (without and with the block-wise prefetch, and re-materializing), side by side (Williams
 order), on Zipf skews and on the SmartMoE trace replayed iteration by iteration; iteration time and
 the expert memory of every rank, counted from the tensors.
 
@@ -29,6 +29,7 @@ VARIANTS = [
     "ep:sync",
     "shadow:sync",
     "prophet:sync+prefetch",
+    "eplb:sync",
     "fssdp/reshard_interval=6:sync",
     "fssdp/reshard_interval=6:sync+prefetch",
     "fssdp/reshard_interval=6/rematerialize=true:sync+prefetch",
