@@ -91,7 +91,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/hecate_simulated.json")
     parser.add_argument("--iterations", type=int, default=60, help="consecutive trace iterations replayed")
+    parser.add_argument("--memory-experts", type=int, default=FSSDP["memory_experts"], help="fssdp's m")
+    parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=CLUSTERS)
     args = parser.parse_args()
+    FSSDP["memory_experts"] = args.memory_experts
     full = resolve_trace("smartmoe")
     n = min(args.iterations, full.flow_ILWE.shape[0])
     smartmoe = Trace(full.flow_ILWE[:n], full.steps_I[:n], dict(full.meta))
@@ -103,7 +106,7 @@ def main() -> int:
         "smartmoe": {},
         "zipf-1.2": {},
     }
-    for cluster in CLUSTERS:
+    for cluster in args.clusters:
         W = CostModel.from_preset(cluster).topology.num_devices
         trace = smartmoe.rescale(W, EXPERTS)
         tokens = int(trace.meta["tokens_per_rank"])

@@ -1,4 +1,4 @@
-"""Pro-Prophet (and the EPLB baseline) on gloo ranks: a two-block model trained for several
+"""Pro-Prophet (and the EPLB baseline, and the `auto` arbiter) on gloo ranks: a two-block model trained for several
 iterations under skewed, changing routing equals plain EP — outputs, input gradients, every
 parameter gradient and the optimizer step — without and with the block-wise prefetch (Algorithm 2),
 including iterations where the prediction is wrong, copies on ranks that then receive none of the
@@ -78,9 +78,10 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     models = {name: TwoBlocks(world, "ep" if name == "ep" else "prophet", cost_model) for name in ("ep", "p", "pf")}
     # EPLB balances devices, which these hot pairs leave nearly even: with no margin it still copies.
     models["eplb"] = TwoBlocks(world, "eplb", cost_model, {"min_gain": 0.0, "window": 1})
+    models["auto"] = TwoBlocks(world, "auto", cost_model)
     prefetch = BlockPrefetch([models["pf"].moe1, models["pf"].moe2])
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
-    copies, idle, prefetched, eplb_copies = 0, 0, 0, 0
+    copies, idle, prefetched, eplb_copies, chosen = 0, 0, 0, 0, set()
     for it in range(ITERATIONS):
         x, g = _batch(rank, world, it)
         results = {}
@@ -92,7 +93,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
             all_reduce_gradients(model, layout)
             results[name] = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in model.named_parameters()})
             optimizers[name].step()
-        for name in ("p", "pf", "eplb"):
+        for name in ("p", "pf", "eplb", "auto"):
             what = f"{name} iteration {it} rank {rank} placements {models[name].moe1.stats.placement}"
             torch.testing.assert_close(
                 results[name][0], results["ep"][0], **TOL, msg=lambda m, w=what: f"output {w}: {m}"
@@ -110,12 +111,16 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
                 copies += int(layer.stats.placement.materialized_EW().sum())
                 idle += _idle_copy(layer)
         prefetched += int(not models["pf"].moe2.stats.placement.is_owners_only())
+        chosen |= {m.stats.strategy for m in (models["auto"].moe1, models["auto"].moe2)}
         eplb_copies += sum(
             int(m.stats.placement.materialized_EW().sum()) for m in (models["eplb"].moe1, models["eplb"].moe2)
         )
     # Not vacuous: copies were made, some of them idle (mispredicted), and layer 2 was prefetched.
     assert copies > 0 and idle > 0, (copies, idle)
     assert prefetched > 0 and eplb_copies > 0
+    # The arbiter left EP for a planner's copies, and learned from the timed forwards.
+    assert chosen - {"ep"}, chosen
+    assert len(models["auto"].moe1.planner.observations) == ITERATIONS - 1
     assert prefetch.steps == ITERATIONS and 0.0 < prefetch.split_forward[0] < 1.0, prefetch.split_forward
     # What the prefetch measured to hide reached layer 2's planner (the same on every rank).
     share = torch.tensor([models["pf"].moe2.planner.hidden_share], dtype=torch.float64)

@@ -235,6 +235,8 @@ class _Run:
     load_std: list[float] = field(default_factory=list)
     bytes: list[float] = field(default_factory=list)
     memory: list[dict[str, float]] = field(default_factory=list)
+    chosen: list[str] = field(default_factory=list)
+    """The planner each layer ran, every timed iteration (`auto` chooses; the others are themselves)."""
     reshards: list[tuple[int, float]] = field(default_factory=list)
     """(experts moved, seconds) of every re-sharding (FSSDP, `core.resharding`)."""
 
@@ -257,6 +259,7 @@ class _Run:
             self.model_predicted.append(sum(_layer_price(layer, self.cost_model) for layer in layers))
         self.bytes.append(_sum_over_ranks(float(sum(layer.stats.bytes_sent.sum() for layer in layers))))
         self.memory.append({k: _max_over_ranks(v) for k, v in _expert_memory(layers).items()})
+        self.chosen += [layer.stats.strategy for layer in layers]
 
     def reshard(self, step: int) -> None:
         """Re-shard when the strategy is due (collective; outside the timed iteration, measured)."""
@@ -280,7 +283,11 @@ class _Run:
             "dispatch_bytes_on_network": float(np.mean(self.bytes)),
             **{k: float(np.max([m[k] for m in self.memory])) for k in self.memory[0]},
             "reshards": [{"moved": n, "seconds": t} for n, t in self.reshards],
+            "chosen": {name: self.chosen.count(name) for name in sorted(set(self.chosen))},
         }
+        errors = [layer.planner.model_error() for layer in self.model.moe if hasattr(layer.planner, "model_error")]
+        if errors and None not in errors:  # `auto`: its corrected model's error on the forwards it timed
+            row["auto_model_error"] = float(np.mean(errors))
         if self.model.prefetch is not None:  # what the prefetch measured its windows to hide (layers > 0)
             row["prefetch_hidden_share"] = [float(h) for h in self.model.prefetch.hidden_share[1:]]
         if self.phases:

@@ -18,6 +18,7 @@ this rank this iteration, S source ranks.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -162,6 +163,7 @@ class MoELayer(nn.Module):
         self.stats: MoEStats | None = None
         self._held: dict[str, torch.Tensor] | None = None  # this forward's held weights (copies)
         self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
+        self.forward_s = 0.0  # wall time of the last forward on this rank (strategy="auto" learns from it)
         self.group: dist.ProcessGroup | None = None
         self._bind(Placement.expert_parallel(num_experts, 1))
         if group is not None:
@@ -261,6 +263,7 @@ class MoELayer(nn.Module):
         return routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         self._validate_input(x)
         if self.cluster_mismatch:
             self._notice_mismatch()
@@ -275,7 +278,13 @@ class MoELayer(nn.Module):
         # (Both rows whenever capacity may drop, on every rank alike: the gather's size must agree.)
         may_drop = self.capacity_factor is not None
         counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
-        flow_WE, choices_WE = dispatch.exchange_counts(counts, self.group)
+        timed = getattr(self.planner, "observes_time", False) and not self.cluster_mismatch
+        if timed:  # the last forward's time in microseconds, to every rank with the counts (auto)
+            counts.append(torch.full((self.num_experts,), int(1e6 * self.forward_s), device=expert_A.device))
+        rows = dispatch.exchange_counts(counts, self.group)
+        flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
+        if timed:
+            self.planner.observe_time(rows[-1][:, 0] / 1e6)
         placement = self._plan(flow_WE)
         plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
 
@@ -304,6 +313,7 @@ class MoELayer(nn.Module):
         y_TD = self._release_copies(y_TD, placement, me)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
         self._record(block, flow_WE, choices_WE, plan_SED, placement, dropped, routing.redirected, me)
+        self.forward_s = time.perf_counter() - started if self.training else 0.0  # 0: nothing to learn from
         return y_TD.reshape(x.shape)
 
     def _plan(self, flow_WE: np.ndarray) -> Placement:
@@ -348,6 +358,7 @@ class MoELayer(nn.Module):
             placement=placement,
             redirected=redirected,
             cross_node_share=cross_node_share(plan_SED.sum(1), self.node_of),
+            strategy=getattr(self.planner, "chosen", None) or self.strategy,
             materialized_bytes=self.held_bytes[0],
             held_bytes=self.held_bytes[1],
         )

@@ -13,6 +13,7 @@ from moeflow.core.registry import Component, Registry
 from moeflow.strategies.dispatchers import A2ADispatcher
 from moeflow.strategies.hierarchical_a2a import HierarchicalDispatcher
 from moeflow.strategies.planners import Planner
+from moeflow.strategies.planners.auto import AutoOptions, AutoPlanner
 from moeflow.strategies.planners.ep import plan_ep
 from moeflow.strategies.planners.eplb import EPLBOptions, EPLBPlanner
 from moeflow.strategies.planners.fssdp import FSSDPOptions, FSSDPPlanner
@@ -59,6 +60,13 @@ PLANNERS = Registry(
             lambda ctx, o: FSSDPPlanner(ctx.expert, o),
             FSSDPOptions,
             "Hecate FSSDP: experts sharded with their optimizer state, materialized where the load needs them",
+            needs_cost_model=True,
+        ),
+        Component(
+            "auto",
+            lambda ctx, o: AutoPlanner(ctx.expert, {n: PLANNERS.build(n, ctx) for n in o.names() if n != "ep"}, o),
+            AutoOptions,
+            "one arbiter over the planners: the cheapest placement under a cost model corrected online",
             needs_cost_model=True,
         ),
     ],

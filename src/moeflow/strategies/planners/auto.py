@@ -1,0 +1,164 @@
+"""`strategy="auto"`: one arbiter over every planner, priced with a cost model corrected online.
+
+Each iteration every candidate planner (`ep`, `shadow`, `prophet`, `eplb`, `fssdp` by default) sees
+the flow and proposes its placement — so the planners that plan ahead keep their histories — and
+the arbiter prices every proposal on the flow the layer will run (the real one: the count exchange
+has happened) with the shared cost model: the exchanges, the slowest device's expert compute and
+the copies' sparse collectives (`prophet_model.placement_times`, the terms the planners use). It
+runs the cheapest, and plain EP unless the cheapest is predicted `min_gain` faster: below the
+token count where moving weights costs more than it saves, that is EP (the break-even guard).
+
+Online correction. A planner's cost model misprices a machine systematically (on the 2 × 1 testbed
+the shadow planner needed a 5% margin for it). The layer times its own forward on every rank and
+sends that time with the next count exchange (one more row of the all-gather it runs anyway, no
+extra synchronisation), so every rank sees every rank's time and corrects identically. The
+arbiter pairs the slowest rank's forward time with what it had predicted for that forward —
+compute `fec` and communication `a2a/2 + trans` (two of the four exchanges, the copies out) — and
+fits measured ≈ s_comp·compute + s_comm·communication + c (non-negative least squares,
+`scipy.optimize.nnls`, over the last `window` forwards; c: the layer's fixed cost, gate and sort).
+Candidates are then priced with s_comp and s_comm (backward as 2× compute and the other half of
+the traffic). Until `min_observations` forwards are in, s = 1.
+
+`AutoDecision` (`planner.last`) records each candidate's corrected price, the choice and the
+model's current error; `MoEStats.strategy` names the planner chosen, per layer and step.
+
+Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import nnls
+
+from moeflow.core.checks import finite_number, positive_int
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import Placement, dispatch_counts
+from moeflow.strategies.planners.prophet_model import placement_times
+
+CANDIDATES = ("ep", "shadow", "prophet", "eplb", "fssdp")
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """Options of `strategy="auto"` (`--set moe.strategy_options.<key>=...`)."""
+
+    candidates: str = ",".join(CANDIDATES)
+    """Comma list of the planners it arbitrates among (each with its default options)."""
+    min_gain: float = 0.03
+    """Leave plain EP only for a placement predicted at least this fraction faster."""
+    window: int = 32
+    """Forwards the online correction fits over."""
+    min_observations: int = 4
+    """Forwards measured before the correction is used (s = 1 before)."""
+
+    def __post_init__(self) -> None:
+        names = self.names()
+        unknown = [n for n in names if n not in CANDIDATES]
+        if not names or unknown:
+            raise ValueError(f"candidates={self.candidates!r}: expected a comma list of {list(CANDIDATES)}")
+        finite_number("min_gain", self.min_gain, 0.0, 1.0)
+        if self.min_gain >= 1.0:
+            raise ValueError(f"min_gain={self.min_gain!r}: expected a fraction in [0, 1)")
+        positive_int("window", self.window)
+        positive_int("min_observations", self.min_observations)
+
+    def names(self) -> list[str]:
+        return [n.strip() for n in self.candidates.split(",") if n.strip()]
+
+
+@dataclass
+class AutoDecision:
+    """One iteration's arbitration."""
+
+    prices_s: dict[str, float]
+    """Each candidate's corrected predicted time (forward + backward), plain EP included."""
+    chosen: str
+    """The planner whose placement ran."""
+    scales: tuple[float, float, float]
+    """(s_comp, s_comm, c) of the correction in use."""
+    predicted_s: list[float] = field(default_factory=list)
+    """[EP's price, the chosen one's]: for the bench's predicted speedup."""
+
+    @property
+    def best_s(self) -> float:
+        return self.predicted_s[-1]
+
+
+def layer_terms(flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, node_of=None) -> tuple:
+    """(compute, communication) of one forward + backward, uncorrected: 3 expert computes of the
+    slowest device; 4 exchanges and the copies out and back (`placement_times`)."""
+    plan_SED = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
+    t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape)
+    return 3.0 * t["fec"], t["a2a"] + t["trans"] + t["agg"]
+
+
+def fit_correction(observations) -> tuple[float, float, float]:
+    """(s_comp, s_comm, c) ≥ 0 with measured ≈ s_comp·compute + s_comm·comm + c, least squares over
+    the (compute, comm, measured) forwards (module docstring)."""
+    obs = np.asarray(list(observations), dtype=np.float64)
+    A = np.column_stack([obs[:, 0], obs[:, 1], np.ones(len(obs))])
+    coef, _ = nnls(A, obs[:, 2])
+    return float(coef[0]), float(coef[1]), float(coef[2])
+
+
+class AutoPlanner:
+    """`strategy="auto"` (module docstring)."""
+
+    needs_cost_model = True
+    observes_time = True  # the layer sends its forward times with the count exchange
+
+    def __init__(self, shape: ExpertShape, planners: dict, options: AutoOptions | None = None):
+        self.shape = shape
+        self.options = options or AutoOptions()
+        self.planners = planners
+        self.observations: deque[tuple[float, float, float]] = deque(maxlen=self.options.window)
+        self.scales = (1.0, 1.0, 0.0)
+        self.last: AutoDecision | None = None
+        self.chosen: str | None = None
+        self._pending: tuple[float, float] | None = None  # the last forward's (compute, comm) predicted
+
+    def observe_time(self, forward_s_W: np.ndarray) -> None:
+        """The previous forward's time on every rank (from the count exchange): one observation."""
+        slowest = float(np.max(forward_s_W))
+        if self._pending is None or slowest <= 0:  # nothing predicted, or not timed (evaluation)
+            self._pending = None
+            return
+        self.observations.append((*self._pending, slowest))
+        self._pending = None
+        if len(self.observations) >= self.options.min_observations:
+            self.scales = fit_correction(self.observations)
+
+    def price(self, compute_s: float, comm_s: float) -> float:
+        s_comp, s_comm, _ = self.scales
+        return s_comp * compute_s + s_comm * comm_s
+
+    def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
+        if cost_model is None:
+            raise ValueError("strategy='auto' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
+        node_of = cost_model.topology.node_of
+        proposals = {name: planner(flow_WE, placement, cost_model) for name, planner in self.planners.items()}
+        proposals.setdefault("ep", Placement.owners_only(placement.owner_E, placement.world_size))
+        terms = {name: layer_terms(flow_WE, p, cost_model, self.shape, node_of) for name, p in proposals.items()}
+        prices = {name: self.price(*t) for name, t in terms.items()}
+        best = min(prices, key=lambda name: (prices[name], name != "ep"))
+        if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
+            best = "ep"
+        compute, comm = terms[best]
+        # Forward share: one expert compute of three; the dispatch and combine (half the exchanges),
+        # the copies out (about half the copies' traffic).
+        self._pending = (compute / 3.0, comm / 2.0)
+        self.chosen = best
+        self.last = AutoDecision(prices, best, self.scales, [prices["ep"], prices[best]])
+        return proposals[best]
+
+    def model_error(self) -> float | None:
+        """Mean relative error of the corrected forward predictions over the window (None: too few)."""
+        if len(self.observations) < self.options.min_observations:
+            return None
+        obs = np.asarray(self.observations)
+        s_comp, s_comm, c = self.scales
+        predicted = s_comp * obs[:, 0] + s_comm * obs[:, 1] + c
+        return float(np.mean(np.abs(predicted - obs[:, 2]) / obs[:, 2]))

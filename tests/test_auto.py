@@ -1,0 +1,80 @@
+"""`strategy="auto"`: the arbiter's choice on hand-built cost models where the answer is known, the
+online correction recovering known scales, its options; equality with plain EP on 2 and 4 gloo ranks
+runs in `multirank_prophet`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import Placement
+from moeflow.core.registry import LayerContext
+from moeflow.perf.costmodel import CostModel
+from moeflow.perf.topology import Topology
+from moeflow.strategies import PLANNERS
+from moeflow.strategies.planners.auto import AutoOptions, fit_correction
+
+SHAPE = ExpertShape(8, 16)
+OWNERS = Placement.expert_parallel(4, 4)
+
+
+def _auto(bandwidth, shape=SHAPE, flops=1e7, **options):
+    cm = CostModel(Topology.homogeneous(4, bandwidth), gemm_flops_per_s=flops)
+    return PLANNERS.build("auto", LayerContext(4, 2, shape, cm), options), cm
+
+
+def _skewed():
+    flow = np.full((4, 4), 2)
+    flow[:, 0] = 400
+    return flow
+
+
+def test_heavy_skew_with_cheap_copies_leaves_ep():
+    auto, cm = _auto(1e12)
+    placement = auto(_skewed(), OWNERS, cm)
+    assert auto.chosen != "ep" and not placement.is_owners_only()
+    assert auto.last.prices_s[auto.chosen] < 0.97 * auto.last.prices_s["ep"]
+
+
+def test_slow_network_or_balanced_load_stays_ep():
+    auto, cm = _auto(1e3, ExpertShape(8, 8192))  # moving a large expert costs more than it saves
+    assert auto(_skewed(), OWNERS, cm).is_owners_only() and auto.chosen == "ep"
+    auto, cm = _auto(1e12)
+    assert auto(np.full((4, 4), 50), OWNERS, cm).is_owners_only() and auto.chosen == "ep"
+
+
+def test_break_even_few_tokens_stay_ep():
+    # One skew, two sizes: 16 tokens save less than copying a 17 KB expert three times costs;
+    # 16000 tokens save more.
+    auto, cm = _auto(1e6, ExpertShape(8, 256), flops=1e9)
+    few = np.full((4, 4), 0)
+    few[:, 0] = 4
+    assert auto(few, OWNERS, cm).is_owners_only() and auto.chosen == "ep"
+    many = few * 1000
+    assert not auto(many, OWNERS, cm).is_owners_only()
+
+
+def test_online_correction_recovers_the_machine_scales():
+    rng = np.random.default_rng(0)
+    compute, comm = rng.uniform(1e-3, 1e-2, 20), rng.uniform(1e-3, 1e-2, 20)
+    measured = 2.0 * compute + 0.5 * comm + 1e-3
+    assert fit_correction(zip(compute, comm, measured)) == pytest.approx((2.0, 0.5, 1e-3), rel=1e-6)
+    auto, cm = _auto(1e12, min_observations=2)
+    for _ in range(3):  # every forward measured twice as slow as predicted
+        auto(_skewed(), OWNERS, cm)
+        c, m = auto._pending
+        auto.observe_time(np.array([2.0 * (c + m), 0.5 * (c + m)]))
+    assert auto.model_error() == pytest.approx(0.0, abs=1e-9)
+    assert auto.scales[0] * c + auto.scales[1] * m + auto.scales[2] == pytest.approx(2.0 * (c + m))
+
+
+def test_options_name_the_bad_value():
+    with pytest.raises(ValueError, match="candidates='ep,magic'"):
+        AutoOptions(candidates="ep,magic")
+    with pytest.raises(ValueError, match="min_gain"):
+        AutoOptions(min_gain=1.5)
+    auto, _ = _auto(1e12, candidates="ep,shadow")
+    assert list(auto.planners) == ["shadow"]
+    with pytest.raises(ValueError, match="needs cost_model"):
+        auto(_skewed(), OWNERS)
