@@ -116,9 +116,9 @@ def _plan(
     """Ask the planner for every (iteration, layer), as the layer does; returns the tokens each rank
     sends each rank ``[I, L, W, W]`` (diagonal: computed locally), the tokens each rank computes per
     expert ``[I, L, W, E]``, the holders ``[I, L, E, W]``, the owners ``[I, L, E]`` and the time of
-    re-sharding after each iteration ``[I]``. A planner that plans ahead (`plans_ahead`: Pro-Prophet,
-    FSSDP) keeps a history, so each layer gets its own, fed the iterations in order: it sees only the
-    past ones when it decides. With `prefetch` (the block-wise prefetch on), such planners of every
+    re-sharding after each iteration ``[I]``. Each layer gets its own planner, fed the iterations in
+    order: one that plans ahead (`plans_ahead`: Pro-Prophet, FSSDP, EPLB) or keeps other state
+    (`auto`) sees only the past ones when it decides. With `prefetch` (the block-wise prefetch on), such planners of every
     layer but the first know their copies are prefetched, as `core.prefetch.BlockPrefetch` tells
     them in a run, with the dense time given and the whole window hiding copies (a GPU's copy
     engines). FSSDP planners re-shard all layers together every `reshard_interval` iterations
@@ -132,7 +132,7 @@ def _plan(
         computed = base.holders_EW.T * flow_ILWE.sum(-2)[..., None, :]
         return send, computed, np.broadcast_to(base.holders_EW, (I, L, E, W)), owners, np.zeros(I)
     node_of = cost_model.topology.node_of
-    planners = [planner] + [build_planner() if getattr(planner, "plans_ahead", False) else planner for _ in range(1, L)]
+    planners = [planner] + [build_planner() for _ in range(1, L)]  # each layer its own history
     for p in planners[1:] if prefetch and getattr(planner, "plans_ahead", False) else []:
         p.prefetched, p.hidden_share, p.nonmoe_forward_s = True, 1.0, layer.nonmoe_forward_s
     current = [base] * L
