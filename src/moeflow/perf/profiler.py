@@ -229,7 +229,7 @@ def _measure_copies(sweep: _Sweep) -> None:
         param = torch.randn(1, nbytes // 4, device=sweep.device, requires_grad=True)
 
         def copies(param: Any = param) -> None:
-            held = materialize({"w": param}, everywhere, dist.group.WORLD, sweep.rank, np.arange(W), sweep.node_of)
+            held = materialize({"w": param}, everywhere, dist.group.WORLD, [sweep.rank], np.arange(W), sweep.node_of)
             held["w"].sum().backward()
 
         times.append(sweep.time(copies))
