@@ -111,9 +111,21 @@ def test_atomic_markers_and_keep_last_k(tmp_path):
     shutil.copytree(tmp_path / "step_00000003", tmp_path / "step_00000007")
     (tmp_path / "step_00000007" / checkpoint.MARKER).unlink()
     assert checkpoint.latest_checkpoint(tmp_path).name == "step_00000003"
-    with pytest.raises(ValueError, match="incomplete"):
+    with pytest.raises(ValueError, match="did not finish"):
         checkpoint.load_checkpoint(tmp_path / "step_00000007", model, None, {})
     assert checkpoint.latest_checkpoint(tmp_path / "nothing") is None
+
+
+def test_a_truncated_newest_checkpoint_is_passed_over_with_a_note(tmp_path, capsys):
+    model = MoEGPT(ModelConfig(n_layers=1, d_model=16, n_heads=2, seq_len=8), MoEConfig(d_hidden=16))
+    for step in (1, 2):
+        save_model_checkpoint(tmp_path, step, model, keep=2)
+    shard = max((tmp_path / "step_00000002").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:-10])  # the disk filled up while copying it
+    assert checkpoint.latest_checkpoint(tmp_path, say=True).name == "step_00000001"
+    assert "step_00000002" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"has \d+ bytes, the save wrote"):
+        checkpoint.load_checkpoint(tmp_path / "step_00000002", model, None, {})
 
 
 def test_loading_into_a_different_model_shape_names_the_tensor(tmp_path):

@@ -3,6 +3,7 @@
 moeflow train --config configs/tiny.toml --nproc 2 --out runs/default
 moeflow train --config configs/tiny.toml --set moe.top_k=1 --steps 50 --record-routing
 moeflow train --out runs/default --resume --steps 400          # continue (config.toml of the run)
+moeflow train --nproc 4 --max-restarts 3 --set train.collective_timeout_s=120   # heal after a crash
 torchrun --nproc-per-node 8 -m moeflow.cli train --config configs/small.toml --out runs/small
 """
 
@@ -42,6 +43,12 @@ def add_arguments(parser) -> None:
         action="store_true",
         help="write every step's routing flow matrices to DIR/routing.npz (docs/traces.md)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        help="when a process dies, restart the group from the newest checkpoint up to N times (train.max_restarts)",
+    )
     parser.add_argument("--json", action="store_true", help="print the final summary as JSON")
 
 
@@ -58,6 +65,7 @@ def run(args) -> int:
     overrides += [f"data.path={args.data}"] if args.data is not None else []
     overrides += [f"moe.cost_model={args.cost_model}"] if args.cost_model is not None else []
     overrides += ["train.record_routing=true"] if args.record_routing else []
+    overrides += [f"train.max_restarts={args.max_restarts}"] if args.max_restarts is not None else []
     config_path = args.config
     if args.resume and config_path is None and (out / "config.toml").is_file():
         config_path = out / "config.toml"  # continue with the run's own resolved config

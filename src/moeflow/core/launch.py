@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import uuid
 from collections.abc import Callable
@@ -35,10 +36,13 @@ def resolve_world_size(nproc: int | None) -> tuple[int, bool]:
     return nproc or 1, False
 
 
-def init_distributed(requested: str = "auto", deterministic: bool = False) -> torch.device:
+def init_distributed(
+    requested: str = "auto", deterministic: bool = False, timeout_s: float | None = None
+) -> torch.device:
     """Pick this rank's device and join the process group that torchrun / the elastic launcher
     described in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT): nccl on CUDA,
-    gloo on CPU. One process without that environment runs without a process group."""
+    gloo on CPU. One process without that environment runs without a process group. `timeout_s`:
+    how long a collective may wait before it fails (None: torch's default, 30 minutes)."""
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={requested!r} must be 'auto', 'cpu' or 'cuda'")
     if requested == "cuda" and not torch.cuda.is_available():
@@ -56,8 +60,26 @@ def init_distributed(requested: str = "auto", deterministic: bool = False) -> to
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads_per_rank())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **_attempt_store(timeout))
     return device
+
+
+def _attempt_store(timeout: datetime.timedelta | None) -> dict:
+    """Under torch's elastic agent, the process group's store, keyed by restart attempt: the agent's
+    store outlives a failed attempt, and the keys its process groups left there (the same group
+    names every attempt) would send a restarted group's connections to the dead processes."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timeout or datetime.timedelta(minutes=30),
+    )
+    return {"store": dist.PrefixStore(f"moeflow/attempt{restart_count()}", store), "rank": rank, "world_size": world}
 
 
 def cpu_threads_per_rank() -> int:
@@ -75,9 +97,13 @@ def cpu_threads_per_rank() -> int:
     return max(1, (os.cpu_count() or 1) // local_world)
 
 
-def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, name: str = "moeflow") -> list[Any]:
+def launch_local(
+    fn: Callable[..., Any], nproc: int, *args: Any, name: str = "moeflow", max_restarts: int = 0
+) -> list[Any]:
     """Run `fn(*args)` on `nproc` local processes with torch's elastic launcher (what
-    `torchrun --standalone` does); returns every rank's result, rank 0 first."""
+    `torchrun --standalone` does); returns every rank's result, rank 0 first. When a process dies,
+    the agent restarts the whole group up to `max_restarts` times (`fn` sees the attempt in
+    `TORCHELASTIC_RESTART_COUNT`, see `restart_count`)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -87,8 +113,13 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, name: str = "mo
         run_id=f"{name}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
     )
     results = elastic_launch(config, fn)(*args)
     return [results[r] for r in sorted(results)]
+
+
+def restart_count() -> int:
+    """How many times torch's elastic agent has restarted this worker group (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

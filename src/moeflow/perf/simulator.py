@@ -118,11 +118,12 @@ def _plan(
     expert ``[I, L, W, E]``, the holders ``[I, L, E, W]``, the owners ``[I, L, E]`` and the time of
     re-sharding after each iteration ``[I]``. Each layer gets its own planner, fed the iterations in
     order: one that plans ahead (`plans_ahead`: Pro-Prophet, FSSDP, EPLB) or keeps other state
-    (`auto`) sees only the past ones when it decides. With `prefetch` (the block-wise prefetch on), such planners of every
-    layer but the first know their copies are prefetched, as `core.prefetch.BlockPrefetch` tells
-    them in a run, with the dense time given and the whole window hiding copies (a GPU's copy
-    engines). FSSDP planners re-shard all layers together every `reshard_interval` iterations
-    (`fssdp.plan_resharding`, as `core.resharding` does after an optimizer step)."""
+    (`auto`) sees only the past ones when it decides. With `prefetch` (the block-wise prefetch on),
+    such planners of every layer but the first know their copies are prefetched, as
+    `core.prefetch.BlockPrefetch` tells them in a run, with the dense time given and the whole
+    window hiding copies (a GPU's copy engines). FSSDP planners re-shard all layers together every
+    `reshard_interval` iterations (`fssdp.plan_resharding`, as `core.resharding` does after an
+    optimizer step)."""
     I, L, W, E = flow_ILWE.shape
     base = Placement.expert_parallel(E, W)
     planner = build_planner()

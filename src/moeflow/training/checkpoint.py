@@ -103,6 +103,25 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     return state
 
 
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted (None: intact): no marker, an unreadable
+    marker, or a file missing or of another size than the marker recorded when the save completed
+    (a disk that filled up, a copy cut short)."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except FileNotFoundError:
+        return f"no {MARKER} marker (the save did not finish)"
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"unreadable {MARKER} marker ({exc})"
+    for name, size in marker.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"file {name!r} is missing"
+        if f.stat().st_size != size:
+            return f"file {name!r} has {f.stat().st_size} bytes, the save wrote {size}"
+    return None
+
+
 def complete_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, path) of every checkpoint that has its completion marker, oldest first."""
     ckpt_dir = Path(ckpt_dir)
@@ -116,9 +135,15 @@ def complete_checkpoints(ckpt_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    found = complete_checkpoints(ckpt_dir)
-    return found[-1][1] if found else None
+def latest_checkpoint(ckpt_dir: str | Path, say: bool = False) -> Path | None:
+    """The newest intact checkpoint; a damaged newer one is passed over (`say`: with a note)."""
+    for _, path in reversed(complete_checkpoints(ckpt_dir)):
+        why = damage(path)
+        if why is None:
+            return path
+        if say:
+            print(f"note: checkpoint {str(path)!r} is damaged ({why}); using an older one", flush=True)
+    return None
 
 
 def _dcp(fn, state: dict[str, Any], path: Path) -> None:
@@ -163,15 +188,16 @@ def save_checkpoint(
     _dcp(dcp.save, state, tmp)
     if rank == 0:
         marker = tmp / MARKER
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
         with marker.open("w") as fh:
-            json.dump({"step": step}, fh)
+            json.dump({"step": step, "files": files}, fh)
             fh.flush()
             os.fsync(fh.fileno())
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(ckpt_dir)
-        for _, old in complete_checkpoints(ckpt_dir)[:-keep]:
+        for _, old in complete_checkpoints(ckpt_dir)[:-keep]:  # only now that the new one is complete
             shutil.rmtree(old, ignore_errors=True)
         for child in ckpt_dir.glob("step_*.tmp"):
             shutil.rmtree(child, ignore_errors=True)
@@ -244,8 +270,9 @@ def load_checkpoint(
     Keys of `extra` missing from the checkpoint are dropped from the template before loading.
     """
     path = Path(path)
-    if not (path / MARKER).is_file():
-        raise ValueError(f"checkpoint {str(path)!r} is incomplete (no {MARKER} marker)")
+    why = damage(path)
+    if why is not None:
+        raise ValueError(f"checkpoint {str(path)!r} cannot be loaded: {why}")
     state = model_state(model)
     if optimizer is not None:
         init_optimizer_state(optimizer)

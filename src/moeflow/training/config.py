@@ -254,8 +254,18 @@ class TrainConfig:
     for bit (some multi-threaded CPU kernels otherwise sum in a thread-dependent order)."""
     record_routing: bool = False
     """Write every step's routing flow matrices to routing.npz (docs/traces.md)."""
+    max_restarts: int = 0
+    """When a worker dies, restart the group (torch's elastic agent) up to this many times; each
+    restart resumes from the newest complete checkpoint (`moeflow train --max-restarts N`)."""
+    collective_timeout_s: float = 300.0
+    """A collective that waits longer than this fails the run with an error naming the operation and
+    the rank (a stalled or dead peer), instead of torch's 30-minute default."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"train.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
+        if not isinstance(self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0:
+            raise ValueError(f"train.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s!r}")
         _positive(
             "train",
             steps=self.steps,

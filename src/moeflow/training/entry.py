@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-from moeflow.core.launch import init_distributed, launch_local, resolve_world_size
+from moeflow.core.launch import init_distributed, launch_local, resolve_world_size, restart_count
 from moeflow.perf.costmodel import CostModel
 from moeflow.training import checkpoint
 from moeflow.training.config import RunConfig, config_from_dict, config_to_dict
@@ -47,13 +48,28 @@ def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = N
 
     Returns the run summary, or {"error": message} for bad input / a non-finite loss: such errors
     are reached by all ranks together (they follow from shared values), so no rank is left waiting.
+    A restarted group (torch's elastic agent, `train.max_restarts`) resumes from the newest complete
+    checkpoint by itself. A collective that timed out (a stalled or dead peer) raises, after one line
+    that names it and this rank, so that the agent restarts the group or ends the run.
     """
     cfg = config_from_dict(cfg_dict)
+    restart = restart_count()
+    if restart and checkpoint.latest_checkpoint(Path(out_dir) / "checkpoints") is not None:
+        resume = True
     try:
-        device = init_distributed(cfg.train.device, cfg.train.deterministic)
-        return run(cfg, out_dir, resume=resume, device=device, corpus=corpus)
+        device = init_distributed(cfg.train.device, cfg.train.deterministic, cfg.train.collective_timeout_s)
+        return run(cfg, out_dir, resume=resume, device=device, corpus=corpus, restart=restart)
     except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as exc:
         return {"error": str(exc)}
+    except RuntimeError as exc:
+        rank = os.environ.get("RANK", "0")
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+            what = (
+                f"a collective timed out after train.collective_timeout_s={cfg.train.collective_timeout_s:g} s: {what}"
+            )
+        print(f"moeflow: rank {rank}: {what}", file=sys.stderr, flush=True)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -76,8 +92,22 @@ def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        return launch_local(worker, world, config_to_dict(cfg), str(out), resume, name="moeflow-train")[0]
+        return launch_local(
+            worker,
+            world,
+            config_to_dict(cfg),
+            str(out),
+            resume,
+            name="moeflow-train",
+            max_restarts=cfg.train.max_restarts,
+        )[0]
     except ChildFailedError as exc:
         # The failing process printed its traceback above; name it in one line.
         rank, failure = exc.get_first_failure()
-        return {"error": f"training process {rank} failed (exit code {failure.exitcode}); see its traceback above"}
+        restarts = f" after {cfg.train.max_restarts} restart(s)" if cfg.train.max_restarts else ""
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+        what = message.strip().splitlines()[0] if message.strip() and message != "<N/A>" else ""
+        if "timed out" in what.lower():
+            what += f" (train.collective_timeout_s={cfg.train.collective_timeout_s:g})"
+        detail = f": {what}" if what else "; see its error above"
+        return {"error": f"training process {rank} failed (exit code {failure.exitcode}){restarts}{detail}"}

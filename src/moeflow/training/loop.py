@@ -19,20 +19,33 @@ from moeflow.training.run_dir import METRICS_FILE, clear_run, truncate_metrics
 from moeflow.training.trainer import Trainer
 
 
-def _open_run(trainer: Trainer, cfg: RunConfig, out: Path, resume: bool) -> None:
-    """Resume from the newest complete checkpoint, or start fresh; rank 0 prepares the folder."""
+def _open_run(trainer: Trainer, cfg: RunConfig, out: Path, resume: bool) -> int:
+    """Resume from the newest complete checkpoint, or start fresh; rank 0 prepares the folder.
+    Returns the steps recorded past the checkpoint that are now recomputed (rank 0)."""
+    lost = 0
     if resume:
-        path = checkpoint.latest_checkpoint(trainer.ckpt_dir)
+        path = checkpoint.latest_checkpoint(trainer.ckpt_dir, say=trainer.rank == 0)
         if path is None:
             raise ValueError(f"--resume: no complete checkpoint in {str(trainer.ckpt_dir)!r}")
         trainer.resume(path)
     if trainer.rank == 0:
         if resume:
-            truncate_metrics(out / METRICS_FILE, trainer.step)
+            lost = truncate_metrics(out / METRICS_FILE, trainer.step)
         else:
             clear_run(out)
         out.mkdir(parents=True, exist_ok=True)
         write_config(cfg, out / "config.toml")
+    return lost
+
+
+def _recovery(path: Path) -> tuple[int, int]:
+    """(failures recovered, steps recomputed) recorded in metrics.jsonl by earlier restarts."""
+    restarts = lost = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            restarts, lost = max(restarts, rec.get("restart", 0)), lost + rec.get("steps_lost", 0)
+    return restarts, lost
 
 
 def run(
@@ -41,14 +54,17 @@ def run(
     resume: bool = False,
     device: torch.device | None = None,
     corpus: Corpus | None = None,
+    restart: int = 0,
 ) -> dict:
-    """Train (or continue) a run on this rank; returns a summary (meaningful on rank 0)."""
+    """Train (or continue) a run on this rank; returns a summary (meaningful on rank 0). `restart`:
+    the elastic agent's attempt (`core.launch.restart_count`); its first record says so."""
     from tqdm import tqdm
 
     out = Path(out_dir)
     trainer = Trainer(cfg, out, device, corpus)
     rank0 = trainer.rank == 0
-    _open_run(trainer, cfg, out, resume)
+    lost = _open_run(trainer, cfg, out, resume)
+    pending = {"restart": restart, "steps_lost": lost} if restart else {}  # on the first record written
     first_step = trainer.step
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
     # mininterval: fewer redraws, since CI logs keep every one of them.
@@ -75,7 +91,8 @@ def run(
             if step % cfg.train.log_every == 0 or last or val_loss is not None:
                 tok_s = tokens_per_step * steps_timed / max(step_time, 1e-9)
                 step_time, steps_timed = 0.0, 0
-                rec = {**metric_record(result, tok_s, val_loss), "train_time_s": train_time}
+                rec = {**metric_record(result, tok_s, val_loss), "train_time_s": train_time, **pending}
+                pending = {}
                 if rank0:
                     metrics.write(json.dumps(rec) + "\n")
                     metrics.flush()
@@ -89,6 +106,9 @@ def run(
                 trainer.save()
     bar.close()
     summary["last_step"] = trainer.step
+    summary["skipped_steps"] = trainer.skipped_steps
+    if rank0:
+        summary["restarts"], summary["steps_lost"] = _recovery(out / METRICS_FILE)
     if rank0 and trainer.step > first_step:
         from moeflow.training.plots import write_plots
 

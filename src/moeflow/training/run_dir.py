@@ -17,19 +17,23 @@ METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "routing.npz"
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop records after `last_step` (written by a run that died after its last checkpoint)."""
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Drop records after `last_step` (written by a run that died after its last checkpoint);
+    returns how many steps past it had been recorded (the steps a crash lost)."""
     if not path.exists():
-        return
+        return 0
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept = []
+    kept, newest = [], last_step
     for ln in lines:
         try:
-            if json.loads(ln)["step"] <= last_step:
-                kept.append(ln)
+            step = json.loads(ln)["step"]
         except (json.JSONDecodeError, KeyError):
             break  # a torn last line from a killed writer
+        if step <= last_step:
+            kept.append(ln)
+        newest = max(newest, step)
     path.write_text("".join(k + "\n" for k in kept))
+    return newest - last_step
 
 
 def clear_run(out: Path) -> None:
@@ -51,6 +55,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     """The lines printed at the end of `moeflow train`: what happened and where the results are."""
     out = Path(summary["out"])
     lines = [f"trained steps {summary['first_step']} -> {summary['last_step']} on {summary['corpus']}"]
+    if summary.get("restarts"):
+        lines.append(f"recovered from {summary['restarts']} failure(s), {summary['steps_lost']} step(s) recomputed")
+    if summary.get("skipped_steps"):
+        lines.append(f"skipped {summary['skipped_steps']} step(s) with a non-finite loss or gradient")
     if "first_loss" in summary:
         val = summary.get("val_loss")
         lines.append(

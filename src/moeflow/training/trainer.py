@@ -30,7 +30,7 @@ from moeflow.core.parallel import ParallelLayout, all_reduce_gradients
 from moeflow.core.resharding import maybe_reshard
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.traces import TraceRecorder
-from moeflow.training import checkpoint
+from moeflow.training import checkpoint, faults
 from moeflow.training.config import RunConfig, config_to_dict
 from moeflow.training.data import BatchSampler, Corpus, load_corpus, validation_batches
 from moeflow.training.metrics import StepResult
@@ -124,6 +124,7 @@ class Trainer:
             self.world_size,
         )
         self.step = 0  # completed optimizer steps
+        self.skipped_steps = 0  # of this launch: non-finite loss or gradient norm (train.on_nonfinite=skip)
         # Flows are global (identical on every rank): rank 0 alone records them.
         tokens_per_rank = self.sampler.local_batch_size * cfg.model.seq_len
         self.trace = (
@@ -159,6 +160,8 @@ class Trainer:
         x_BT, y_BT = self.sampler.batch(step)
         lr = self.optimizer.param_groups[0]["lr"]
         ce = self._ce(x_BT, y_BT)
+        if faults.before_step(step, self.rank):  # test-only fault injection (MOEFLOW_FAULT)
+            ce = ce * float("nan")
         aux = self.model.aux_loss()
         loss = ce + aux.to(ce.device)
         # Every rank sees the same global values, so all ranks take the same branch (no hang).
@@ -175,7 +178,16 @@ class Trainer:
             loss.backward()
             all_reduce_gradients(self.model, self.layout)
             grad_norm = clip_gradients(self.model, self.layout, self.cfg.optim.grad_clip)
-            self.optimizer.step()
+            # The norm is global (every rank the same value): all ranks skip or step together.
+            skipped = not math.isfinite(grad_norm)
+            if skipped and self.cfg.train.on_nonfinite == "stop":
+                raise FloatingPointError(
+                    f"non-finite gradient norm at step {step} ({grad_norm}); set train.on_nonfinite=skip "
+                    f"to skip such steps"
+                )
+            if not skipped:
+                self.optimizer.step()
+        self.skipped_steps += skipped
         self.optimizer.zero_grad(set_to_none=True)
         maybe_reshard(self.model, self.optimizer, step)  # Hecate's heterogeneous sharding (fssdp)
         with warnings.catch_warnings():
