@@ -36,7 +36,7 @@ STRATEGIES = {  # label: (strategy, prefetch)
     "prophet+prefetch": ("prophet", True),
     "eplb": ("eplb", False),
     "fssdp+prefetch": ("fssdp", True),
-    "auto": ("auto", False),
+    "auto+prefetch": ("auto", True),
 }
 
 

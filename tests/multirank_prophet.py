@@ -79,6 +79,8 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     # EPLB balances devices, which these hot pairs leave nearly even: with no margin it still copies.
     models["eplb"] = TwoBlocks(world, "eplb", cost_model, {"min_gain": 0.0, "window": 1})
     models["auto"] = TwoBlocks(world, "auto", cost_model)
+    models["autopf"] = TwoBlocks(world, "auto", cost_model)
+    BlockPrefetch([models["autopf"].moe1, models["autopf"].moe2])  # auto plans ahead too
     prefetch = BlockPrefetch([models["pf"].moe1, models["pf"].moe2])
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
     copies, idle, prefetched, eplb_copies, chosen = 0, 0, 0, 0, set()
@@ -93,7 +95,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
             all_reduce_gradients(model, layout)
             results[name] = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in model.named_parameters()})
             optimizers[name].step()
-        for name in ("p", "pf", "eplb", "auto"):
+        for name in ("p", "pf", "eplb", "auto", "autopf"):
             what = f"{name} iteration {it} rank {rank} placements {models[name].moe1.stats.placement}"
             torch.testing.assert_close(
                 results[name][0], results["ep"][0], **TOL, msg=lambda m, w=what: f"output {w}: {m}"
@@ -111,7 +113,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
                 copies += int(layer.stats.placement.materialized_EW().sum())
                 idle += _idle_copy(layer)
         prefetched += int(not models["pf"].moe2.stats.placement.is_owners_only())
-        chosen |= {m.stats.strategy for m in (models["auto"].moe1, models["auto"].moe2)}
+        chosen |= {m.stats.strategy for m in (models["auto"].moe1, models["auto"].moe2, models["autopf"].moe2)}
         eplb_copies += sum(
             int(m.stats.placement.materialized_EW().sum()) for m in (models["eplb"].moe1, models["eplb"].moe2)
         )

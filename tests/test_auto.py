@@ -78,3 +78,16 @@ def test_options_name_the_bad_value():
     assert list(auto.planners) == ["shadow"]
     with pytest.raises(ValueError, match="needs cost_model"):
         auto(_skewed(), OWNERS)
+
+
+def test_planned_ahead_choice_is_offered_to_the_prefetch_and_wins_when_hidden():
+    # A slow network: the copies a step ahead hide behind the dense compute, the others do not.
+    auto, cm = _auto(1e5)
+    auto.prefetched, auto.nonmoe_forward_s, auto.hidden_share = True, 10.0, 1.0  # as BlockPrefetch sets them
+    assert auto.next_placement() is None
+    auto(_skewed(), OWNERS, cm)
+    planned = auto.next_placement()
+    assert planned is not None and not planned.is_owners_only()
+    assert auto(_skewed(), OWNERS, cm) == planned and auto.chosen.endswith("+prefetch")
+    assert auto.last.prices_s[auto.chosen] < auto.last.prices_s["shadow"]
+    assert all(p.prefetched and p.hidden_share == 1.0 for p in auto._ahead())  # measurements passed on

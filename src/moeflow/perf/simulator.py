@@ -25,7 +25,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -110,20 +110,34 @@ class Breakdown:
         return out
 
 
+class Plans(NamedTuple):
+    """What a planner decided over a replay (`_plan`)."""
+
+    send: np.ndarray
+    """Tokens each rank sends each rank ``[I, L, W, W]`` (diagonal: computed locally)."""
+    computed: np.ndarray
+    """Tokens each rank computes per expert ``[I, L, W, E]``."""
+    holders: np.ndarray
+    """``[I, L, E, W]``."""
+    owners: np.ndarray
+    """``[I, L, E]``."""
+    reshard_I: np.ndarray
+    """Time of re-sharding after each iteration ``[I]``."""
+    prefetched_IL: np.ndarray
+    """Whether the placement that ran is the one planned ahead (its copies were prefetched)."""
+
+
 def _plan(
     build_planner, flow_ILWE: np.ndarray, cost_model: CostModel, layer: SimulatedLayer, prefetch: bool = False
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Ask the planner for every (iteration, layer), as the layer does; returns the tokens each rank
-    sends each rank ``[I, L, W, W]`` (diagonal: computed locally), the tokens each rank computes per
-    expert ``[I, L, W, E]``, the holders ``[I, L, E, W]``, the owners ``[I, L, E]`` and the time of
-    re-sharding after each iteration ``[I]``. Each layer gets its own planner, fed the iterations in
-    order: one that plans ahead (`plans_ahead`: Pro-Prophet, FSSDP, EPLB) or keeps other state
-    (`auto`) sees only the past ones when it decides. With `prefetch` (the block-wise prefetch on),
-    such planners of every layer but the first know their copies are prefetched, as
-    `core.prefetch.BlockPrefetch` tells them in a run, with the dense time given and the whole
-    window hiding copies (a GPU's copy engines). FSSDP planners re-shard all layers together every
-    `reshard_interval` iterations (`fssdp.plan_resharding`, as `core.resharding` does after an
-    optimizer step)."""
+) -> Plans:
+    """Ask the planner for every (iteration, layer), as the layer does (`Plans`). Each layer gets its
+    own planner, fed the iterations in order: one that plans ahead (`plans_ahead`: Pro-Prophet,
+    FSSDP, EPLB) or keeps other state (`auto`) sees only the past ones when it decides. With
+    `prefetch` (the block-wise prefetch on), such planners of every layer but the first know their
+    copies are prefetched, as `core.prefetch.BlockPrefetch` tells them in a run, with the dense time
+    given and the whole window hiding copies (a GPU's copy engines). FSSDP planners re-shard all
+    layers together every `reshard_interval` iterations (`fssdp.plan_resharding`, as
+    `core.resharding` does after an optimizer step)."""
     I, L, W, E = flow_ILWE.shape
     base = Placement.expert_parallel(E, W)
     planner = build_planner()
@@ -131,7 +145,8 @@ def _plan(
     if planner is plan_ep:  # owners only, whatever the load: vectorised
         send = send_by_owner(flow_ILWE, base.owner_E)
         computed = base.holders_EW.T * flow_ILWE.sum(-2)[..., None, :]
-        return send, computed, np.broadcast_to(base.holders_EW, (I, L, E, W)), owners, np.zeros(I)
+        holders = np.broadcast_to(base.holders_EW, (I, L, E, W))
+        return Plans(send, computed, holders, owners, np.zeros(I), np.zeros((I, L), dtype=bool))
     node_of = cost_model.topology.node_of
     planners = [planner] + [build_planner() for _ in range(1, L)]  # each layer its own history
     for p in planners[1:] if prefetch and getattr(planner, "plans_ahead", False) else []:
@@ -140,11 +155,14 @@ def _plan(
     send = np.zeros((I, L, W, W), dtype=np.int64)
     computed = np.zeros((I, L, W, E), dtype=np.int64)
     holders = np.zeros((I, L, E, W), dtype=bool)
-    owners, reshard_I = owners.copy(), np.zeros(I)
+    owners, reshard_I, prefetched = owners.copy(), np.zeros(I), np.zeros((I, L), dtype=bool)
+    ahead = prefetch and getattr(planner, "plans_ahead", False)
     resharding = getattr(getattr(planner, "options", None), "reshard_interval", 0) > 0
     for i in range(I):
         for li in range(L):
+            planned = planners[li].next_placement() if ahead and li else None
             placement = planners[li](flow_ILWE[i, li], current[li], cost_model)
+            prefetched[i, li] = planned is not None and placement == planned
             plan_SED = dispatch_counts(flow_ILWE[i, li], placement, node_of)
             send[i, li] = plan_SED.sum(axis=1)
             computed[i, li] = plan_SED.sum(axis=0).T
@@ -158,7 +176,7 @@ def _plan(
             current = [Placement.owners_only(new_E, W) for new_E in new_LE]
             for p, moved in zip(planners, current):
                 p.owners_changed(moved, cost_model)
-    return send, computed, holders, owners, reshard_I
+    return Plans(send, computed, holders, owners, reshard_I, prefetched)
 
 
 def _copies_time_IL(
@@ -226,8 +244,8 @@ def simulate(
         )
     ctx = LayerContext(E, layer.top_k, layer.shape, cost_model)
     options = _strategy_options(strategies, layer.options.get("strategy"))
-    # Built once here so that bad names and options fail before any work (and to ask what they are).
-    probes = {s: PLANNERS.build(s, ctx, options[s]) for s in strategies}
+    for s in strategies:  # built once here so that bad names and options fail before any work
+        PLANNERS.build(s, ctx, options[s])
     built = {s: SCHEDULES.build(s, ctx, layer.options.get("schedule")) for s in schedules}
     dispatcher = DISPATCHERS.build(layer.dispatch, ctx, layer.options.get("dispatch"))
     for schedule in built.values():
@@ -238,7 +256,7 @@ def simulate(
     nonmoe_IL = np.full((I, L), 3.0 * layer.nonmoe_forward_s)
     results = []
     for name in strategies:
-        send, computed, holders, owners, reshard_I = _plan(
+        send, computed, holders, owners, reshard_I, prefetched_IL = _plan(
             lambda name=name: PLANNERS.build(name, ctx, options[name]),
             flow,
             cost_model,
@@ -249,13 +267,13 @@ def simulate(
         lat_comp_IL = cost_model.compute_time(computed, layer.shape)
         trans_IL, agg_IL = _copies_time_IL(cost_model, param_bytes, holders, owners)
         copies_IL = trans_IL + agg_IL
-        if layer.prefetch and getattr(probes[name], "plans_ahead", False):
-            # Pro-Prophet Eq. 8: every layer after the first has its copies prefetched in the block
-            # before, as `core.prefetch` sends them; a GPU's copy engines hide them behind the whole
-            # window (hidden share 1).
+        if prefetched_IL.any():
+            # Pro-Prophet Eq. 8: a layer that runs the placement planned ahead (every layer after
+            # the first) has its copies prefetched in the block before, as `core.prefetch` sends
+            # them; a GPU's copy engines hide them behind the whole window (hidden share 1).
             sent_IL = _copies_time_IL(cost_model, param_bytes, holders, owners, tree=False)
             hidden_IL = overlapped_copies(sent_IL[0], sent_IL[1], lat_comp_IL, layer.nonmoe_forward_s)
-            copies_IL[:, 1:] = hidden_IL[:, 1:]
+            copies_IL = np.where(prefetched_IL, hidden_IL, copies_IL)
         other_IL = t_counts + copies_IL
         other_IL[:, -1] += reshard_I  # moving shards (FSSDP), after the iteration's last layer
         replicated_IL = holders.sum(axis=(-2, -1)) - E

@@ -8,6 +8,14 @@ the copies' sparse collectives (`prophet_model.placement_times`, the terms the p
 runs the cheapest, and plain EP unless the cheapest is predicted `min_gain` faster: below the
 token count where moving weights costs more than it saves, that is EP (the break-even guard).
 
+Planned ahead. The arbiter itself plans ahead: after each call it picks, among the next placements
+of the planners that plan ahead (and EP), the cheapest on the predicted flow (the mean of the last
+`window` flows it saw) with their copies priced as the block-wise prefetch hides them (Eq. 8 with
+the measured share h), and offers it as `next_placement()`, which `core.prefetch.BlockPrefetch`
+sends ahead. At the next call that planned placement competes on the real flow, its copies priced
+as hidden, with every proposal for the current flow, copies on the critical path; if another wins,
+the prefetched copies are drained and the winner's are sent then.
+
 Online correction. A planner's cost model misprices a machine systematically (on the 2 × 1 testbed
 the shadow planner needed a 5% margin for it). The layer times its own forward on every rank and
 sends that time with the next count exchange (one more row of the all-gather it runs anyway, no
@@ -36,7 +44,7 @@ from scipy.optimize import nnls
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement, dispatch_counts
-from moeflow.strategies.planners.prophet_model import placement_times
+from moeflow.strategies.planners.prophet_model import overlapped_copies, placement_times
 
 CANDIDATES = ("ep", "shadow", "prophet", "eplb", "fssdp")
 
@@ -87,12 +95,16 @@ class AutoDecision:
         return self.predicted_s[-1]
 
 
-def layer_terms(flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, node_of=None) -> tuple:
+def layer_terms(
+    flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, node_of=None, hidden=None
+) -> tuple:
     """(compute, communication) of one forward + backward, uncorrected: 3 expert computes of the
-    slowest device; 4 exchanges and the copies out and back (`placement_times`)."""
+    slowest device; 4 exchanges and the copies out and back (`placement_times`). `hidden`:
+    (T_nonMoE, h) when the copies are prefetched — priced as sent ahead and hidden (Eq. 8)."""
     plan_SED = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
-    t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape)
-    return 3.0 * t["fec"], t["a2a"] + t["trans"] + t["agg"]
+    t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape, hidden is not None)
+    copies = t["trans"] + t["agg"] if hidden is None else overlapped_copies(t["trans"], t["agg"], t["fec"], *hidden)
+    return 3.0 * t["fec"], t["a2a"] + float(copies)
 
 
 def fit_correction(observations) -> tuple[float, float, float]:
@@ -109,6 +121,7 @@ class AutoPlanner:
 
     needs_cost_model = True
     observes_time = True  # the layer sends its forward times with the count exchange
+    plans_ahead = True  # `next_placement()`: the planned-ahead choice, for the block-wise prefetch
 
     def __init__(self, shape: ExpertShape, planners: dict, options: AutoOptions | None = None):
         self.shape = shape
@@ -119,6 +132,11 @@ class AutoPlanner:
         self.last: AutoDecision | None = None
         self.chosen: str | None = None
         self._pending: tuple[float, float] | None = None  # the last forward's (compute, comm) predicted
+        self.history: deque[np.ndarray] = deque(maxlen=3)  # flows seen: the predicted flow's window
+        self._prefetched = False
+        self.nonmoe_forward_s = 0.0  # measured by the prefetch
+        self.hidden_share = 0.0  # share of the prefetch windows that hid copies; 0 until measured
+        self._planned: tuple[str, Placement] | None = None
 
     def observe_time(self, forward_s_W: np.ndarray) -> None:
         """The previous forward's time on every rank (from the count exchange): one observation."""
@@ -135,13 +153,64 @@ class AutoPlanner:
         s_comp, s_comm, _ = self.scales
         return s_comp * compute_s + s_comm * comm_s
 
+    # ---- the block-wise prefetch's side (`core.prefetch.BlockPrefetch` sets these) -----------------
+    @property
+    def prefetched(self) -> bool:
+        return self._prefetched
+
+    @prefetched.setter
+    def prefetched(self, value: bool) -> None:
+        self._prefetched = value
+        for planner in self._ahead():
+            planner.prefetched = value
+
+    def _ahead(self) -> list:
+        return [p for p in self.planners.values() if getattr(p, "plans_ahead", False)]
+
+    def _hidden(self) -> tuple[float, float] | None:
+        """(T_nonMoE, h) of Eq. 8 under the prefetch (None: copies are on the critical path)."""
+        return (self.nonmoe_forward_s, self.hidden_share) if self._prefetched else None
+
+    def next_placement(self) -> Placement | None:
+        return self._planned[1] if self._planned else None
+
+    def _plan_ahead(self, placement: Placement, cost_model) -> None:
+        """The cheapest of the planned-ahead placements on the predicted flow (module docstring)."""
+        self._planned = None
+        if not self._prefetched or not self.history:
+            return
+        for planner in self._ahead():  # what the prefetch measured reaches the planners too
+            planner.nonmoe_forward_s, planner.hidden_share = self.nonmoe_forward_s, self.hidden_share
+        predicted = np.mean(np.stack(self.history), axis=0)
+        node_of = cost_model.topology.node_of
+        options = {n: p.next_placement() for n, p in self.planners.items() if getattr(p, "plans_ahead", False)}
+        options = {n: p for n, p in options.items() if p is not None and not p.is_owners_only()}
+        if not options:
+            return
+        ep = Placement.owners_only(placement.owner_E, placement.world_size)
+        ep_price = self.price(*layer_terms(predicted, ep, cost_model, self.shape, node_of))
+        prices = {
+            n: self.price(*layer_terms(predicted, p, cost_model, self.shape, node_of, self._hidden()))
+            for n, p in options.items()
+        }
+        best = min(prices, key=prices.get)
+        if prices[best] <= (1.0 - self.options.min_gain) * ep_price:
+            self._planned = (best, options[best])
+
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
         if cost_model is None:
             raise ValueError("strategy='auto' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
         node_of = cost_model.topology.node_of
+        planned = (
+            self._planned if self._planned and np.array_equal(self._planned[1].owner_E, placement.owner_E) else None
+        )
         proposals = {name: planner(flow_WE, placement, cost_model) for name, planner in self.planners.items()}
         proposals.setdefault("ep", Placement.owners_only(placement.owner_E, placement.world_size))
         terms = {name: layer_terms(flow_WE, p, cost_model, self.shape, node_of) for name, p in proposals.items()}
+        if planned is not None:  # sent ahead: its copies hidden as far as the prefetch hides them
+            name = f"{planned[0]}+prefetch"
+            proposals[name] = planned[1]
+            terms[name] = layer_terms(flow_WE, planned[1], cost_model, self.shape, node_of, self._hidden())
         prices = {name: self.price(*t) for name, t in terms.items()}
         best = min(prices, key=lambda name: (prices[name], name != "ep"))
         if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
@@ -152,6 +221,8 @@ class AutoPlanner:
         self._pending = (compute / 3.0, comm / 2.0)
         self.chosen = best
         self.last = AutoDecision(prices, best, self.scales, [prices["ep"], prices[best]])
+        self.history.append(np.asarray(flow_WE, dtype=np.float64))
+        self._plan_ahead(placement, cost_model)
         return proposals[best]
 
     def model_error(self) -> float | None:
