@@ -31,6 +31,9 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.perf.simulator import SimulatedLayer, simulate
 from moeflow.perf.traces import Trace, resolve_trace, synthetic_trace
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prophet_simulated import attention_forward_s  # noqa: E402
+
 PAPER = {"max_over_best_baseline": 3.54, "geomean_over_best_baseline_16_gpus": 1.645, "geomean_32_gpus": 2.05}
 CLUSTERS = ("hecate_a", "hecate_b")
 D_MODEL, SEQ, EXPERTS = 1024, 2048, 64
@@ -42,16 +45,10 @@ VARIANTS = {
 }
 
 
-def attention_forward_s(cost_model: CostModel, tokens_per_rank: int) -> float:
-    """The dense part of a block: attention's four d×d projections (8·d² FLOPs per token) and its
-    score and value products (4·seq·d per token) at the device's GEMM rate."""
-    return float(cost_model.gemm_time((8 * D_MODEL**2 + 4 * SEQ * D_MODEL) * tokens_per_rank))
-
-
 def run(cluster: str, trace: Trace, tokens_per_rank: int) -> dict:
     cm = CostModel.from_preset(cluster)
     shape = ExpertShape(D_MODEL, 4 * D_MODEL, "ffn")
-    nonmoe = attention_forward_s(cm, tokens_per_rank)
+    nonmoe = attention_forward_s(cm, tokens_per_rank, SEQ, D_MODEL)
     out: dict = {"devices": cm.topology.num_devices, "nonmoe_forward_ms": 1e3 * nonmoe}
     totals = {}
 

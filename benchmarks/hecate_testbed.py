@@ -18,12 +18,11 @@ allocated at the forward/backward boundary).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from testbed_run import ensure_profile, on_testbed  # noqa: E402
+from testbed_run import bench_on_testbed  # noqa: E402
 
 VARIANTS = [
     "ep:sync",
@@ -45,18 +44,7 @@ def main() -> int:
     parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 2.0])
     parser.add_argument("--profile", default=None, help="default: results/profile-testbed[-2x1].json")
     args = parser.parse_args()
-    suffix = "" if args.ranks_per_node == 2 else f"-2x{args.ranks_per_node}"
-    profile = ensure_profile(
-        Path(args.profile or f"results/profile-testbed{suffix}.json"), args.bandwidth_mbit, 2, args.ranks_per_node
-    )
-    bench = ["bench", "--cost-model", str(profile), "--tokens", "2048", "--d-model", "256", "--d-hidden", "1024"]
-    bench += ["--experts", "2", "--blocks", "4", "--iterations", str(args.iterations), "--skews"]
-    bench += [f"{s:g}" for s in args.skews] + ["--trace", "smartmoe", "--trace-replay", "--variants", *VARIANTS]
-    raw = Path(args.out).with_suffix(".raw.json")
-    on_testbed([*bench, "--out", str(raw)], 2, args.ranks_per_node, args.bandwidth_mbit)
-    result = json.loads(raw.read_text())
-    command = " ".join(["python benchmarks/hecate_testbed.py", *sys.argv[1:]])
-    Path(args.out).write_text(json.dumps({"command": command, **result}, indent=2) + "\n")
+    result = bench_on_testbed(__file__, args, 4, VARIANTS)
     mib = 2.0**20
     print(
         f"{'routing':<18}{'variant':<46}{'ms':>8}{'vs EP':>7}{'copies':>7}{'model ms':>9}"

@@ -31,10 +31,10 @@ CLUSTERS = ("prophet_hpwnv", "prophet_hpnv", "prophet_lpwnv", "johnny")
 D_MODEL, SEQ = 1024, 1024
 
 
-def attention_forward_s(cost_model: CostModel, tokens_per_rank: int) -> float:
+def attention_forward_s(cost_model: CostModel, tokens_per_rank: int, seq: int = SEQ, d_model: int = D_MODEL) -> float:
     """The dense part of a block (T_FNEC of Eq. 8): attention's four d×d projections (8·d² FLOPs per
     token) and its score and value products (4·seq·d per token) at the device's GEMM rate."""
-    flops = (8 * D_MODEL**2 + 4 * SEQ * D_MODEL) * tokens_per_rank
+    flops = (8 * d_model**2 + 4 * seq * d_model) * tokens_per_rank
     return float(cost_model.gemm_time(flops))
 
 
