@@ -1,10 +1,15 @@
-"""Forward+backward time of the MoE layer vs its balanced-bmm lower bound and Hugging Face's
-MixtralSparseMoeBlock with identical weights (the core runtime benchmark; `moeflow.bench.layer`).
+"""Forward+backward time and peak step memory of the MoE layer vs its balanced-bmm lower bound,
+Hugging Face's MixtralSparseMoeBlock (swiglu) and Tutel's moe_layer (ffn), identical weights,
+measured interleaved round by round (`moeflow.bench.layer`).
 
     .venv/bin/python benchmarks/layer.py --out results/layer.json
     .venv/bin/python benchmarks/layer.py --quick          # one small config, for a smoke run
+    # ffn experts next to Tutel (built as in docs/benchmarks.md, "Layer speed") and a baseline tree:
+    /work/tutel-venv/bin/python benchmarks/layer.py --expert ffn --dtype float32 --rounds 5 \
+        --baseline-src /tmp/moeflow-base/src --out results/layer_tutel.json
 
-Grid: T=4096, d=512, h=1024, E in {8, 32}, k in {1, 2}, fp32 and bf16. Writes JSON; prints a table.
+Default grid: T=4096, d=512, h=1024, E in {8, 32}, k in {1, 2}, fp32 and bf16. Writes JSON;
+prints a table (ratios are per round: median [min–max]).
 """
 
 from __future__ import annotations
@@ -17,32 +22,63 @@ import sys
 
 from moeflow.bench.layer import LayerBenchConfig, machine_info, run_layer_bench
 
+PEERS = ("bound", "hf", "tutel", "baseline")
+
+
+def _row(r: dict) -> str:
+    cfg = r["config"]
+    cells = [
+        f"{cfg['dtype'][:4]:<5}{cfg['tokens']:>6}{cfg['num_experts']:>4}{cfg['top_k']:>3}",
+        f"{1e3 * r['moeflow']['median_s']:>9.1f}{r['moeflow']['peak_step_bytes'] / 2**20:>8.0f}",
+    ]
+    for peer in PEERS:
+        ratio = r["ratios"].get(f"{peer}/moeflow")
+        if ratio:
+            mib = r[peer]["peak_step_bytes"] / 2**20
+            cells.append(f"  {peer} {ratio['median']:.2f} [{ratio['min']:.2f}–{ratio['max']:.2f}] {mib:.0f}MiB")
+    if r.get("tutel"):
+        cells.append(f"  tutel pad {r['tutel']['padded_rows']}")
+    return "".join(cells)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/layer.json")
     parser.add_argument("--quick", action="store_true", help="one small configuration")
     parser.add_argument("--min-run-time", type=float, default=2.0, help="seconds per measurement")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per configuration")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--expert", default="swiglu", choices=["swiglu", "ffn"])
+    parser.add_argument("--baseline-src", help="a moeflow source tree (folder holding moeflow/) timed alongside")
+    parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--no-tutel", action="store_true")
     args = parser.parse_args()
     if args.quick:
         grid = [LayerBenchConfig(tokens=512, d_model=64, d_hidden=128, num_experts=8, min_run_time_s=0.2)]
     else:
         grid = [
-            LayerBenchConfig(num_experts=e, top_k=k, dtype=dt, min_run_time_s=args.min_run_time)
-            for dt, e, k in itertools.product(["float32", "bfloat16"], [8, 32], [1, 2])
+            LayerBenchConfig(
+                tokens=t,
+                num_experts=e,
+                top_k=k,
+                dtype=dt,
+                expert=args.expert,
+                min_run_time_s=args.min_run_time,
+                rounds=args.rounds,
+            )
+            for dt, t, e, k in itertools.product(args.dtype, args.tokens, args.experts, args.top_k)
         ]
     rows = []
-    print(f"{'dtype':<9}{'E':>4}{'k':>3}{'moeflow ms':>12}{'bound ms':>10}{'/bound':>8}{'HF ms':>10}{'HF/ours':>9}")
+    print(f"{'dtype':<5}{'T':>6}{'E':>4}{'k':>3}{'ms':>9}{'MiB':>8}  peer time/moeflow [spread] peak")
     for cfg in grid:
-        r = run_layer_bench(cfg)
-        rows.append(r)
-        hf = r.get("hf")
-        print(
-            f"{cfg.dtype:<9}{cfg.num_experts:>4}{cfg.top_k:>3}{1e3 * r['moeflow']['median_s']:>12.1f}"
-            f"{1e3 * r['bound']['median_s']:>10.1f}{r['moeflow_over_bound']:>8.2f}"
-            + (f"{1e3 * hf['median_s']:>10.1f}{r['hf_over_moeflow']:>9.2f}" if hf else f"{'-':>10}{'-':>9}"),
-            flush=True,
+        r = run_layer_bench(
+            cfg, compare_hf=not args.no_hf, compare_tutel=not args.no_tutel, baseline_src=args.baseline_src
         )
+        rows.append(r)
+        print(_row(r), flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": machine_info(), "results": rows}, f, indent=2)

@@ -1,22 +1,38 @@
-"""Layer benchmark: forward+backward time of `MoELayer` next to its lower bound and Hugging Face's
-`MixtralSparseMoeBlock` with identical weights.
+"""Layer benchmark: forward+backward time and peak step memory of `MoELayer` next to its lower
+bound and, where installed, Hugging Face's `MixtralSparseMoeBlock` (swiglu experts) and Tutel's
+`moe_layer` (ffn experts), all holding identical weights so that every token is routed alike.
 
 The bound is the same expert FFN computed as perfectly balanced batched matmuls (`bmm` over
 `[E, T·k/E, d]`): what the experts would cost if routing, permutation and combining were free and
-the load were even. Timings use `torch.utils.benchmark.Timer` (warm-up, blocked autorange, median).
+the load were even. Contenders are timed interleaved, round by round in a balanced order
+(`bench.interleave`), each round a `torch.utils.benchmark` blocked autorange; a contender's time
+is the median of its round medians, and every ratio is taken within a round (spread = min..max
+over rounds), so drift on a shared machine cancels; `best` is the ratio of the fastest rounds.
+
+Tutel runs dropless (`capacity_factor=0`: capacity = the largest expert's count), fp32 gate,
+exact-erf GELU; it computes `E · capacity − T · k` padding rows, reported as `padded_rows`.
+A `baseline` contender is `MoELayer` imported from another moeflow source tree (an older
+revision, `git archive <rev> src | tar -x -C DIR`), for before/after ratios measured in one run.
+
+Peak step memory: bytes allocated above the step's start (activations, gradients, temporaries)
+from the profiler's allocation events on CPU, `torch.cuda.max_memory_allocated` on CUDA.
 
 Shape suffixes: T tokens, D d_model, H d_hidden, E experts, C tokens per expert (T·k/E).
 """
 
 from __future__ import annotations
 
+import importlib
 import platform
+import statistics
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils import benchmark
 
+from moeflow.bench.interleave import balanced_order
 from moeflow.core.layer import MoELayer
 
 
@@ -31,14 +47,16 @@ class LayerBenchConfig:
     dtype: str = "float32"
     """`float32` or `bfloat16` (parameters and activations)."""
     expert: str = "swiglu"
-    """`swiglu` compares with Mixtral's block; `ffn` has no Hugging Face counterpart."""
+    """`swiglu` compares with Mixtral's block; `ffn` with Tutel's."""
     min_run_time_s: float = 2.0
-    """Per measurement, for torch.utils.benchmark's blocked_autorange."""
+    """Per measurement (one contender, one round), for torch.utils.benchmark's blocked_autorange."""
+    rounds: int = 1
+    """Interleaved rounds: every contender is measured once per round."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be 'float32' or 'bfloat16'")
-        for name in ("tokens", "d_model", "d_hidden", "num_experts", "top_k"):
+        for name in ("tokens", "d_model", "d_hidden", "num_experts", "top_k", "rounds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.top_k > self.num_experts:
@@ -47,14 +65,51 @@ class LayerBenchConfig:
             raise ValueError(f"expert={self.expert!r} must be 'ffn' or 'swiglu'")
 
 
-def _time_fwd_bwd(fn, x: torch.Tensor, min_run_time_s: float) -> dict:
-    def step():
-        x.grad = None
-        fn(x).float().square().mean().backward()
+class _Step:
+    """One training step of `fn` on `x`: gradients of `x` and `params` cleared, forward, backward."""
 
+    def __init__(self, fn, x: torch.Tensor, params: list[torch.Tensor]) -> None:
+        self.fn, self.x, self.params = fn, x, params
+
+    def clear_grads(self) -> None:
+        self.x.grad = None
+        for p in self.params:
+            p.grad = None
+
+    def run(self) -> None:
+        self.fn(self.x).float().square().mean().backward()
+
+    def __call__(self) -> None:
+        self.clear_grads()
+        self.run()
+
+
+def _time(step: _Step, min_run_time_s: float) -> float:
     timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=torch.get_num_threads())
-    m = timer.blocked_autorange(min_run_time=min_run_time_s)
-    return {"median_s": m.median, "iqr_s": m.iqr, "runs": len(m.times)}
+    return timer.blocked_autorange(min_run_time=min_run_time_s).median
+
+
+def peak_step_bytes(step: _Step, device: torch.device) -> int:
+    """Most bytes allocated at once during one step (gradients cleared before it) above what was
+    allocated at its start: activations, gradients, temporaries."""
+    step.clear_grads()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step.run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step.run()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
 
 
 def _balanced_bound(layer: MoELayer, cfg: LayerBenchConfig):
@@ -95,17 +150,83 @@ def mixtral_block_from(layer: MoELayer):
     return block, getattr(config, "_experts_implementation", None) or "eager"
 
 
-def run_layer_bench(cfg: LayerBenchConfig, compare_hf: bool = True, seed: int = 0) -> dict:
-    """One configuration: moeflow, the balanced bound, and (if installed) Hugging Face."""
+def tutel_layer_from(layer: MoELayer):
+    """Tutel's `moe_layer` (dropless: `capacity_factor=0`; fp32 gate; erf GELU) holding exactly
+    `layer`'s gate and ffn experts. Tutel's top-k gate renormalises like `gate="topk"`."""
+    from tutel import moe as tutel_moe
+
+    tutel = tutel_moe.moe_layer(
+        gate_type={"type": "top", "k": layer.top_k, "capacity_factor": 0, "fp32_gate": True},
+        model_dim=layer.d_model,
+        experts={
+            "type": "ffn",
+            "count_per_node": layer.num_experts,
+            "hidden_size_per_expert": layer.d_hidden,
+            "activation_fn": F.gelu,
+        },
+    )
+    w = layer.experts.weights()
+    with torch.no_grad():
+        tutel.gates[0].wg.weight.copy_(layer.gate.weight)
+        # Tutel stores fc1 as (out, in) per expert and fc2 as (in, out): w1ᵀ and w2.
+        tutel.experts.batched_fc1_w.copy_(w["w1"].transpose(1, 2))
+        tutel.experts.batched_fc1_bias.copy_(w["b1"])
+        tutel.experts.batched_fc2_w.copy_(w["w2"])
+        tutel.experts.batched_fc2_bias.copy_(w["b2"])
+    return tutel
+
+
+def load_moeflow_layer_class(src_dir: str) -> type:
+    """`MoELayer` imported from the moeflow source tree `src_dir` (the folder holding `moeflow/`),
+    next to the one in use: the modules are imported under their own names, kept alive by the class
+    that references them, and the current `moeflow` modules are put back afterwards."""
+    current = {name: mod for name, mod in sys.modules.items() if name == "moeflow" or name.startswith("moeflow.")}
+    for name in current:
+        del sys.modules[name]
+    sys.path.insert(0, src_dir)
+    try:
+        cls = importlib.import_module("moeflow.core.layer").MoELayer
+        if not cls.__module__ or not sys.modules[cls.__module__].__file__.startswith(src_dir):
+            raise ImportError(f"moeflow under {src_dir!r} did not load (got {sys.modules[cls.__module__].__file__})")
+    finally:
+        sys.path.remove(src_dir)
+        for name in [n for n in sys.modules if n == "moeflow" or n.startswith("moeflow.")]:
+            del sys.modules[name]
+        sys.modules.update(current)
+    return cls
+
+
+def _summary(times: list[float]) -> dict:
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "rounds_s": times}
+
+
+def _ratio(num: list[float], den: list[float]) -> dict:
+    """Per-round ratios: their median and spread; and the ratio of the two fastest rounds (`best`:
+    other processes only ever add time, so on a busy machine the fastest round is the cleanest)."""
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "best": min(num) / min(den)}
+
+
+def run_layer_bench(
+    cfg: LayerBenchConfig,
+    compare_hf: bool = True,
+    compare_tutel: bool = True,
+    baseline_src: str | None = None,
+    seed: int = 0,
+) -> dict:
+    """One configuration: moeflow, the balanced bound, and (where installed) Hugging Face (swiglu),
+    Tutel (ffn) and a baseline moeflow source tree, measured interleaved (module docstring)."""
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(seed)
     layer = MoELayer(cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, expert=cfg.expert).to(dtype)
     x = torch.randn(cfg.tokens, cfg.d_model, dtype=dtype, requires_grad=True)
     result = {"config": asdict(cfg), "threads": torch.get_num_threads(), "torch": torch.__version__}
-    result["moeflow"] = _time_fwd_bwd(layer, x, cfg.min_run_time_s)
+    params = list(layer.parameters())
+    steps = {"moeflow": _Step(layer, x, params), "bound": _Step(_balanced_bound(layer, cfg), x, params)}
+    with torch.no_grad():
+        ours = layer(x)
     result["load_imbalance"] = layer.stats.load_imbalance
-    result["bound"] = _time_fwd_bwd(_balanced_bound(layer, cfg), x, cfg.min_run_time_s)
-    result["moeflow_over_bound"] = result["moeflow"]["median_s"] / result["bound"]["median_s"]
+
     if compare_hf and cfg.expert == "swiglu":
         try:
             block, impl = mixtral_block_from(layer)
@@ -114,17 +235,65 @@ def run_layer_bench(cfg: LayerBenchConfig, compare_hf: bool = True, seed: int = 
         else:
             block = block.to(dtype)
             with torch.no_grad():
-                ours, theirs = layer(x), block(x[None])[0]
-            result["hf_max_abs_diff"] = float((ours.float() - theirs.float()).abs().max())
-            result["hf"] = _time_fwd_bwd(lambda t: block(t[None]), x, cfg.min_run_time_s)
-            result["hf"]["experts_implementation"] = impl
-            result["hf_over_moeflow"] = result["hf"]["median_s"] / result["moeflow"]["median_s"]
+                result["hf_max_abs_diff"] = float((ours.float() - block(x[None])[0].float()).abs().max())
+            steps["hf"] = _Step(lambda t: block(t[None]), x, list(block.parameters()))
+            result["hf_experts_implementation"] = impl
+    if compare_tutel and cfg.expert == "ffn":
+        try:
+            tutel = tutel_layer_from(layer)
+        except ImportError:
+            result["tutel"] = None
+        else:
+            tutel = tutel.to(dtype)
+            with torch.no_grad():
+                result["tutel_max_abs_diff"] = float((ours.float() - tutel(x).float()).abs().max())
+            counts_E = tutel.dispatch_count.to(torch.int64).cpu()
+            # The same experts for every token (at k = 1 the outputs still differ: `gate="topk"`
+            # renormalises the one weight to 1, Tutel keeps the probability).
+            result["tutel_same_counts"] = bool(torch.equal(counts_E, layer.stats.flow[0]))
+            result["tutel_padded_rows"] = int(counts_E.max()) * cfg.num_experts - int(counts_E.sum())
+            steps["tutel"] = _Step(tutel, x, list(tutel.parameters()))
+    if baseline_src:
+        torch.manual_seed(seed)
+        base = load_moeflow_layer_class(baseline_src)(
+            cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, expert=cfg.expert
+        ).to(dtype)
+        base.load_state_dict(layer.state_dict())
+        with torch.no_grad():
+            result["baseline_max_abs_diff"] = float((ours.float() - base(x).float()).abs().max())
+        steps["baseline"] = _Step(base, x, list(base.parameters()))
+
+    for step in steps.values():  # warm-up (and lazy initialisation) outside the measurements
+        step()
+    names = list(steps)
+    times = {name: [] for name in names}
+    for r in range(cfg.rounds):
+        for name in balanced_order(names, r):
+            times[name].append(_time(steps[name], cfg.min_run_time_s))
+    for name in names:
+        result[name] = _summary(times[name]) | {"peak_step_bytes": peak_step_bytes(steps[name], x.device)}
+    result["moeflow_over_bound"] = result["moeflow"]["median_s"] / result["bound"]["median_s"]
+    result["ratios"] = {f"{name}/moeflow": _ratio(times[name], times["moeflow"]) for name in names[1:]}
+    if "hf" in steps:
+        result["hf"]["experts_implementation"] = result.pop("hf_experts_implementation")
+        result["hf_over_moeflow"] = result["hf"]["median_s"] / result["moeflow"]["median_s"]
+    if "tutel" in steps:
+        result["tutel"]["padded_rows"] = result.pop("tutel_padded_rows")
+        result["tutel_over_moeflow"] = result["tutel"]["median_s"] / result["moeflow"]["median_s"]
     return result
 
 
 def machine_info() -> dict:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
     return {
         "machine": platform.machine(),
         "processor": platform.processor(),
         "python": platform.python_version(),
+        "cpu_amx": "amx_tile" in flags.split(),
+        "cpu_avx512_bf16": "avx512_bf16" in flags.split(),
     }

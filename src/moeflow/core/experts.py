@@ -11,6 +11,7 @@ Shape suffixes: N rows (tokens × choices) sorted by expert, D d_model, H d_hidd
 from __future__ import annotations
 
 import math
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -47,18 +48,36 @@ def _use_grouped_mm_kernel(x_ND: torch.Tensor, w_LDH: torch.Tensor) -> bool:
 class _PerExpertMM(torch.autograd.Function):
     """One `mm` per expert written straight into its rows of one output (and, in backward, of the
     input and weight gradients): no per-expert autograd nodes, no concatenation, no stacking of
-    weight-gradient slices. The fallback where `torch._grouped_mm` is not the fastest kernel."""
+    weight-gradient slices. The fallback where `torch._grouped_mm` is not the fastest kernel.
+
+    With `gemm_dtype` wider than the operands' (bf16 on a CPU without AMX: `_gemm_dtype`) each
+    group's GEMM runs on widened copies of its rows and expert, and its result is rounded back to
+    the operands' dtype; only the narrow operands are saved for backward and the widened copies
+    live one group at a time, so a step's memory stays that of the narrow kernels. Groups of fewer
+    than `min_wide_rows` rows stay narrow: there widening the expert's weights costs more than the
+    faster GEMM saves.
+    """
+
+    min_wide_rows = 32
+    """Measured (bf16, d=512, h=1024, forward+backward, no AMX): widened / narrow time 1.24 at 16
+    rows per group, 0.95 at 32, 0.81 at 64, 0.67 at 256."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_LDH, counts_L):
+    def forward(ctx, x_ND, w_LDH, counts_L, gemm_dtype=None):
         ctx.save_for_backward(x_ND, w_LDH)
-        ctx.counts = counts_L
+        ctx.counts, ctx.gemm_dtype = counts_L, gemm_dtype or x_ND.dtype
+        widen = ctx.gemm_dtype != x_ND.dtype
         out_NH = x_ND.new_empty((x_ND.shape[0], w_LDH.shape[2]))
         start = 0
-        for i, n in enumerate(counts_L):
-            if n:
-                torch.mm(x_ND[start : start + n], w_LDH[i], out=out_NH[start : start + n])
-            start += n
+        with torch.autocast(x_ND.device.type, enabled=False):  # autocast would narrow the copies again
+            for i, n in enumerate(counts_L):
+                if n:
+                    rows = slice(start, start + n)
+                    if widen and n >= _PerExpertMM.min_wide_rows:
+                        out_NH[rows] = torch.mm(x_ND[rows].to(ctx.gemm_dtype), w_LDH[i].to(ctx.gemm_dtype))
+                    else:
+                        torch.mm(x_ND[rows], w_LDH[i], out=out_NH[rows])
+                start += n
         return out_NH
 
     @staticmethod
@@ -67,26 +86,98 @@ class _PerExpertMM(torch.autograd.Function):
         grad_NH = grad_NH.contiguous()
         grad_x = torch.empty_like(x_ND) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(w_LDH) if ctx.needs_input_grad[1] else None  # experts without rows: 0
+        widen = ctx.gemm_dtype != x_ND.dtype
+        start = 0
+        with torch.autocast(x_ND.device.type, enabled=False):
+            for i, n in enumerate(ctx.counts):
+                if n:
+                    rows = slice(start, start + n)
+                    if widen and n >= _PerExpertMM.min_wide_rows:
+                        g_nH, w_DH = grad_NH[rows].to(ctx.gemm_dtype), w_LDH[i].to(ctx.gemm_dtype)
+                        if grad_x is not None:
+                            grad_x[rows] = torch.mm(g_nH, w_DH.t())
+                        if grad_w is not None:
+                            grad_w[i] = torch.mm(x_ND[rows].to(ctx.gemm_dtype).t(), g_nH)
+                    else:
+                        if grad_x is not None:
+                            torch.mm(grad_NH[rows], w_LDH[i].t(), out=grad_x[rows])
+                        if grad_w is not None:
+                            torch.mm(x_ND[rows].t(), grad_NH[rows], out=grad_w[i])
+                start += n
+        return grad_x, grad_w, None, None
+
+
+class _GroupBias(torch.autograd.Function):
+    """`x[rows of group l] + b[l]` (Tutel's per-expert bias) with a backward that is a segment sum
+    over each group's contiguous rows, as one GEMM `onehot_LN @ grad_NH` (few experts) or one sum
+    per group (many): no accumulating `index_put` over all N rows, the backward of
+    `x + b[row_expert]` that took 15-20% of an ffn step. Forward: the same broadcast add as before
+    (bit-identical). Few large ops rather than one per group, because each op is a parallel region
+    and on a busy machine every region can wait a time slice for its second thread."""
+
+    onehot_max_local = 64
+    """Up to this many local experts the bias gradient is one GEMM (its `2·L·N·H` flops are
+    `L / D` of one expert GEMM's): with more, one sum per group."""
+
+    @staticmethod
+    def forward(ctx, x_NH, b_LH, counts_L):
+        counts_t = torch.tensor(counts_L, device=x_NH.device)
+        ctx.save_for_backward(counts_t)
+        ctx.counts = counts_L
+        return x_NH + b_LH.repeat_interleave(counts_t, dim=0, output_size=x_NH.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_NH):
+        if not ctx.needs_input_grad[1]:
+            return grad_NH, None, None
+        (counts_t,) = ctx.saved_tensors
+        num_local = counts_t.numel()
+        if num_local <= _GroupBias.onehot_max_local:
+            eye_LL = torch.eye(num_local, dtype=grad_NH.dtype, device=grad_NH.device)
+            onehot_LN = eye_LL.repeat_interleave(counts_t, dim=1, output_size=grad_NH.shape[0])
+            return grad_NH, onehot_LN @ grad_NH, None
+        grad_b = grad_NH.new_zeros((num_local, grad_NH.shape[1]))
         start = 0
         for i, n in enumerate(ctx.counts):
             if n:
-                rows = slice(start, start + n)
-                if grad_x is not None:
-                    torch.mm(grad_NH[rows], w_LDH[i].t(), out=grad_x[rows])
-                if grad_w is not None:
-                    torch.mm(x_ND[rows].t(), grad_NH[rows], out=grad_w[i])
+                torch.sum(grad_NH[start : start + n], 0, out=grad_b[i])
             start += n
-        return grad_x, grad_w, None
+        return grad_NH, grad_b, None
 
 
-def grouped_mm(x_ND: torch.Tensor, w_LDH: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
-    """`out[rows of group l] = x[rows of group l] @ w[l]` for consecutive groups of `counts_L` rows."""
-    w_LDH = w_LDH.to(x_ND.dtype)
-    if _use_grouped_mm_kernel(x_ND, w_LDH):
+@cache
+def _cpu_has_amx_bf16() -> bool:
+    return bool(torch.cpu.get_capabilities().get("amx_bf16", False))
+
+
+def _gemm_dtype(x_ND: torch.Tensor) -> torch.dtype:
+    """The dtype the expert GEMMs run in, chosen per machine (measured, docs/benchmarks.md, "Layer
+    speed"): bf16 on a CPU without AMX runs oneDNN's AVX-512-BF16 kernels at about half the fp32
+    speed (a [1024, 512] x [512, 1024] mm: 12.8 ms bf16, 6.6 ms fp32, 7.2 ms fp32 with both casts),
+    so there the GEMMs take fp32 copies of their bf16 operands and round the result to bf16 (what
+    a bf16 kernel with fp32 accumulation returns, up to the order of the sums); with AMX (2.5x the
+    fp32 speed) and on CUDA they stay bf16."""
+    if x_ND.dtype == torch.bfloat16 and x_ND.device.type == "cpu" and not _cpu_has_amx_bf16():
+        return torch.float32
+    return x_ND.dtype
+
+
+def grouped_mm(
+    x_ND: torch.Tensor, w_LDH: torch.Tensor, counts_L: list[int], b_LH: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`out[rows of group l] = x[rows of group l] @ w[l] (+ b[l])` for consecutive groups of
+    `counts_L` rows, in `x_ND`'s dtype (weights and bias cast to it). The bias is added per group
+    after the GEMM's result is rounded to that dtype, as `mm` then `+ b[row_expert]` did."""
+    dtype = x_ND.dtype
+    w_LDH = w_LDH.to(dtype)
+    counts_L = [int(n) for n in counts_L]
+    gemm = _gemm_dtype(x_ND)
+    if gemm == dtype and _use_grouped_mm_kernel(x_ND, w_LDH):
         offs_L = torch.tensor(counts_L, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_ND.device)
-        out = torch._grouped_mm(x_ND.contiguous(), w_LDH.contiguous(), offs=offs_L)
-        return _ContiguousGrad.apply(out)
-    return _PerExpertMM.apply(x_ND.contiguous(), w_LDH.contiguous(), list(counts_L))
+        out_NH = _ContiguousGrad.apply(torch._grouped_mm(x_ND.contiguous(), w_LDH.contiguous(), offs=offs_L))
+    else:
+        out_NH = _PerExpertMM.apply(x_ND.contiguous(), w_LDH.contiguous(), counts_L, gemm)
+    return out_NH if b_LH is None else _GroupBias.apply(out_NH, b_LH.to(dtype), counts_L)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -139,14 +230,10 @@ class GroupedExperts(nn.Module):
         dtype = _compute_dtype(x_ND)
         x_ND = x_ND.to(dtype)
         if self.kind == "ffn":
-            row_expert_N = torch.repeat_interleave(
-                torch.arange(len(counts_L), device=x_ND.device),
-                torch.tensor(counts_L, device=x_ND.device),
-                output_size=x_ND.shape[0],
-            )
-            hidden_NH = grouped_mm(x_ND, w["w1"], counts_L) + w["b1"].to(dtype)[row_expert_N]
-            hidden_NH = F.gelu(hidden_NH)  # exact erf GELU, as GPT's FFN
-            return grouped_mm(hidden_NH, w["w2"], counts_L) + w["b2"].to(dtype)[row_expert_N]
+            # Biases are broadcast over each group's rows, never gathered per row (Tutel's way):
+            # their backward is a sum over contiguous rows, not a scatter over all of them.
+            hidden_NH = F.gelu(grouped_mm(x_ND, w["w1"], counts_L, w["b1"]))  # exact erf GELU, as GPT's
+            return grouped_mm(hidden_NH, w["w2"], counts_L, w["b2"])
         gated_NH = F.silu(grouped_mm(x_ND, w["w1"], counts_L)) * grouped_mm(x_ND, w["w3"], counts_L)
         return grouped_mm(gated_NH, w["w2"], counts_L)
 

@@ -83,8 +83,12 @@ class Routing:
         return kept, int((~keep_A).sum())
 
     def rows(self, x_TD: torch.Tensor, order_A: torch.Tensor) -> torch.Tensor:
-        """The rows to send `[A, D]`, in the order `order_A` (one gather for token rows)."""
+        """The rows to send `[A, D]`, in the order `order_A` (one gather for token rows; backward a
+        gather and a sum over K for undropped token choices, a scatter otherwise)."""
         if self.slots is None:
+            k = dispatch.choices_per_token(self.token_A, self.num_tokens)
+            if k:
+                return dispatch.gather_token_rows(x_TD, self.token_A, order_A, k)
             return x_TD.index_select(0, self.token_A[order_A])
         return self.slots.dispatch_TA.index_select(1, order_A).t().to(x_TD.dtype) @ x_TD
 
@@ -92,6 +96,9 @@ class Routing:
         """Each token's output `[T, D]` from the rows' outputs (in `order_A` order): the weighted sum
         of its rows (rows of dropped assignments are absent and add zero), or the mix of the slots."""
         if self.slots is None:
+            k = dispatch.choices_per_token(self.token_A, num_tokens)
+            if k:  # every token has its k rows: gather back and sum, no scatter
+                return dispatch.sum_token_rows(y_AD, self.weight_A, order_A, k)
             weighted_AD = y_AD * self.weight_A[order_A, None].to(y_AD.dtype)
             out = torch.zeros((num_tokens, y_AD.shape[1]), dtype=y_AD.dtype, device=y_AD.device)
             return out.index_add(0, self.token_A[order_A], weighted_AD)

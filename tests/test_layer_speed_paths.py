@@ -1,0 +1,178 @@
+"""The layer's fast paths equal the plain formulas they replace, values and gradients: per-group
+bias (vs `x + b[row_expert]`), widened GEMMs for bf16 (vs fp32 matmuls rounded to bf16), and the
+gather/sum token rows and combine (vs `index_select` / `index_add`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeflow import MoELayer
+from moeflow.core import dispatch, experts
+from moeflow.routing.routing import token_choices
+
+COUNTS = [3, 0, 6, 1, 0]  # empty groups in the middle and at the end
+
+
+def _row_expert(counts):
+    return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+
+
+def _grads(out, inputs, seed=3):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return torch.autograd.grad(out, inputs, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_bias_equals_gathered_bias(dtype):
+    torch.manual_seed(0)
+    n = sum(COUNTS)
+    x = torch.randn(n, 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(len(COUNTS), 16, 32, dtype=dtype, requires_grad=True)
+    b = torch.randn(len(COUNTS), 32, dtype=dtype, requires_grad=True)
+    out = experts.grouped_mm(x, w, COUNTS, b)
+    ref = experts.grouped_mm(x, w, COUNTS) + b[_row_expert(COUNTS)]
+    assert torch.equal(out, ref)  # the same roundings: GEMM result, then + bias
+    # bf16: the bias gradient is one fp32-accumulated sum per group where `index_put` rounded
+    # after every row (so it differs by bf16 roundings, towards the exact sum).
+    tol = {} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}
+    for got, want in zip(_grads(out, (x, w, b)), _grads(ref, (x, w, b)), strict=True):
+        torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("onehot_max_local", [64, 0])  # one GEMM / one sum per group
+def test_group_bias_backward_is_a_segment_sum(onehot_max_local, monkeypatch):
+    monkeypatch.setattr(experts._GroupBias, "onehot_max_local", onehot_max_local)
+    torch.manual_seed(1)
+    x = torch.randn(sum(COUNTS), 8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(len(COUNTS), 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, c: experts._GroupBias.apply(a, c, COUNTS), (x, b))
+    (grad_b,) = torch.autograd.grad(experts._GroupBias.apply(x, b, COUNTS).sum(), b)
+    assert grad_b[1].eq(0).all() and grad_b[4].eq(0).all()  # experts without rows
+
+
+def test_widened_per_expert_mm_equals_fp32_matmuls_rounded_to_bf16(monkeypatch):
+    monkeypatch.setattr(experts._PerExpertMM, "min_wide_rows", 1)  # widen every group here
+    torch.manual_seed(2)
+    x = torch.randn(sum(COUNTS), 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(len(COUNTS), 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    out = experts._PerExpertMM.apply(x, w, COUNTS, torch.float32)
+    assert out.dtype == torch.bfloat16
+    ref = torch.cat([x[:3].float() @ w[0].float(), x[3:9].float() @ w[2].float(), x[9:].float() @ w[3].float()])
+    assert torch.equal(out, ref.bfloat16())
+    g = torch.randn(out.shape, dtype=torch.bfloat16)
+    gx, gw = torch.autograd.grad(out, (x, w), g)
+    rx, rw = torch.autograd.grad(ref, (x, w), g.float())  # fp32 grads, rounded once at the end
+    assert torch.equal(gx, rx.bfloat16())
+    assert torch.equal(gw, rw.bfloat16())
+    assert not gw[1].any() and not gw[4].any()  # experts without rows
+
+
+def test_small_groups_stay_narrow():
+    torch.manual_seed(8)
+    counts = [experts._PerExpertMM.min_wide_rows, experts._PerExpertMM.min_wide_rows - 1]
+    x = torch.randn(sum(counts), 16, dtype=torch.bfloat16)
+    w = torch.randn(2, 16, 32, dtype=torch.bfloat16)
+    out = experts._PerExpertMM.apply(x, w, counts, torch.float32)
+    assert torch.equal(out[: counts[0]], (x[: counts[0]].float() @ w[0].float()).bfloat16())
+    assert torch.equal(out[counts[0] :], x[counts[0] :] @ w[1])
+
+
+def test_gemm_dtype_is_chosen_per_machine(monkeypatch):
+    x16, x32 = torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 2)
+    monkeypatch.setattr(experts, "_cpu_has_amx_bf16", lambda: True)
+    assert experts._gemm_dtype(x16) == torch.bfloat16 and experts._gemm_dtype(x32) == torch.float32
+    monkeypatch.setattr(experts, "_cpu_has_amx_bf16", lambda: False)
+    assert experts._gemm_dtype(x16) == torch.float32 and experts._gemm_dtype(x32) == torch.float32
+
+
+@pytest.mark.parametrize("expert", ["ffn", "swiglu"])
+def test_bf16_layer_with_widened_gemms_matches_native_bf16_kernels(expert, monkeypatch):
+    monkeypatch.setattr(experts._PerExpertMM, "min_wide_rows", 1)
+    torch.manual_seed(3)
+    layer = MoELayer(16, 32, 4, top_k=2, expert=expert).to(torch.bfloat16)
+    x = torch.randn(24, 16, dtype=torch.bfloat16, requires_grad=True)
+    outs = {}
+    for amx in (True, False):
+        monkeypatch.setattr(experts, "_cpu_has_amx_bf16", lambda amx=amx: amx)
+        layer.zero_grad(set_to_none=True)
+        y = layer(x)
+        (gx,) = torch.autograd.grad(y.float().square().sum(), (x,))
+        outs[amx] = (y, gx)
+    for native, widened in zip(outs[True], outs[False], strict=True):
+        torch.testing.assert_close(widened.float(), native.float(), rtol=0.02, atol=0.02)
+
+
+def test_widened_gemms_under_autocast(monkeypatch):
+    monkeypatch.setattr(experts._PerExpertMM, "min_wide_rows", 1)
+    torch.manual_seed(6)
+    layer = MoELayer(16, 32, 4, top_k=2, expert="ffn")
+    x = torch.randn(24, 16)
+    outs = {}
+    for amx in (True, False):
+        monkeypatch.setattr(experts, "_cpu_has_amx_bf16", lambda amx=amx: amx)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().square().sum().backward()
+        outs[amx] = (y, layer.experts.w1.grad.clone())
+        layer.zero_grad(set_to_none=True)
+    for native, widened in zip(outs[True], outs[False], strict=True):
+        torch.testing.assert_close(widened.float(), native.float(), rtol=0.02, atol=0.02)
+
+
+def test_choices_per_token():
+    t = torch.arange(5)
+    assert dispatch.choices_per_token(t.repeat(3), 5) == 3
+    assert dispatch.choices_per_token(t, 5) == 1
+    assert dispatch.choices_per_token(t.repeat(2)[1:], 5) == 0  # a dropped row
+    assert dispatch.choices_per_token(t.flip(0).repeat(2), 5) == 0  # expert-choice-like order
+    assert dispatch.choices_per_token(torch.zeros(0, dtype=torch.long), 0) == 0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_token_rows_and_combine_equal_index_select_and_index_add(k, dtype):
+    torch.manual_seed(4 + k)
+    num_tokens, d, num_experts = 7, 5, 4
+    expert_TK = torch.stack([torch.randperm(num_experts)[:k] for _ in range(num_tokens)])
+    probs = torch.softmax(torch.randn(num_tokens, num_experts), -1)
+    routing = token_choices(expert_TK, probs.gather(1, expert_TK).requires_grad_(), probs, probs.log())
+    order = torch.sort(routing.expert_A, stable=True).indices
+    x = torch.randn(num_tokens, d, dtype=dtype, requires_grad=True)
+    y = torch.randn(num_tokens * k, d, dtype=dtype, requires_grad=True)
+
+    rows = routing.rows(x, order)
+    ref_rows = x.index_select(0, routing.token_A[order])
+    assert torch.equal(rows, ref_rows)
+    (gx,), (rgx,) = _grads(rows, (x,)), _grads(ref_rows, (x,))
+    torch.testing.assert_close(gx, rgx)
+
+    out = routing.combine(y, order, num_tokens)
+    weighted = y * routing.weight_A[order, None].to(dtype)
+    ref = torch.zeros(num_tokens, d, dtype=dtype).index_add(0, routing.token_A[order], weighted)
+    if k <= 2:  # one addition per token: bit-identical
+        assert torch.equal(out, ref)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(_grads(out, (y, routing.weight_A)), _grads(ref, (y, routing.weight_A)), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_dropped_rows_take_the_scatter_path_and_still_match():
+    torch.manual_seed(5)
+    layer = MoELayer(8, 16, 4, top_k=2, capacity_factor=0.5)
+    ref = MoELayer(8, 16, 4, top_k=2, capacity_factor=0.5)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(12, 8, requires_grad=True)
+    y = layer(x)
+    assert layer.stats.dropped > 0
+    w = layer.experts
+    # Dense reference: each kept (token, expert) row through its expert, weighted, summed.
+    routing = layer.gate(x)
+    kept, _ = routing.within_capacity(0.5, 4, 2)
+    dense = torch.zeros_like(x)
+    for t, e, wt in zip(kept.token_A.tolist(), kept.expert_A.tolist(), kept.weight_A, strict=True):
+        out_D = F.gelu(x[t] @ w.w1[e] + w.b1[e]) @ w.w2[e] + w.b2[e]
+        dense = dense.index_add(0, torch.tensor([t]), (wt * out_D)[None])
+    torch.testing.assert_close(y, dense)
+    torch.testing.assert_close(*[torch.autograd.grad(v.square().sum(), x)[0] for v in (y, dense)])
