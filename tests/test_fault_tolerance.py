@@ -1,13 +1,15 @@
 """Fault tolerance of `moeflow train` with injected faults (`moeflow.training.faults`, gloo, CPU):
 a worker killed mid-run is restarted by torch's elastic agent and the run ends where an uninterrupted
-one does, weights and all (with shadowing and the aux-free bias, and with FSSDP right after it
-re-sharded); a stalled worker ends the run with
-the timeout named instead of hanging; a non-finite step is skipped and counted. (A truncated newest
-checkpoint is passed over: `test_checkpoint.py`.)"""
+one does, weights and all (with shadowing and the aux-free bias; with FSSDP right after it
+re-sharded; with Pro-Prophet's plan made before the kill); a stalled worker ends the run with the
+timed-out collective and the stalled rank named instead of hanging; a non-finite step on one rank
+is skipped by all and counted; a truncated newest checkpoint is passed over; non-finite weights are
+never saved."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -18,8 +20,9 @@ from moeflow import cli
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.training import checkpoint, faults
+from moeflow.training.trainer import Trainer
 
-from .test_train import TINY
+from .test_train import TINY, tiny_config
 
 
 def _train(run, *extra, nproc=2, steps=8, env=None, monkeypatch=None):
@@ -35,80 +38,158 @@ def _train(run, *extra, nproc=2, steps=8, env=None, monkeypatch=None):
             monkeypatch.delenv(faults.ENV, raising=False)
 
 
+def _summary(capsys):
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
 def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _weights(run, tmp_path):
+def _weights(run):
     """The final checkpoint as one dict of tensors (DCP's own converter)."""
-    out = tmp_path / f"{run.name}.pt"
+    out = run.parent / f"{run.name}.pt"
     dcp_to_torch_save(checkpoint.latest_checkpoint(run / "checkpoints"), out)
     state = torch.load(out, weights_only=False)
     return {k: v for k, v in state.items() if k.startswith(("model.", "optim.")) and isinstance(v, torch.Tensor)}
 
 
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory):
+    """A cluster whose GEMMs are so slow that copying experts always pays: planners place copies."""
+    path = tmp_path_factory.mktemp("cost") / "fast.json"
+    CostModel(Topology([[0], [1]], [1e12, 1e12]), gemm_flops_per_s=1e6).save(path)
+    return ["--cost-model", str(path), "--set", "moe.balance=aux_free"]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, fast):
+    """The uninterrupted run (shadowing, aux-free bias) that the healed runs must reproduce."""
+    run = tmp_path_factory.mktemp("clean") / "run"
+    assert _train(run, *fast, "--set", "moe.strategy=shadow") == 0
+    return run
+
+
 def test_fault_specs_parse_and_name_the_bad_one():
-    assert faults.parse("kill@5:1, nan@3") == [("kill", 5, 1), ("nan", 3, None)]
-    with pytest.raises(ValueError, match="MOEFLOW_FAULT='boom@2'"):
-        faults.parse("boom@2")
+    assert faults.parse("kill@5:1, nan@3, stop@2:1+12") == [
+        ("kill", 5, 1, None),
+        ("nan", 3, None, None),
+        ("stop", 2, 1, 12.0),
+    ]
+    for bad in ("boom@2", "kill@2+3"):
+        with pytest.raises(ValueError, match=re.escape(f"MOEFLOW_FAULT={bad!r}")):
+            faults.parse(bad)
 
 
 @pytest.mark.multirank
-def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path, monkeypatch, capsys):
-    fast = tmp_path / "fast.json"
-    CostModel(Topology([[0], [1]], [1e12, 1e12]), gemm_flops_per_s=1e6).save(fast)
-    heal = ["--cost-model", str(fast), "--set", "moe.strategy=shadow", "--set", "moe.balance=aux_free"]
-    assert _train(tmp_path / "clean", *heal) == 0
+def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(clean, fast, tmp_path, monkeypatch, capsys):
     capsys.readouterr()
-    # Rank 1 dies at the start of step 5 (the checkpoint of step 4 is complete): one restart.
-    assert _train(tmp_path / "healed", *heal, "--max-restarts", "1", env="kill@5:1", monkeypatch=monkeypatch) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["restarts"] == 1 and summary["last_step"] == 8
-    clean, healed = _metrics(tmp_path / "clean"), _metrics(tmp_path / "healed")
+    shadow = [*fast, "--set", "moe.strategy=shadow"]
+    # Rank 1 dies in step 5 (the checkpoint of step 4 is complete): one restart.
+    run = tmp_path / "healed"
+    rc = _train(run, *shadow, "--max-restarts", "1", env="kill@5:1", monkeypatch=monkeypatch)
+    assert rc == 0
+    summary = _summary(capsys)
+    assert summary["restarts"] == 1 and (summary["first_step"], summary["last_step"]) == (0, 8)
+    want_metrics, healed = _metrics(clean), _metrics(run)
     assert [m["step"] for m in healed] == list(range(1, 9))  # no step twice, none missing
     assert healed[4]["restart"] == 1 and healed[4]["steps_lost"] == summary["steps_lost"] >= 0
-    assert [m["loss"] for m in healed] == pytest.approx([m["loss"] for m in clean], rel=1e-6, abs=1e-6)
-    want, got = _weights(tmp_path / "clean", tmp_path), _weights(tmp_path / "healed", tmp_path)
+    assert [m["loss"] for m in healed] == pytest.approx([m["loss"] for m in want_metrics], rel=1e-6, abs=1e-6)
+    assert [m["extra_copies_per_layer"] for m in healed] == [m["extra_copies_per_layer"] for m in want_metrics]
+    want, got = _weights(clean), _weights(run)
     assert want.keys() == got.keys() and any("bias_E" in k for k in want)  # the aux-free bias is saved
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-6, msg=key)
-    # FSSDP killed right after a re-sharding (steps 2 and 4 moved shards and their AdamW state):
-    # the restarted group loads the experts by global id into the plain layout, same numbers.
-    hecate = ["--cost-model", str(fast), "--set", "moe.strategy=fssdp", "--set", "moe.balance=aux_free"]
-    hecate += ["--set", "moe.strategy_options.reshard_interval=2", "--max-restarts", "1"]
-    assert _train(tmp_path / "fssdp", *hecate, env="kill@5:0", monkeypatch=monkeypatch) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["restarts"] == 1
-    got = _weights(tmp_path / "fssdp", tmp_path)
-    for key, value in want.items():  # another strategy: another summation order, which AdamW's
-        # normalisation amplifies on near-zero gradients (seen: 3.5e-6 on a bias after 8 steps)
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
     # Without restarts the same fault ends the run with a one-line error naming the process.
-    assert _train(tmp_path / "dead", *heal, env="kill@3:1", monkeypatch=monkeypatch) == 1
+    assert _train(tmp_path / "dead", *shadow, env="kill@3:1", monkeypatch=monkeypatch) == 1
     assert "training process" in capsys.readouterr().err
 
 
 @pytest.mark.multirank
+def test_fssdp_killed_right_after_resharding_heals_to_the_same_weights(clean, fast, tmp_path, monkeypatch, capsys):
+    # Steps 2 and 4 moved shards and their AdamW state: the restarted group loads the experts by
+    # global id into the plain layout, same numbers.
+    hecate = ["--set", "moe.strategy=fssdp", "--set", "moe.strategy_options.reshard_interval=2"]
+    run = tmp_path / "fssdp"
+    assert _train(run, *fast, *hecate, "--max-restarts", "1", env="kill@5:0", monkeypatch=monkeypatch) == 0
+    assert _summary(capsys)["restarts"] == 1
+    want, got = _weights(clean), _weights(run)
+    for key, value in want.items():  # another strategy: another summation order, which AdamW's
+        # normalisation amplifies on near-zero gradients (seen: 3.5e-6 on a bias after 8 steps)
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.multirank
+def test_prophet_plan_made_before_the_kill_is_used_after_the_restart(clean, fast, tmp_path, monkeypatch, capsys):
+    # Pro-Prophet runs step j on the placement planned from steps < j: a planner rebuilt empty would
+    # run the first step after the restart (5) without copies; the checkpoint carries its window and
+    # plan. (Checked by hand against an uninterrupted Pro-Prophet run: the same copies at every step.)
+    run = tmp_path / "prophet"
+    rc = _train(
+        run, *fast, "--set", "moe.strategy=prophet", "--max-restarts", "1", env="kill@5:1", monkeypatch=monkeypatch
+    )
+    assert rc == 0
+    assert _summary(capsys)["restarts"] == 1
+    copies = [m["extra_copies_per_layer"] for m in _metrics(run)]
+    # A planner's first call has no plan (no copies); here the plan of step 4 survives the restart.
+    assert copies[0] == [0, 0] and copies[3] != [0, 0] and copies[4] != [0, 0], copies
+    want, got = _weights(clean), _weights(run)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+
+
+@pytest.mark.multirank
 def test_stalled_worker_ends_the_run_with_the_timeout_named(tmp_path, monkeypatch, capfd):
+    # Rank 1 stops after its forward of step 3 and wakes 15 s later (a process that stays stopped is
+    # SIGKILLed by torch's launcher 30 s after the run failed: the same ending, slower).
     start = time.perf_counter()
-    rc = _train(tmp_path / "stalled", "--set", "train.collective_timeout_s=5", env="stop@3:1", monkeypatch=monkeypatch)
+    run = tmp_path / "stalled"
+    rc = _train(run, "--set", "train.collective_timeout_s=5", steps=6, env="stop@3:1+15", monkeypatch=monkeypatch)
     elapsed = time.perf_counter() - start
     err = capfd.readouterr().err
     assert rc == 1
-    # The waiting rank says which collective timed out; the command's last line names the process.
-    assert "moeflow: rank 0: a collective timed out after train.collective_timeout_s=5 s" in err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("moeflow train: error: training process 0 failed") and "Timed out" in last, last
-    # Start-up, the timeout, and torch's 30 s grace before it kills the stopped process.
-    assert elapsed < 5 + 30 + 60, elapsed
+    assert last.startswith("moeflow train: error: training process 0 failed"), err[-3000:]
+    assert "rank 0: all_reduce (called at training/trainer.py" in last, last
+    assert "timed out after train.collective_timeout_s=5 s; rank 1 did not answer (stalled or dead)" in last, last
+    # Start-up and two steps, the timeout, 2.5 s for the other ranks to report theirs, the stall's end.
+    assert elapsed < 15 + 30, elapsed
 
 
-def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch, capsys):
-    rc = _train(
-        tmp_path / "nan", "--set", "train.on_nonfinite=skip", nproc=1, steps=5, env="nan@3", monkeypatch=monkeypatch
-    )
+@pytest.mark.multirank
+def test_nonfinite_loss_on_one_rank_is_skipped_by_all_and_counted(tmp_path, monkeypatch, capsys):
+    run = tmp_path / "nan"
+    rc = _train(run, "--set", "train.on_nonfinite=skip", steps=5, env="nan@3:1", monkeypatch=monkeypatch)
     assert rc == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["skipped_steps"] == 1
-    records = _metrics(tmp_path / "nan")
+    assert _summary(capsys)["skipped_steps"] == 1
+    records = _metrics(run)
     assert [m.get("skipped", False) for m in records] == [False, False, True, False, False]
-    assert all(m["loss"] is not None for i, m in enumerate(records) if i != 2)
+    assert [m.get("skipped_steps", 0) for m in records] == [0, 0, 1, 1, 1]
+    assert records[2]["loss"] is None and all(m["loss"] is not None for i, m in enumerate(records) if i != 2)
+    assert all(v.isfinite().all() for v in _weights(run).values())
+
+
+def test_truncated_newest_checkpoint_resume_falls_back_and_says_so(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train(run, nproc=1, steps=4) == 0
+    newest = run / "checkpoints" / "step_00000004"
+    shard = max(newest.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # the disk filled up
+    capsys.readouterr()
+    assert _train(run, "--resume", nproc=1, steps=6) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint {str(newest)!r} is damaged (file {shard.name!r} has" in out
+    assert json.loads(out.strip().splitlines()[-1])["first_step"] == 2
+    assert [m["step"] for m in _metrics(run)] == list(range(1, 7))
+
+
+def test_nonfinite_weights_are_never_saved(tmp_path):
+    trainer = Trainer(tiny_config(), tmp_path)
+    trainer.train_step()
+    trainer.save()
+    trainer.train_step()
+    with torch.no_grad():
+        trainer.model.head.weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"not saving the checkpoint of step 2: 'head.weight' on rank 0"):
+        trainer.save()
+    assert checkpoint.latest_checkpoint(trainer.ckpt_dir).name == "step_00000001"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
+import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -123,3 +125,41 @@ def launch_local(
 def restart_count() -> int:
     """How many times torch's elastic agent has restarted this worker group (0: the first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def timed_out_collective(exc: BaseException) -> str | None:
+    """`"all_reduce (called at training/trainer.py:142 in _mean_over_ranks)"`: the torch.distributed
+    operation that raised `exc` and moeflow's call to it, read from the traceback (gloo's own
+    message names only its transport: "Timed out waiting 5000ms for recv operation")."""
+    op = site = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = frame.filename.replace(os.sep, "/")
+        if path.endswith("torch/distributed/distributed_c10d.py") and not frame.name.startswith("_"):
+            op = frame.name  # the outermost one: the call moeflow made (or DCP made for it)
+            break
+        if "/moeflow/" in path:
+            site = f"{path.rsplit('/moeflow/', 1)[1]}:{frame.lineno} in {frame.name}"
+    if op is None:
+        return None
+    return op + (f" (called at {site})" if site else "")
+
+
+def ranks_not_timed_out(grace_s: float) -> list[int] | None:
+    """After a collective timed out on this rank: the ranks that have not reported the same within
+    `grace_s` (through the process group's store, which outlives the collectives) — the stalled or
+    dead ones when only some ranks stopped answering. None when the store cannot tell."""
+    if not dist.is_initialized():
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=max(grace_s, 1.0)))  # a stalled store host
+        store.set(f"moeflow/timed_out/{rank}", "1")
+        deadline = time.monotonic() + grace_s
+        while True:
+            missing = [r for r in range(world) if not store.check([f"moeflow/timed_out/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store is gone too: nothing more to learn
+        return None

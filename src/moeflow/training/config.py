@@ -246,7 +246,8 @@ class TrainConfig:
     precision: str = "fp32"
     """`fp32`, or `bf16` for bfloat16 autocast of the forward pass."""
     on_nonfinite: str = "stop"
-    """Non-finite loss: `stop` the run naming the step, or `skip` that step's update."""
+    """Non-finite loss or gradient norm (the same value on every rank): `stop` the run naming the
+    step, or `skip` that step's update on all ranks together (counted in metrics.jsonl)."""
     device: str = "auto"
     """`auto` (CUDA when available, else CPU), `cpu` or `cuda`."""
     deterministic: bool = True
@@ -255,17 +256,20 @@ class TrainConfig:
     record_routing: bool = False
     """Write every step's routing flow matrices to routing.npz (docs/traces.md)."""
     max_restarts: int = 0
-    """When a worker dies, restart the group (torch's elastic agent) up to this many times; each
-    restart resumes from the newest complete checkpoint (`moeflow train --max-restarts N`)."""
+    """When a worker dies (or a collective times out), restart the group with torch's elastic agent up
+    to this many times, also for one process; each restart resumes from the newest complete
+    checkpoint (`moeflow train --max-restarts N`). Under an outer torchrun: torchrun's own flag."""
     collective_timeout_s: float = 300.0
-    """A collective that waits longer than this fails the run with an error naming the operation and
-    the rank (a stalled or dead peer), instead of torch's 30-minute default."""
+    """A collective that waits longer than this fails the run with an error naming the operation, the
+    rank it timed out on and the ranks that did not answer (a stalled or dead peer), instead of
+    hanging for torch's 30-minute default (`init_process_group(timeout=...)`)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"train.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
-        if not isinstance(self.collective_timeout_s, (int, float)) or not self.collective_timeout_s > 0:
-            raise ValueError(f"train.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s!r}")
+        timeout = self.collective_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
+            raise ValueError(f"train.collective_timeout_s must be a finite number of seconds > 0, got {timeout!r}")
         _positive(
             "train",
             steps=self.steps,

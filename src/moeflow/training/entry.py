@@ -13,7 +13,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from moeflow.core.launch import init_distributed, launch_local, resolve_world_size, restart_count
+from moeflow.core.launch import (
+    init_distributed,
+    launch_local,
+    ranks_not_timed_out,
+    resolve_world_size,
+    restart_count,
+    timed_out_collective,
+)
 from moeflow.perf.costmodel import CostModel
 from moeflow.training import checkpoint
 from moeflow.training.config import RunConfig, config_from_dict, config_to_dict
@@ -43,14 +50,15 @@ def preflight(cfg: RunConfig, out: Path, resume: bool, world: int, in_process: b
     return None
 
 
-def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = None) -> dict:
+def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = None, launched_at: int = 0) -> dict:
     """Entry point of every rank (elastic launcher, torchrun, or in-process for one process).
 
     Returns the run summary, or {"error": message} for bad input / a non-finite loss: such errors
     are reached by all ranks together (they follow from shared values), so no rank is left waiting.
     A restarted group (torch's elastic agent, `train.max_restarts`) resumes from the newest complete
-    checkpoint by itself. A collective that timed out (a stalled or dead peer) raises, after one line
-    that names it and this rank, so that the agent restarts the group or ends the run.
+    checkpoint by itself (`launched_at`: the step the command started from, for its summary). A
+    collective that timed out (a stalled or dead peer) raises with a message that names it, this
+    rank and the ranks that did not answer, so that the agent restarts the group or ends the run.
     """
     cfg = config_from_dict(cfg_dict)
     restart = restart_count()
@@ -58,21 +66,50 @@ def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = N
         resume = True
     try:
         device = init_distributed(cfg.train.device, cfg.train.deterministic, cfg.train.collective_timeout_s)
-        return run(cfg, out_dir, resume=resume, device=device, corpus=corpus, restart=restart)
+        summary = run(cfg, out_dir, resume=resume, device=device, corpus=corpus, restart=restart)
+        if restart:  # the summary describes the command, not only its last attempt
+            summary["first_step"] = launched_at
+        return summary
     except (ValueError, TypeError, FileNotFoundError, FloatingPointError) as exc:
         return {"error": str(exc)}
     except RuntimeError as exc:
-        rank = os.environ.get("RANK", "0")
-        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            what = (
-                f"a collective timed out after train.collective_timeout_s={cfg.train.collective_timeout_s:g} s: {what}"
-            )
-        print(f"moeflow: rank {rank}: {what}", file=sys.stderr, flush=True)
-        raise
+        timeout = _timeout_message(exc, cfg.train.collective_timeout_s)
+        if timeout is None:
+            what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(f"moeflow: rank {os.environ.get('RANK', '0')}: {what}", file=sys.stderr, flush=True)
+            raise
+        print(f"moeflow: {timeout}", file=sys.stderr, flush=True)
+        # A new message for the launcher's one-line error (torch's record() keeps the last one).
+        raise RuntimeError(timeout) from exc
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _timeout_message(exc: RuntimeError, timeout_s: float) -> str | None:
+    """Which operation timed out on which rank, and which ranks did not time out with it (stalled or
+    dead): `rank 0: all_reduce (called at ...) timed out after train.collective_timeout_s=5 s; rank 1
+    did not answer (stalled or dead) (gloo's message)`. None when `exc` is not a timeout."""
+    text = str(exc).strip()
+    if "timed out" not in text.lower() and "timeout" not in text.lower():
+        return None
+    rank = os.environ.get("RANK", "0")
+    op = timed_out_collective(exc) or "a collective"
+    # The other waiting ranks time out within about one step of this one.
+    missing = ranks_not_timed_out(grace_s=min(timeout_s / 2, 10.0))
+    if missing:
+        names = ", ".join(map(str, missing))
+        who = f"rank {names} did not answer (stalled or dead)" if len(missing) == 1 else f"ranks {names} did not answer"
+    elif missing == []:
+        who = "every rank timed out in it (a lost link, or ranks in different collectives)"
+    else:
+        who = "the other ranks could not be asked"
+    first = text.splitlines()[0]
+    return f"rank {rank}: {op} timed out after train.collective_timeout_s={timeout_s:g} s; {who} ({first})"
+
+
+def _step_of(path: Path | None) -> int:
+    return int(path.name.removeprefix("step_")) if path is not None else 0
 
 
 def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None) -> dict | None:
@@ -83,9 +120,16 @@ def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None)
     """
     out = Path(out_dir)
     world, under_torchrun = resolve_world_size(nproc)
-    in_process = under_torchrun or world == 1
+    # One process runs here, unless it is to be restarted: then under the elastic agent like any --nproc.
+    in_process = under_torchrun or (world == 1 and not cfg.train.max_restarts)
     corpus = preflight(cfg, out, resume, world, in_process)
     if in_process:
+        if under_torchrun and cfg.train.max_restarts and os.environ["RANK"] == "0":
+            print(
+                f"note: train.max_restarts={cfg.train.max_restarts} applies to --nproc runs; under torchrun "
+                f"pass --max-restarts to torchrun (the restarted group resumes by itself either way)",
+                flush=True,
+            )
         summary = worker(config_to_dict(cfg), str(out), resume, corpus)
         return summary if not under_torchrun or int(os.environ["RANK"]) == 0 else None
 
@@ -98,6 +142,8 @@ def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None)
             config_to_dict(cfg),
             str(out),
             resume,
+            None,
+            _step_of(checkpoint.latest_checkpoint(out / "checkpoints")) if resume else 0,
             name="moeflow-train",
             max_restarts=cfg.train.max_restarts,
         )[0]
@@ -107,7 +153,6 @@ def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None)
         restarts = f" after {cfg.train.max_restarts} restart(s)" if cfg.train.max_restarts else ""
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
         what = message.strip().splitlines()[0] if message.strip() and message != "<N/A>" else ""
-        if "timed out" in what.lower():
-            what += f" (train.collective_timeout_s={cfg.train.collective_timeout_s:g})"
+        what = what.removeprefix("RuntimeError: ")
         detail = f": {what}" if what else "; see its error above"
         return {"error": f"training process {rank} failed (exit code {failure.exitcode}){restarts}{detail}"}

@@ -15,37 +15,28 @@ from moeflow.training import checkpoint
 from moeflow.training.config import RunConfig, write_config
 from moeflow.training.data import Corpus
 from moeflow.training.metrics import metric_record
-from moeflow.training.run_dir import METRICS_FILE, clear_run, truncate_metrics
+from moeflow.training.run_dir import METRICS_FILE, Truncated, clear_run, recovery_totals, truncate_metrics
 from moeflow.training.trainer import Trainer
 
 
-def _open_run(trainer: Trainer, cfg: RunConfig, out: Path, resume: bool) -> int:
+def _open_run(trainer: Trainer, cfg: RunConfig, out: Path, resume: bool, restart: int) -> Truncated:
     """Resume from the newest complete checkpoint, or start fresh; rank 0 prepares the folder.
-    Returns the steps recorded past the checkpoint that are now recomputed (rank 0)."""
-    lost = 0
+    Returns what the records past the checkpoint said (rank 0): the steps now recomputed, and when
+    the run that wrote them was last heard of (also for a restart that found no checkpoint yet)."""
+    truncated = Truncated(0, None)
     if resume:
         path = checkpoint.latest_checkpoint(trainer.ckpt_dir, say=trainer.rank == 0)
         if path is None:
             raise ValueError(f"--resume: no complete checkpoint in {str(trainer.ckpt_dir)!r}")
         trainer.resume(path)
     if trainer.rank == 0:
-        if resume:
-            lost = truncate_metrics(out / METRICS_FILE, trainer.step)
-        else:
+        if resume or restart:
+            truncated = truncate_metrics(out / METRICS_FILE, trainer.step)
+        if not resume:
             clear_run(out)
         out.mkdir(parents=True, exist_ok=True)
         write_config(cfg, out / "config.toml")
-    return lost
-
-
-def _recovery(path: Path) -> tuple[int, int]:
-    """(failures recovered, steps recomputed) recorded in metrics.jsonl by earlier restarts."""
-    restarts = lost = 0
-    if path.exists():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line) if line.strip() else {}
-            restarts, lost = max(restarts, rec.get("restart", 0)), lost + rec.get("steps_lost", 0)
-    return restarts, lost
+    return truncated
 
 
 def run(
@@ -63,8 +54,13 @@ def run(
     out = Path(out_dir)
     trainer = Trainer(cfg, out, device, corpus)
     rank0 = trainer.rank == 0
-    lost = _open_run(trainer, cfg, out, resume)
-    pending = {"restart": restart, "steps_lost": lost} if restart else {}  # on the first record written
+    truncated = _open_run(trainer, cfg, out, resume, restart)
+    pending: dict[str, Any] = {}  # on the first record written
+    if restart:
+        # Recovery: from the failed group's last record (just before it died) to training again.
+        since = truncated.last_written_s
+        recovery = None if since is None else round(time.time() - since, 3)
+        pending = {"restart": restart, "steps_lost": truncated.steps_lost, "recovery_s": recovery}
     first_step = trainer.step
     tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
     # mininterval: fewer redraws, since CI logs keep every one of them.
@@ -92,6 +88,9 @@ def run(
                 tok_s = tokens_per_step * steps_timed / max(step_time, 1e-9)
                 step_time, steps_timed = 0.0, 0
                 rec = {**metric_record(result, tok_s, val_loss), "train_time_s": train_time, **pending}
+                rec["unix_time_s"] = round(time.time(), 3)
+                if trainer.skipped_steps:  # so far in the run, also those between logged steps
+                    rec["skipped_steps"] = trainer.skipped_steps
                 pending = {}
                 if rank0:
                     metrics.write(json.dumps(rec) + "\n")
@@ -108,7 +107,7 @@ def run(
     summary["last_step"] = trainer.step
     summary["skipped_steps"] = trainer.skipped_steps
     if rank0:
-        summary["restarts"], summary["steps_lost"] = _recovery(out / METRICS_FILE)
+        summary.update(recovery_totals(out / METRICS_FILE))
     if rank0 and trainer.step > first_step:
         from moeflow.training.plots import write_plots
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from moeflow.training import checkpoint
 
@@ -17,23 +17,45 @@ METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "routing.npz"
 
 
-def truncate_metrics(path: Path, last_step: int) -> int:
-    """Drop records after `last_step` (written by a run that died after its last checkpoint);
-    returns how many steps past it had been recorded (the steps a crash lost)."""
+class Truncated(NamedTuple):
+    steps_lost: int
+    """Steps recorded past the checkpoint (recomputed now), plus those that earlier failures lost
+    and whose records are dropped now (a second failure before the next checkpoint)."""
+    last_written_s: float | None
+    """Unix time of the newest record (the last sign of life of the failed run), if it has one."""
+
+
+def truncate_metrics(path: Path, last_step: int) -> Truncated:
+    """Drop records after `last_step` (written by a run that died after its last checkpoint)."""
     if not path.exists():
-        return 0
+        return Truncated(0, None)
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    kept, newest = [], last_step
+    kept, newest, carried, written = [], last_step, 0, None
     for ln in lines:
         try:
-            step = json.loads(ln)["step"]
+            rec = json.loads(ln)
+            step = rec["step"]
         except (json.JSONDecodeError, KeyError):
             break  # a torn last line from a killed writer
         if step <= last_step:
             kept.append(ln)
-        newest = max(newest, step)
+        else:
+            carried += rec.get("steps_lost", 0)
+        newest, written = max(newest, step), rec.get("unix_time_s", written)
     path.write_text("".join(k + "\n" for k in kept))
-    return newest - last_step
+    return Truncated(newest - last_step + carried, written)
+
+
+def recovery_totals(path: Path) -> dict[str, Any]:
+    """`restarts`, `steps_lost` and `recovery_s` (failure → training again, summed) of the run,
+    from the records that restarted groups wrote first."""
+    restarts, lost, seconds = 0, 0, 0.0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            restarts = max(restarts, rec.get("restart", 0))
+            lost, seconds = lost + rec.get("steps_lost", 0), seconds + (rec.get("recovery_s") or 0.0)
+    return {"restarts": restarts, "steps_lost": lost, "recovery_s": seconds}
 
 
 def clear_run(out: Path) -> None:
@@ -56,7 +78,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     out = Path(summary["out"])
     lines = [f"trained steps {summary['first_step']} -> {summary['last_step']} on {summary['corpus']}"]
     if summary.get("restarts"):
-        lines.append(f"recovered from {summary['restarts']} failure(s), {summary['steps_lost']} step(s) recomputed")
+        lines.append(
+            f"recovered from {summary['restarts']} failure(s) in {summary['recovery_s']:.1f} s, "
+            f"{summary['steps_lost']} step(s) recomputed"
+        )
     if summary.get("skipped_steps"):
         lines.append(f"skipped {summary['skipped_steps']} step(s) with a non-finite loss or gradient")
     if "first_loss" in summary:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import pickle
 import random
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moeflow.core.parallel import ParallelLayout, all_reduce_gradients
-from moeflow.core.resharding import maybe_reshard
+from moeflow.core.resharding import fssdp_layers, maybe_reshard, reshard_experts
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.traces import TraceRecorder
 from moeflow.training import checkpoint, faults
@@ -124,7 +126,7 @@ class Trainer:
             self.world_size,
         )
         self.step = 0  # completed optimizer steps
-        self.skipped_steps = 0  # of this launch: non-finite loss or gradient norm (train.on_nonfinite=skip)
+        self.skipped_steps = 0  # non-finite loss or gradient norm (train.on_nonfinite=skip), whole run
         # Flows are global (identical on every rank): rank 0 alone records them.
         tokens_per_rank = self.sampler.local_batch_size * cfg.model.seq_len
         self.trace = (
@@ -235,11 +237,54 @@ class Trainer:
                 "world_size": self.world_size,
                 "config": json.dumps({s: config_to_dict(self.cfg)[s] for s in SHAPE_SECTIONS}, sort_keys=True),
             },
+            "faults": {"skipped_steps": self.skipped_steps},
+            "planners": self._planner_state(),
             # One key per rank: a resume onto more ranks finds no stream for the new ones.
             f"rng.rank{self.rank}": _rng_state(),
         }
 
+    def _planner_state(self) -> dict[str, bytes]:
+        """Each MoE layer's planner, pickled: Pro-Prophet's, EPLB's and FSSDP's windows of past
+        flows and the placement each planned ahead, `auto`'s calibration, what the prefetch measured.
+        Restored, the next steps are placed as the uninterrupted run would have placed them. (Plain
+        EP is a function: nothing to keep. Planners see global flows: the same on every rank.)"""
+        state = {
+            f"layer{i}": pickle.dumps(layer.planner)
+            for i, layer in self.model.moe_layers()
+            if not isinstance(layer.planner, types.FunctionType)
+        }
+        # Hecate's re-sharded owners: the restored planners planned ahead on them.
+        state["fssdp_owners"] = pickle.dumps([layer.placement.owner_E for layer in fssdp_layers(self.model)])
+        return state
+
+    def _load_planner_state(self, state: dict[str, bytes], saved_world_size: int) -> None:
+        if saved_world_size != self.world_size:
+            return  # flows and placements of another group size: the planners start afresh
+        for i, layer in self.model.moe_layers():
+            if f"layer{i}" in state:
+                # In place: hooks (the block-wise prefetch) hold the planner itself.
+                layer.planner.__dict__.update(pickle.loads(state[f"layer{i}"]).__dict__)
+        layers = [m for m in fssdp_layers(self.model) if m.group is not None]
+        owners = pickle.loads(state["fssdp_owners"]) if "fssdp_owners" in state else []
+        if layers and len(owners) == len(layers):  # the weights loaded onto the initial shards: move them
+            reshard_experts(layers, np.stack(owners), self.optimizer)
+
+    def _check_finite(self) -> None:
+        """Collective: refuse to save weights or balance state that hold NaN/Inf (all ranks agree)."""
+        tensors = self.model.state_dict().items()
+        bad = next((n for n, t in tensors if t.is_floating_point() and not t.isfinite().all()), None)
+        flag = torch.tensor([0.0 if bad is None else 1.0], device=self.device)
+        if self.distributed:
+            dist.all_reduce(flag)
+        if flag.item():
+            where = f"{bad!r} on rank {self.rank}" if bad is not None else "a tensor on another rank"
+            raise FloatingPointError(
+                f"not saving the checkpoint of step {self.step}: {where} is not finite; the previous "
+                f"checkpoint is intact (train.on_nonfinite=skip skips steps with a non-finite loss or gradient)"
+            )
+
     def save(self) -> Path:
+        self._check_finite()  # never a poisoned checkpoint
         path = checkpoint.save_checkpoint(
             self.ckpt_dir,
             self.step,
@@ -274,6 +319,8 @@ class Trainer:
         # The schedule is a function of train.steps: rebuild the lr from the (possibly new) total.
         for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
             group["lr"] = base * self.scheduler.lr_lambdas[0](self.step)
+        self.skipped_steps = int(extra.get("faults", {}).get("skipped_steps", 0))
+        self._load_planner_state(extra.get("planners", {}), int(state["world_size"]))
         if f"rng.rank{self.rank}" in extra:
             _set_rng_state(extra[f"rng.rank{self.rank}"])
         else:  # different world size: this rank had no stream in the checkpoint
