@@ -27,11 +27,16 @@ HOT = [3, 3, 3, 1, 1, 0]
 class TwoBlocks(nn.Module):
     """MoE → dense → MoE, residual: two blocks, so layer 2's copies can be prefetched in block 1."""
 
-    def __init__(self, world: int, strategy: str, cost_model, strategy_options=None) -> None:
+    def __init__(self, world: int, strategy: str, cost_model, strategy_options=None, **schedule) -> None:
         super().__init__()
         torch.manual_seed(5)
         kw = dict(
-            top_k=2, balance_weight=0.01, strategy=strategy, cost_model=cost_model, strategy_options=strategy_options
+            top_k=2,
+            balance_weight=0.01,
+            strategy=strategy,
+            cost_model=cost_model,
+            strategy_options=strategy_options,
+            **schedule,
         )
         self.moe1 = MoELayer(D, H, 2 * world, **kw)
         self.mid = nn.Linear(D, D)
@@ -80,10 +85,12 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     models["eplb"] = TwoBlocks(world, "eplb", cost_model, {"min_gain": 0.0, "window": 1})
     models["auto"] = TwoBlocks(world, "auto", cost_model)
     models["autopf"] = TwoBlocks(world, "auto", cost_model)
+    # The schedule arbiter: each candidate tried once, then the cheapest corrected price per forward.
+    models["autos"] = TwoBlocks(world, "auto", cost_model, schedule="auto", schedule_options={"trials": 1})
     BlockPrefetch([models["autopf"].moe1, models["autopf"].moe2])  # auto plans ahead too
     prefetch = BlockPrefetch([models["pf"].moe1, models["pf"].moe2])
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
-    copies, idle, prefetched, eplb_copies, chosen = 0, 0, 0, 0, set()
+    copies, idle, prefetched, eplb_copies, chosen, schedules = 0, 0, 0, 0, set(), set()
     for it in range(ITERATIONS):
         x, g = _batch(rank, world, it)
         results = {}
@@ -95,7 +102,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
             all_reduce_gradients(model, layout)
             results[name] = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in model.named_parameters()})
             optimizers[name].step()
-        for name in ("p", "pf", "eplb", "auto", "autopf"):
+        for name in ("p", "pf", "eplb", "auto", "autopf", "autos"):
             what = f"{name} iteration {it} rank {rank} placements {models[name].moe1.stats.placement}"
             torch.testing.assert_close(
                 results[name][0], results["ep"][0], **TOL, msg=lambda m, w=what: f"output {w}: {m}"
@@ -114,6 +121,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
                 idle += _idle_copy(layer)
         prefetched += int(not models["pf"].moe2.stats.placement.is_owners_only())
         chosen |= {m.stats.strategy for m in (models["auto"].moe1, models["auto"].moe2, models["autopf"].moe2)}
+        schedules |= {m.stats.schedule for m in (models["autos"].moe1, models["autos"].moe2)}
         eplb_copies += sum(
             int(m.stats.placement.materialized_EW().sum()) for m in (models["eplb"].moe1, models["eplb"].moe2)
         )
@@ -122,6 +130,8 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     assert prefetched > 0 and eplb_copies > 0
     # The arbiter left EP for a planner's copies, and learned from the timed forwards.
     assert chosen - {"ep"}, chosen
+    assert {"sync", "pairwise"} <= schedules, schedules  # both ran, each equal to EP-sync
+    assert all(t.factor is not None for t in models["autos"].moe1.schedule.timings.values())
     assert len(models["auto"].moe1.planner.observations) == ITERATIONS - 1
     assert prefetch.steps == ITERATIONS and 0.0 < prefetch.split_forward[0] < 1.0, prefetch.split_forward
     # What the prefetch measured to hide reached layer 2's planner (the same on every rank).

@@ -163,24 +163,36 @@ def test_strategy_bench_on_two_ranks(tmp_path, capsys):
 
 
 @pytest.mark.multirank
-def test_blocks_prefetch_and_trace_replay_on_two_ranks(tmp_path, capsys):
-    """Pro-Prophet as its paper measures it: two blocks, the prefetch, the trace replayed step by step."""
+def test_suite_blocks_prefetch_trace_replay_drift_and_ceiling_on_two_ranks(tmp_path, capsys):
+    """`--suite`: every strategy and schedule on Zipf, the trace replayed step by step and a drifting
+    load, two blocks with the prefetch, the force-balanced ceiling beside each (explicit flags kept)."""
     import json
 
     from moeflow import cli
+    from moeflow.commands.bench import SUITE
     from moeflow.perf.costmodel import CostModel
     from moeflow.perf.topology import Topology
 
     cost_model = tmp_path / "cm.json"
     CostModel(Topology.homogeneous(2, 1e10), gemm_flops_per_s=1e8).save(cost_model)
     argv = ["bench", "--nproc", "2", "--tokens", "64", "--d-model", "16", "--d-hidden", "32", "--experts", "2"]
-    argv += ["--skews", "2", "--trace", "smartmoe", "--trace-replay", "--blocks", "2", "--iterations", "3"]
-    argv += ["--cost-model", str(cost_model), "--variants", "ep:sync", "prophet:sync+prefetch", "--json"]
+    argv += ["--suite", "--skews", "2", "--iterations", "3", "--cost-model", str(cost_model), "--json"]
     assert cli.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert [r["routing"] for r in rows] == ["zipf-2", "zipf-2", "trace-replay@245", "trace-replay@245"]
+    per_case = len(SUITE["variants"]) + 1  # and the ceiling
+    assert [r["routing"] for r in rows[::per_case]] == ["zipf-2", "trace-replay@245", "drift-4"]
+    assert len(rows) == 3 * per_case
     for r in rows:
-        assert r["model_predicted_s"] > 0 and r["load_std_mean"] >= 0 and len(r["times_s"]) == 3
-        assert (r["copies_mean"] > 0) == (r["strategy"] == "prophet"), r  # fast network, slow GEMMs
-    assert [r["prefetch"] for r in rows] == [False, True, False, True]
-    assert all(0.0 <= h <= 1.0 for r in rows if r["prefetch"] for h in r["prefetch_hidden_share"])
+        assert r["median_s"] > 0 and r["load_std_mean"] >= 0 and len(r["times_s"]) == 3
+        if r["strategy"] == "prophet":
+            assert r["copies_mean"] > 0 and r["prefetch"], r  # fast network, slow GEMMs
+            assert all(0.0 <= h <= 1.0 for h in r["prefetch_hidden_share"])
+    assert [bool(r.get("ceiling")) for r in rows] == ([False] * (per_case - 1) + [True]) * 3
+    ceilings = [r for r in rows if r.get("ceiling")]
+    # Perfectly even routing: every rank computes the same rows.
+    assert all(r["strategy"] == "ep" and r["load_std_mean"] == 0 and r["copies_mean"] == 0 for r in ceilings)
+    shares = [r["share_of_ceiling"] for r in rows if r.get("share_of_ceiling") is not None]
+    assert shares and all(abs(x) < float("inf") for x in shares)
+    auto = [r for r in rows if (r["strategy"], r["schedule"]) == ("auto", "auto")]
+    assert all(sum(r["chosen_schedule"].values()) == 2 * 3 for r in auto)  # two layers, three iterations
+    assert all(set(r["chosen_schedule"]) <= {"sync", "pairwise", "pipeline"} for r in auto)

@@ -22,7 +22,7 @@ from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.heap import HeapTrim
 from moeflow.core.layer import MoELayer
 from moeflow.core.resharding import maybe_reshard
-from moeflow.perf.traces import resolve_trace
+from moeflow.perf.traces import Trace, resolve_trace, synthetic_trace
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
 from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
 
@@ -88,6 +88,12 @@ class StrategyBenchConfig:
     """Replay the trace's consecutive iterations, one per timed iteration, block b taking the trace's
     layer b mod L (so a planner that plans ahead meets real locality), from `trace_iteration` (negative:
     the last iterations that fit)."""
+    drift_period: int = 0
+    """Also a drifting load: two hot experts with half the load, moving to the next experts every
+    this many iterations (`perf.traces.synthetic_trace("drift")`); 0: off."""
+    ceiling: bool = False
+    """Also time, beside every routing case, plain EP on perfectly even routing with the same tokens
+    (`SampledGate(even=True)`): the force-balanced ceiling, and each row's `share_of_ceiling`."""
     blocks: int = 1
     """MoE layers per timed model, each followed by a dense residual part (`bench.blocks`); 1: one layer."""
     variants: tuple[Variant, ...] = (
@@ -107,6 +113,8 @@ class StrategyBenchConfig:
         for name in ("tokens_per_rank", "d_model", "d_hidden", "experts_per_rank", "top_k", "iterations", "blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.drift_period < 0:
+            raise ValueError(f"drift_period={self.drift_period} must be >= 0 (0: no drifting case)")
         if any(s < 0 for s in self.skews):
             raise ValueError(f"skews={self.skews}: every skew must be >= 0")
         if self.trace_replay and not self.trace:
@@ -145,10 +153,10 @@ class PhaseTimer:
         }
 
 
-def _trace_probabilities(trace: str, world: int, num_experts: int) -> torch.Tensor:
-    """Per-rank expert distributions `[I, L, W, E]` of every recorded iteration and layer of a trace
-    (`smartmoe` or a path), rescaled onto this group (`Trace.rescale`)."""
-    flow = resolve_trace(trace).rescale(world, num_experts).flow_ILWE.astype("float64")
+def _trace_probabilities(trace: Trace, world: int, num_experts: int) -> torch.Tensor:
+    """Per-rank expert distributions `[I, L, W, E]` of every iteration and layer of a trace, rescaled
+    onto this group (`Trace.rescale`)."""
+    flow = trace.rescale(world, num_experts).flow_ILWE.astype("float64")
     return torch.as_tensor(flow / flow.sum(-1, keepdims=True).clip(min=1), dtype=torch.float32)
 
 
@@ -162,7 +170,7 @@ def _routing_cases(cfg: StrategyBenchConfig, world: int, num_experts: int) -> li
         zipf_BE = torch.stack([zipf_probabilities(num_experts, skew, cfg.seed + b) for b in range(cfg.blocks)])
         cases.append((f"zipf-{skew:g}", zipf_BE[None, :, None, :].expand(1, -1, world, -1)))
     if cfg.trace:
-        probs_ILWE = _trace_probabilities(cfg.trace, world, num_experts)
+        probs_ILWE = _trace_probabilities(resolve_trace(cfg.trace), world, num_experts)
         layers_B = [b % probs_ILWE.shape[1] for b in range(cfg.blocks)]
         if cfg.trace_replay:
             n, total = probs_ILWE.shape[0], cfg.warmup + cfg.iterations
@@ -171,6 +179,11 @@ def _routing_cases(cfg: StrategyBenchConfig, world: int, num_experts: int) -> li
             cases.append((f"trace-replay@{start}", probs_ILWE[steps][:, layers_B]))
         else:
             cases.append((f"trace@{cfg.trace_iteration}", probs_ILWE[[cfg.trace_iteration]][:, layers_B]))
+    if cfg.drift_period:
+        total = cfg.warmup + cfg.iterations
+        tokens, period = cfg.tokens_per_rank, cfg.drift_period
+        drift = synthetic_trace("drift", total, cfg.blocks, world, num_experts, tokens, cfg.top_k, drift_period=period)
+        cases.append((f"drift-{cfg.drift_period}", _trace_probabilities(drift, world, num_experts)))
     return cases
 
 
@@ -186,9 +199,11 @@ def _sum_over_ranks(value: float) -> float:
     return float(t)
 
 
-def _model(cfg: StrategyBenchConfig, variant: Variant, probs_BWE: torch.Tensor, cost_model, timer) -> BenchBlocks:
+def _model(
+    cfg: StrategyBenchConfig, variant: Variant, probs_BWE: torch.Tensor, cost_model, timer, even: bool = False
+) -> BenchBlocks:
     """The variant's blocks on the live group, with the benchmark's seeded weights and sampled routing
-    (the timer on block 0's layer, sync schedules only)."""
+    (`even`: perfectly even routing instead; the timer on block 0's layer, sync schedules only)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     num_experts = cfg.experts_per_rank * world
     layers = []
@@ -200,7 +215,7 @@ def _model(cfg: StrategyBenchConfig, variant: Variant, probs_BWE: torch.Tensor, 
             num_experts,
             top_k=cfg.top_k,
             expert=cfg.expert,
-            gate=SampledGate(cfg.d_model, num_experts, cfg.top_k, probs_BWE[b], cfg.seed + b, rank),
+            gate=SampledGate(cfg.d_model, num_experts, cfg.top_k, probs_BWE[b], cfg.seed + b, rank, even=even),
             strategy=variant.strategy,
             strategy_options=dict(variant.options) or None,
             schedule=variant.schedule,
@@ -235,8 +250,12 @@ class _Run:
     load_std: list[float] = field(default_factory=list)
     bytes: list[float] = field(default_factory=list)
     memory: list[dict[str, float]] = field(default_factory=list)
+    even: bool = False
+    """This run routes perfectly evenly (the force-balanced ceiling)."""
     chosen: list[str] = field(default_factory=list)
     """The planner each layer ran, every timed iteration (`auto` chooses; the others are themselves)."""
+    chosen_schedule: list[str] = field(default_factory=list)
+    """The schedule each layer ran, every timed iteration (`schedule="auto"` chooses)."""
     reshards: list[tuple[int, float]] = field(default_factory=list)
     """(experts moved, seconds) of every re-sharding (FSSDP, `core.resharding`)."""
 
@@ -253,13 +272,16 @@ class _Run:
         self.shadowed.append(np.mean([len(getattr(d, "shadowed", ())) for d in decisions]))
         self.copies.append(np.mean([layer.stats.placement.materialized_EW().sum() for layer in layers]))
         self.load_std.append(np.mean([layer.stats.load_std for layer in layers]))
-        if all(d is not None for d in decisions):  # the planners' predicted speedups over plain EP
+        # The planners' predicted speedups over plain EP (a price of 0: `auto`'s correction fitted
+        # only its fixed cost, on layers too small to time: no speedup to report).
+        if all(d is not None and d.best_s > 0 for d in decisions):
             self.predicted.append(np.mean([d.predicted_s[0] / d.best_s for d in decisions]))
         if self.cost_model is not None and self.variant.schedule == "sync":
             self.model_predicted.append(sum(_layer_price(layer, self.cost_model) for layer in layers))
         self.bytes.append(_sum_over_ranks(float(sum(layer.stats.bytes_sent.sum() for layer in layers))))
         self.memory.append({k: _max_over_ranks(v) for k, v in _expert_memory(layers).items()})
         self.chosen += [layer.stats.strategy for layer in layers]
+        self.chosen_schedule += [layer.stats.schedule for layer in layers]
 
     def reshard(self, step: int) -> None:
         """Re-shard when the strategy is due (collective; outside the timed iteration, measured)."""
@@ -284,7 +306,10 @@ class _Run:
             **{k: float(np.max([m[k] for m in self.memory])) for k in self.memory[0]},
             "reshards": [{"moved": n, "seconds": t} for n, t in self.reshards],
             "chosen": {name: self.chosen.count(name) for name in sorted(set(self.chosen))},
+            "chosen_schedule": {name: self.chosen_schedule.count(name) for name in sorted(set(self.chosen_schedule))},
         }
+        if self.even:
+            row["ceiling"] = True
         errors = [layer.planner.model_error() for layer in self.model.moe if hasattr(layer.planner, "model_error")]
         if errors and None not in errors:  # `auto`: its corrected model's error on the forwards it timed
             row["auto_model_error"] = float(np.mean(errors))
@@ -333,6 +358,10 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
         for variant in cfg.variants:
             timer = PhaseTimer()
             runs.append(_Run(variant, _model(cfg, variant, probs_IBWE[0], cost_model, timer), timer, cost_model))
+        if cfg.ceiling:  # interleaved with the others, so that it meets the same machine noise
+            timer, ceiling = PhaseTimer(), Variant("ep", "sync")
+            model = _model(cfg, ceiling, probs_IBWE[0], cost_model, timer, even=True)
+            runs.append(_Run(ceiling, model, timer, cost_model, even=True))
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
         heap = HeapTrim()
         for it in range(cfg.warmup + cfg.iterations):
@@ -363,12 +392,17 @@ def _add_speedups(rows: list[dict]) -> None:
         for r in rows
         if (r["strategy"], r["schedule"], r["dispatch"], r.get("wire_dtype"), r.get("prefetch", False))
         == ("ep", "sync", "a2a", None, False)
+        and not r.get("ceiling")
     }
+    ceilings = {r["routing"]: r["median_s"] for r in rows if r.get("ceiling")}
     for r in rows:
         ref = base.get(r["routing"])
         if ref is None:
             continue
         r["speedup_vs_ep"] = ref["median_s"] / r["median_s"]
+        if r["routing"] in ceilings:  # the part of the possible gain reached: (T_ep − T) / (T_ep − T_even)
+            gap = ref["median_s"] - ceilings[r["routing"]]
+            r["share_of_ceiling"] = (ref["median_s"] - r["median_s"]) / gap if gap > 0 else None
         if r["schedule"] == "pairwise" and "forward_a2a_s" in ref:
             sync_ref = next(
                 (

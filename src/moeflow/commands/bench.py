@@ -7,11 +7,36 @@ testbed): one layer per (routing skew × strategy × schedule), identical weight
     moeflow bench --experts 32 --top-k 2 --dtype bfloat16 --json
     moeflow bench --nproc 4 --cost-model results/profile.json --skews 0 1.2 \\
         --variants ep:sync shadow:sync ep:pairwise shadow:pairwise
+    moeflow bench --nproc 4 --cost-model results/profile.json --suite --out suite.json
+
+`--suite`: every strategy and schedule on the same workloads — Zipf s ∈ {0, 0.8, 1.2, 1.6, 2.0},
+the SmartMoE trace replayed iteration by iteration, a drifting load — with the force-balanced
+ceiling timed beside each (flags given explicitly keep their values).
 """
 
 from __future__ import annotations
 
 HELP = "time MoE layers: one layer vs its bound and Hugging Face, or strategies on several ranks"
+
+SUITE = {
+    "skews": [0.0, 0.8, 1.2, 1.6, 2.0],
+    "trace": "smartmoe",
+    "trace_replay": True,
+    "drift": 4,
+    "ceiling": True,
+    "blocks": 2,
+    "variants": [
+        "ep:sync",
+        "ep:pairwise",
+        "shadow:sync",
+        "prophet:sync+prefetch",
+        "eplb:sync",
+        "fssdp:sync+prefetch",
+        "auto:sync+prefetch",
+        "auto:auto+prefetch",
+    ],
+}
+"""What `--suite` sets (where the flag was left at its default)."""
 
 
 def add_arguments(parser) -> None:
@@ -46,9 +71,17 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--group-size", type=int, default=None, help="pairwise: schedule_options group_size (default: from topology)"
     )
+    parser.add_argument(
+        "--drift", type=int, default=0, help="also a drifting load: the hot experts move every N iterations (0: off)"
+    )
+    parser.add_argument(
+        "--ceiling", action="store_true", help="also time plain EP on perfectly even routing (force-balanced ceiling)"
+    )
+    parser.add_argument("--suite", action="store_true", help="every strategy x schedule on the suite's workloads")
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument("--out", default=None, help="also write the result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(defaults={key: parser.get_default(key) for key in SUITE})  # --suite keeps explicit flags
 
 
 def _strategy_worker(cfg, cost_model_source):
@@ -78,8 +111,9 @@ def _print_strategy_rows(rows: list[dict]) -> None:
         bound = f"{r['pairwise_bound']:7.2f}{r['share_of_bound']:9.0%}" if "pairwise_bound" in r else f"{'':7}{'':9}"
         predicted, model = r["planner_predicted_speedup"], r.get("model_predicted_s")
         schedule = r["schedule"] + ("+prefetch" if r.get("prefetch") else "")
+        strategy = r["strategy"] + (" (even)" if r.get("ceiling") else "")
         print(
-            f"{r['routing']:<18}{r['strategy']:<15}{schedule:<18}{r['dispatch']:<14}{r['wire_dtype'] or '-':<10}"
+            f"{r['routing']:<18}{strategy:<15}{schedule:<18}{r['dispatch']:<14}{r['wire_dtype'] or '-':<10}"
             f"{1e3 * r['median_s']:9.1f}{r.get('speedup_vs_ep', float('nan')):9.2f}{r.get('copies_mean', 0):8.1f}"
             f"{r.get('load_std_mean', 0):9.1f}{'' if predicted is None else f'{predicted:.2f}':>10}"
             f"{'' if model is None else f'{1e3 * model:.1f}':>9}{bound}"
@@ -93,6 +127,10 @@ def _strategy_result(args, world: int, outer: bool) -> dict | None:
     from moeflow.bench.strategies import StrategyBenchConfig, Variant
     from moeflow.core.launch import launch_local
 
+    if args.suite:
+        for key, value in SUITE.items():
+            if getattr(args, key) == args.defaults[key]:
+                setattr(args, key, value)
     variants = tuple(Variant.parse(text) for text in args.variants)
     if any(v.strategy != "ep" for v in variants) and not args.cost_model:
         raise ValueError("--cost-model is required for planners other than ep (a preset name or a profile JSON)")
@@ -106,6 +144,8 @@ def _strategy_result(args, world: int, outer: bool) -> dict | None:
         skews=tuple(args.skews),
         trace=args.trace,
         trace_replay=args.trace_replay,
+        drift_period=args.drift,
+        ceiling=args.ceiling,
         blocks=args.blocks,
         variants=variants,
         schedule_options=None if args.group_size is None else {"group_size": args.group_size},

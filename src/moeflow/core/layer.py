@@ -303,6 +303,7 @@ class MoELayer(nn.Module):
             dispatcher=self.dispatcher,
             hooks=lambda point, t: run_hooks(self.hooks, point, self, t),
             call_id=self._calls,
+            plan_SED=plan_SED,
         )
         y_back_AD = self.schedule.execute(block)
 
@@ -359,6 +360,7 @@ class MoELayer(nn.Module):
             redirected=redirected,
             cross_node_share=cross_node_share(plan_SED.sum(1), self.node_of),
             strategy=getattr(self.planner, "chosen", None) or self.strategy,
+            schedule=getattr(self.schedule, "chosen", None) or self.axes["schedule"],
             materialized_bytes=self.held_bytes[0],
             held_bytes=self.held_bytes[1],
         )

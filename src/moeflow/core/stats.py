@@ -38,6 +38,8 @@ class MoEStats:
     plan (rows served by a local copy do not cross); 0 without a node layout."""
     strategy: str = "ep"
     """The planner whose placement ran (for `strategy="auto"`: the one it chose this step)."""
+    schedule: str = "sync"
+    """The schedule that ran (for `schedule="auto"`: the one it chose this step)."""
     materialized_bytes: int = 0
     """Bytes of the held-weight tensors this rank computed with when a planner materialized copies
     (owned rows and copies, `[J, ...]` per parameter), counted from the tensors when built."""

@@ -35,8 +35,20 @@ class SampledGate(TopKGate):
     row w, e.g. a recorded trace's flow matrix normalised per source rank).
     """
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, probs: torch.Tensor, seed: int = 0, rank: int = 0):
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int,
+        probs: torch.Tensor,
+        seed: int = 0,
+        rank: int = 0,
+        even: bool = False,
+    ):
         super().__init__(d_model, num_experts, top_k)
+        self.even = even
+        """Perfectly even routing instead (`probs` unused): token t takes experts t·k … t·k + k − 1
+        (mod E), so every expert gets the same count — the force-balanced ceiling of a benchmark."""
         probs = torch.as_tensor(probs, dtype=torch.float32)
         row = probs if probs.dim() == 1 else probs[rank]
         if row.shape != (num_experts,) or (row < 0).any() or int((row > 0).sum()) < top_k:
@@ -56,6 +68,9 @@ class SampledGate(TopKGate):
         num_tokens = scores_TE.shape[0]
         if num_tokens == 0:
             return torch.zeros(0, self.top_k, dtype=torch.int64, device=scores_TE.device), 0
+        if self.even:
+            expert_TK = torch.arange(num_tokens)[:, None] * self.top_k + torch.arange(self.top_k)[None, :]
+            return (expert_TK % self.num_experts).to(scores_TE.device), 0
         probs_TE = self.popularity_E.expand(num_tokens, -1)
         expert_TK = torch.multinomial(probs_TE, self.top_k, replacement=False, generator=self.sampler)
         return expert_TK.to(scores_TE.device), 0

@@ -19,6 +19,7 @@ from moeflow.strategies.planners.eplb import EPLBOptions, EPLBPlanner
 from moeflow.strategies.planners.fssdp import FSSDPOptions, FSSDPPlanner
 from moeflow.strategies.planners.prophet import ProphetOptions, ProphetPlanner
 from moeflow.strategies.planners.shadow import ShadowGreedyOptions, ShadowOptions, ShadowPlanner
+from moeflow.strategies.schedules.auto import AutoSchedule, AutoScheduleOptions
 from moeflow.strategies.schedules.base import Schedule
 from moeflow.strategies.schedules.pairwise import PairwiseOptions, PairwiseSchedule
 from moeflow.strategies.schedules.sync import SyncSchedule
@@ -88,6 +89,28 @@ SCHEDULES = Registry(
     is_object=lambda value: isinstance(value, Schedule),
 )
 """The `schedule` axis: schedules by name."""
+
+
+def _auto_schedule(ctx, options: AutoScheduleOptions) -> AutoSchedule:
+    names = options.names() or [n for n in SCHEDULES.names() if n != "auto"]
+    unknown = [n for n in names if n not in SCHEDULES or n == "auto"]
+    if unknown:
+        raise ValueError(
+            f"schedule_options candidates={options.candidates!r}: unknown {unknown}; valid: "
+            f"{[n for n in SCHEDULES.names() if n != 'auto']}"
+        )
+    return AutoSchedule({n: SCHEDULES.build(n, ctx) for n in names}, ctx.expert, ctx.cost_model, options)
+
+
+SCHEDULES.register(
+    Component(
+        "auto",
+        _auto_schedule,
+        AutoScheduleOptions,
+        "the cheapest schedule per forward: each candidate's predicted time, corrected by its measured time",
+        needs_cost_model=True,
+    )
+)
 
 DISPATCHERS = Registry(
     "dispatch",

@@ -47,6 +47,9 @@ class ExchangeBlock:
     """Runs the layer's hooks at a named point (FSMoE §3.1)."""
     call_id: int
     """Forward calls of the layer so far (message tags of asynchronous schedules)."""
+    plan_SED: np.ndarray | None = None
+    """The layer's global dispatch plan: rows source s sends destination d for expert e (identical
+    on every rank; `schedule="auto"` prices the candidates on it)."""
 
     @property
     def send_splits(self) -> list[int]:

@@ -1,0 +1,241 @@
+"""One suite for every planner and schedule, on the network testbed and simulated at paper scale:
+each strategy × schedule on the same workloads, its speedup over plain EP, and the force-balanced
+ceiling beside it.
+
+    sudo .venv/bin/python benchmarks/strategies.py --out results/strategies.json             # both
+    .venv/bin/python benchmarks/strategies.py --where simulator --out results/strategies-sim.json
+
+Workloads: Zipf(s) for s in {0, 0.8, 1.2, 1.6, 2.0}, the SmartMoE GPT trace replayed iteration by
+iteration (docs/traces.md), and a drifting load (two hot experts with half the load, moving to the
+next experts every `--drift` iterations). Strategies: ep, shadow, prophet (with the block-wise
+prefetch), eplb, fssdp (with the prefetch) and auto (the arbiter over all of them); schedules: sync,
+pairwise and `auto` (the cheapest schedule per forward). The ceiling is plain EP on perfectly even
+routing with the same tokens: `share_of_ceiling` = (T_ep − T) / (T_ep − T_ceiling), the part of the
+possible gain a strategy reaches.
+
+Testbed: `moeflow bench --suite` on 2 nodes × 2 ranks behind an emulated 800 Mbit/s link (network
+namespaces and tc, `scripts/testbed.py`; needs root), with the testbed's own measured profile; every
+variant and the ceiling interleaved iteration by iteration. Reported beside each workload: the best
+single strategy, `auto`'s distance to it, and `auto`'s corrected cost model's error on the forwards
+it timed (MAPE per layer). Simulator: the same workloads at paper scale on a cluster preset (its cost
+model is exact there, so `auto` has nothing to correct). Each part writes its plot next to the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.perf.costmodel import CostModel
+from moeflow.perf.simulator import SimulatedLayer, simulate
+from moeflow.perf.traces import Trace, resolve_trace, synthetic_trace
+
+SKEWS = (0.0, 0.8, 1.2, 1.6, 2.0)
+SCHEDULES = ("sync", "pairwise", "auto")
+STRATEGIES = {  # label: (strategy, prefetch)
+    "ep": ("ep", False),
+    "shadow": ("shadow", False),
+    "prophet+prefetch": ("prophet", True),
+    "eplb": ("eplb", False),
+    "fssdp+prefetch": ("fssdp", True),
+    "auto+prefetch": ("auto", True),
+}
+
+
+def workloads(world: int, experts: int, tokens: int, iterations: int, drift: int) -> dict[str, Trace]:
+    out = {f"zipf-{s:g}": synthetic_trace("zipf", iterations, 4, world, experts, tokens, 2, skew=s) for s in SKEWS}
+    full = resolve_trace("smartmoe")
+    n = min(iterations, full.flow_ILWE.shape[0])
+    out["smartmoe"] = Trace(full.flow_ILWE[:n], full.steps_I[:n], dict(full.meta)).rescale(world, experts)
+    out["drift"] = synthetic_trace("drift", iterations, 4, world, experts, tokens, 2, drift_period=drift)
+    return out
+
+
+def balanced(trace: Trace) -> Trace:
+    """The same tokens per rank and layer, spread evenly over the experts: the force-balanced ceiling."""
+    flow = trace.flow_ILWE
+    E = flow.shape[-1]
+    even = np.repeat(flow.sum(-1, keepdims=True) // E, E, axis=-1)
+    even[..., 0] += flow.sum(-1) - even.sum(-1)
+    return Trace(even, trace.steps_I, dict(trace.meta))
+
+
+def run(cluster: str, trace: Trace, shape: ExpertShape, nonmoe_s: float) -> dict:
+    cm = CostModel.from_preset(cluster)
+    out = {}
+    for label, (strategy, prefetch) in STRATEGIES.items():
+        layer = SimulatedLayer(shape, top_k=2, nonmoe_forward_s=nonmoe_s, prefetch=prefetch)
+        start = time.perf_counter()
+        for r in simulate(trace, cm, layer, [strategy], list(SCHEDULES)):
+            out[f"{label}:{r.schedule}"] = {
+                "total_ms": 1e3 * float(r.total_I.mean()),
+                "copies_per_layer": float(r.replicated_IL.mean()),
+                "simulate_s": time.perf_counter() - start,
+            }
+    ceiling = simulate(balanced(trace), cm, SimulatedLayer(shape, top_k=2, nonmoe_forward_s=nonmoe_s), ["ep"], ["sync"])
+    out["ceiling"] = {"total_ms": 1e3 * float(ceiling[0].total_I.mean())}
+    ep, top = out["ep:sync"]["total_ms"], out["ceiling"]["total_ms"]
+    for row in out.values():
+        row["speedup_over_ep"] = ep / row["total_ms"]
+        row["share_of_ceiling"] = (ep - row["total_ms"]) / (ep - top) if ep > top else None
+    return out
+
+
+def geomean(values) -> float:
+    return float(np.exp(np.mean(np.log(values))))
+
+
+def plot(lines: dict[str, list[float]], workloads: list[str], title: str, path: Path) -> None:
+    """Speedup over EP per workload, one line per strategy, the ceiling dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, values in lines.items():
+        style = {"color": "k", "linestyle": "--"} if label == "ceiling" else {"marker": "o"}
+        ax.plot(workloads, values, label=label, **style)
+    ax.set_ylabel("speedup over EP (sync)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def simulator_part(args) -> dict:
+    cm = CostModel.from_preset(args.cluster)
+    W = cm.topology.num_devices
+    shape = ExpertShape(args.d_model, 4 * args.d_model, "ffn")
+    tokens = 4096
+    result = {
+        "cluster": args.cluster,
+        "devices": W,
+        "experts": 2 * W,
+        "model": {"d_model": args.d_model, "d_hidden": 4 * args.d_model, "top_k": 2, "tokens_per_rank": tokens},
+        "nonmoe_forward_ms": args.nonmoe_ms,
+        "workloads": {},
+    }
+    for name, trace in workloads(W, 2 * W, tokens, args.iterations, args.drift).items():
+        result["workloads"][name] = run(args.cluster, trace, shape, 1e-3 * args.nonmoe_ms)
+        print(name, {k: round(v["speedup_over_ep"], 2) for k, v in result["workloads"][name].items()}, flush=True)
+    labels = [f"{label}:{s}" for label in STRATEGIES for s in SCHEDULES]
+    result["summary"] = summarize(
+        {
+            w: {k: row["speedup_over_ep"] for k, row in rows.items() if k != "ceiling"}
+            for w, rows in result["workloads"].items()
+        },
+        labels,
+    )
+    names = list(result["workloads"])
+    lines = {label: [result["workloads"][w][f"{label}:sync"]["speedup_over_ep"] for w in names] for label in STRATEGIES}
+    lines["auto+prefetch:auto"] = [result["workloads"][w]["auto+prefetch:auto"]["speedup_over_ep"] for w in names]
+    lines["ceiling"] = [result["workloads"][w]["ceiling"]["speedup_over_ep"] for w in names]
+    plot(lines, names, f"moeflow strategies, simulated on {args.cluster}", Path(args.out).with_suffix(".sim.png"))
+    return result
+
+
+def summarize(speedups: dict[str, dict[str, float]], labels: list[str]) -> dict:
+    """Per workload: the best single strategy (not auto) and auto's distance to it; over the suite:
+    every label's geometric-mean speedup over EP."""
+    auto = [k for k in labels if k.startswith("auto")]
+    singles = [k for k in labels if not k.startswith("auto")]
+    per = {}
+    for w, row in speedups.items():
+        best = max((k for k in singles if k in row), key=lambda k: row[k])
+        per[w] = {"best_single": best, "best_single_speedup": row[best]}
+        per[w].update({f"{k}_vs_best": row[k] / row[best] for k in auto if k in row})
+    present = [k for k in labels if all(k in row for row in speedups.values())]
+    return {
+        "per_workload": per,
+        "geomean_speedup_over_ep": {k: geomean([row[k] for row in speedups.values()]) for k in present},
+    }
+
+
+def testbed_part(args) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from testbed_run import ensure_profile, on_testbed
+
+    profile = ensure_profile(Path(args.profile), args.bandwidth_mbit)
+    raw = Path(args.out).with_suffix(".testbed.raw.json")
+    bench = ["bench", "--suite", "--cost-model", str(profile), "--tokens", "2048", "--d-model", "256"]
+    bench += ["--d-hidden", "1024", "--experts", "2", "--iterations", str(args.testbed_iterations)]
+    bench += ["--drift", str(args.testbed_drift), "--out", str(raw)]
+    on_testbed(bench, 2, 2, args.bandwidth_mbit, timeout_s=3600)
+    rows = json.loads(raw.read_text())["rows"]
+
+    def label(r: dict) -> str:
+        if r.get("ceiling"):
+            return "ceiling"
+        return r["strategy"] + ("+prefetch" if r["prefetch"] else "") + ":" + r["schedule"]
+
+    workloads_ = list(dict.fromkeys(r["routing"] for r in rows))
+    speedups = {w: {label(r): r["speedup_vs_ep"] for r in rows if r["routing"] == w} for w in workloads_}
+    labels = list(dict.fromkeys(label(r) for r in rows if not r.get("ceiling")))
+    errors = [r["auto_model_error"] for r in rows if "auto_model_error" in r]
+    result = {
+        "bandwidth_mbit": args.bandwidth_mbit,
+        "profile": str(profile),
+        "rows": rows,
+        "speedup_over_ep": speedups,
+        "summary": summarize(
+            {w: {k: v for k, v in row.items() if k != "ceiling"} for w, row in speedups.items()}, labels
+        ),
+        "auto_model_mape": float(np.mean(errors)) if errors else None,
+        "chosen": {
+            f"{r['routing']} {label(r)}": [r["chosen"], r["chosen_schedule"]] for r in rows if r["strategy"] == "auto"
+        },
+    }
+    plot(
+        {k: [speedups[w][k] for w in workloads_] for k in [*labels, "ceiling"]},
+        workloads_,
+        f"moeflow strategies on the 2x2 testbed ({args.bandwidth_mbit:g} Mbit/s)",
+        Path(args.out).with_suffix(".testbed.png"),
+    )
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/strategies.json")
+    parser.add_argument("--where", choices=("both", "simulator", "testbed"), default="both")
+    parser.add_argument("--cluster", default="johnny", help="simulator: cluster preset")
+    parser.add_argument("--iterations", type=int, default=30, help="simulator: iterations per workload")
+    parser.add_argument("--drift", type=int, default=10, help="simulator: iterations between moves of the hot experts")
+    parser.add_argument("--d-model", type=int, default=1024, help="simulator")
+    parser.add_argument("--nonmoe-ms", type=float, default=2.0, help="simulator: dense forward of a block")
+    parser.add_argument("--testbed-iterations", type=int, default=8, help="testbed: timed iterations per workload")
+    parser.add_argument("--testbed-drift", type=int, default=4, help="testbed: iterations between moves")
+    parser.add_argument("--bandwidth-mbit", type=float, default=800.0, help="testbed: inter-node link")
+    parser.add_argument("--profile", default="results/profile-testbed.json", help="testbed: its measured profile")
+    args = parser.parse_args()
+    result = {"command": " ".join(["python", *sys.argv])}
+    if args.where in ("both", "simulator"):
+        result["simulator"] = simulator_part(args)
+        print(
+            "simulator geomean:",
+            {k: round(v, 2) for k, v in result["simulator"]["summary"]["geomean_speedup_over_ep"].items()},
+        )
+    if args.where in ("both", "testbed"):
+        result["testbed"] = testbed_part(args)
+        print(
+            "testbed geomean:",
+            {k: round(v, 2) for k, v in result["testbed"]["summary"]["geomean_speedup_over_ep"].items()},
+        )
+        print("testbed auto model MAPE:", result["testbed"]["auto_model_mape"])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""`schedule="auto"`: the schedule axis of the arbiter — every forward, the cheapest of the candidate
+schedules (`sync`, `pairwise`, `pipeline`, ...) on the flow that will run, priced by each one's own
+`predict` with the layer's cost model and corrected by what each was measured to take.
+
+Pricing. The layer's dispatch plan is global (identical on every rank): from it the block's
+`StepLoad` — rows every rank sends every rank, rows every rank computes per expert — is the one the
+simulator prices, so each candidate's `predict(step, cost_model, dispatcher)` is its predicted
+forward + backward time of this very block.
+
+Correction. A schedule's overlap is what a cost model gets most wrong on a given machine (on CPUs the
+transfers and the GEMMs share the cores: the model's overlap is not there). The first
+`trials` forwards of each candidate are run in turn (round robin, the same order on every rank) and
+timed (the schedule's forward wall time, cheap: no synchronisation); at agreement points — when the
+trials end, then every `2^k`-th forward — the ranks take the maximum of their timings over the group
+(one all-reduce of C numbers: the block ends with its slowest rank) and set each candidate's factor
+`s_c = median measured / median predicted`. Candidates are then priced `s_c · predict_c`; until every
+candidate was tried the arbiter keeps trying. The factor folds the forward/backward split into one
+number per schedule (a forward is timed, forward + backward predicted): the choice compares
+schedules, so only the factors' ratios matter.
+
+Every rank computes the same choice: predictions come from global numbers and factors change only
+at agreement points, after the all-reduce. `chosen` names the schedule that ran (per layer, in
+`MoEStats.schedule`); `last` records each candidate's corrected price.
+
+Shape suffixes: S source ranks, E experts, D destination ranks, W ranks, C candidates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moeflow.core.checks import positive_int
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.strategies.schedules.base import ExchangeBlock, PredictedBlock, Schedule, StepLoad
+
+
+@dataclass(frozen=True)
+class AutoScheduleOptions:
+    """Options of `schedule="auto"` (`--set moe.schedule_options.<key>=...`)."""
+
+    candidates: str = ""
+    """Comma list of schedules to choose among, each with its default options (names registered in
+    `moeflow.strategies.SCHEDULES`); empty: every registered schedule. Those that do not run with
+    the layer's dispatcher are left out."""
+    trials: int = 3
+    """Forwards each candidate is timed before the correction decides (the first is a warm-up)."""
+
+    def __post_init__(self) -> None:
+        names = self.names()
+        if "auto" in names or len(set(names)) != len(names):
+            raise ValueError(f"candidates={self.candidates!r}: expected a comma list of distinct schedule names")
+        positive_int("trials", self.trials)
+
+    def names(self) -> list[str]:
+        return [n.strip() for n in self.candidates.split(",") if n.strip()]
+
+
+@dataclass
+class ScheduleDecision:
+    """One forward's choice: each candidate's corrected price (seconds, forward + backward)."""
+
+    prices: dict[str, float]
+    chosen: str
+    exploring: bool
+
+
+def step_load(plan_SED: np.ndarray, shape: ExpertShape, node_of) -> StepLoad:
+    """The block's `StepLoad` from the layer's global dispatch plan `[S, E, D]` (rows source s sends
+    destination d for expert e; the diagonal source = destination stays local)."""
+    plan = np.asarray(plan_SED, dtype=np.float64)
+    return StepLoad(plan.sum(1), plan.sum(0).T, shape, node_of)
+
+
+_WINDOW = 32
+"""Timings kept per candidate (the newest)."""
+
+
+@dataclass
+class _Timings:
+    measured_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    predicted_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    factor: float | None = None
+
+    def medians(self) -> tuple[float, float]:
+        """(measured, predicted) medians, the first call (a warm-up) left out when there are more."""
+        measured, predicted = list(self.measured_s), list(self.predicted_s)
+        if len(measured) > 1 and len(measured) < _WINDOW:
+            measured, predicted = measured[1:], predicted[1:]
+        return float(np.median(measured)), float(np.median(predicted))
+
+
+class AutoSchedule(Schedule):
+    """The arbiter over schedules (module docstring)."""
+
+    def __init__(self, candidates: dict[str, Schedule], shape: ExpertShape, cost_model, options=None) -> None:
+        self.options = options or AutoScheduleOptions()
+        self.candidates = dict(candidates)
+        self.shape, self.cost_model = shape, cost_model
+        self.timings = {name: _Timings() for name in self.candidates}
+        self.calls = 0
+        self.chosen: str | None = None
+        self.last: ScheduleDecision | None = None
+
+    def runs_with(self, dispatcher) -> bool:
+        return any(s.runs_with(dispatcher) for s in self.candidates.values())
+
+    def check_dispatcher(self, dispatcher) -> None:
+        """Keep the candidates that run with `dispatcher` (`sync` runs with any)."""
+        super().check_dispatcher(dispatcher)
+        self.candidates = {n: s for n, s in self.candidates.items() if s.runs_with(dispatcher)}
+        self.timings = {n: self.timings[n] for n in self.candidates}
+
+    def prices(self, predicted: dict[str, float]) -> dict[str, float]:
+        """Each candidate's predicted price times its measured factor (1 before the first agreement)."""
+        return {n: p * (self.timings[n].factor or 1.0) for n, p in predicted.items()}
+
+    def choose(self, predicted: dict[str, float]) -> ScheduleDecision:
+        """Pure given the state: round robin during the trials, else the cheapest corrected price
+        (ties: the candidates' order, sync first)."""
+        names = list(self.candidates)
+        prices = self.prices(predicted)
+        if self.calls < self.options.trials * len(names):
+            return ScheduleDecision(prices, names[self.calls % len(names)], True)
+        return ScheduleDecision(prices, min(names, key=lambda n: prices[n]), False)
+
+    def execute(self, block: ExchangeBlock) -> torch.Tensor:
+        if block.group is None or len(self.candidates) == 1:
+            self.chosen = next(iter(self.candidates))
+            return self.candidates[self.chosen].execute(block)
+        node_of = block.node_of if block.node_of is not None else self.cost_model.topology.node_of
+        step = step_load(block.plan_SED, self.shape, node_of)
+        dispatcher = block.dispatcher
+        predicted = {n: float(s.predict(step, self.cost_model, dispatcher).total_s) for n, s in self.candidates.items()}
+        self.last = self.choose(predicted)
+        self.chosen = self.last.chosen
+        started = time.perf_counter()
+        out = self.candidates[self.chosen].execute(block)
+        timing = self.timings[self.chosen]
+        timing.measured_s.append(time.perf_counter() - started)
+        timing.predicted_s.append(predicted[self.chosen])
+        self.calls += 1
+        if self._agreement_point():
+            self._agree(block.group)
+        return out
+
+    def _agreement_point(self) -> bool:
+        tried = self.options.trials * len(self.candidates)
+        return self.calls >= tried and (self.calls == tried or (self.calls & (self.calls - 1)) == 0)
+
+    def _agree(self, group) -> None:
+        """Every rank the same factors: the slowest rank's median timing per candidate."""
+        names = list(self.candidates)
+        medians = [self.timings[n].medians() for n in names]
+        measured_C = torch.tensor([m for m, _ in medians], dtype=torch.float64)
+        dist.all_reduce(measured_C, op=dist.ReduceOp.MAX, group=group)
+        for name, measured, (_, predicted) in zip(names, measured_C.tolist(), medians):
+            if predicted > 0:
+                self.timings[name].factor = measured / predicted
+
+    def predict(self, step: StepLoad, cost_model, dispatcher) -> PredictedBlock:
+        """The simulator's price: the cheapest candidate per iteration and layer, as the model sees it
+        (no measurement to correct it there)."""
+        preds = [s.predict(step, cost_model, dispatcher) for s in self.candidates.values() if s.runs_with(dispatcher)]
+        shape = np.broadcast_shapes(*(np.shape(p.total_s) for p in preds))
+        best = np.argmin(np.stack([np.broadcast_to(p.total_s, shape) for p in preds]), axis=0)
+
+        def pick(attr: str) -> np.ndarray:
+            values_C = np.stack([np.broadcast_to(np.asarray(getattr(p, attr), np.float64), shape) for p in preds])
+            return np.take_along_axis(values_C, best[None], axis=0)[0]
+
+        return PredictedBlock(pick("total_s"), pick("compute_s"), pick("comm_s"))
