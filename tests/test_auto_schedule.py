@@ -62,12 +62,45 @@ def test_agreement_points_after_the_trials_then_powers_of_two():
     assert points == [4, 8, 16]
 
 
-def test_factors_skip_the_warm_up_call():
+def test_factors_skip_the_warm_up_call_and_count_the_backward():
     auto = _arbiter()
     timing = auto.timings["sync"]
-    timing.measured_s.extend([9.0, 2.0, 2.2, 1.8])
-    timing.predicted_s.extend([1.0, 1.0, 1.0, 1.0])
-    assert timing.medians() == (2.0, 1.0)
+    timing.measured_s.extend([[9.0, 9.0], [1.0, 1.0], [1.2, 1.0], [0.8, 1.0], [5.0, None]])
+    timing.predicted_s.extend([1.0, 1.0, 1.0, 1.0, 1.0])
+    assert timing.medians() == (2.0, 1.0)  # forward + backward; the call without backward left out
+    forward_only = auto.timings["pairwise"]  # evaluation: no backward ever ran
+    forward_only.measured_s.extend([[3.0, None], [1.0, None], [2.0, None]])
+    forward_only.predicted_s.extend([1.0, 2.0, 2.0])
+    assert forward_only.medians() == (1.5, 2.0)
+
+
+def test_placement_and_schedule_priced_jointly():
+    """With both arbiters, a placement's price is the cheapest schedule's corrected block time plus
+    its copies: when pairwise hides the exchange, copies that only cut the exchange stop paying."""
+    from moeflow.core.placement import Placement
+    from moeflow.strategies.planners.auto import AutoPlanner, layer_terms
+
+    cm = CostModel(Topology.homogeneous(4, 1e6), gemm_flops_per_s=1e9)
+    shape = ExpertShape(64, 128)
+    flow = np.full((4, 4), 10)
+    flow[:, 0] = 400  # expert 0 hot
+    owners = Placement.expert_parallel(4, 4)
+    extra_EW = np.zeros((4, 4), dtype=bool)
+    extra_EW[0] = True
+    copied = owners.with_holders(extra_EW)
+    auto = AutoPlanner(shape, {})
+    plain = {n: auto.price(layer_terms(flow, p, cm, shape)) for n, p in (("ep", owners), ("copy", copied))}
+    arbiter = _arbiter()
+    arbiter.cost_model = cm
+    arbiter.shape = shape
+    arbiter.timings["pairwise"].factor = 0.01  # measured: pairwise hides almost everything
+    auto.block_prices = lambda plan: arbiter.block_prices(plan, [0, 1, 2, 3], A2ADispatcher())
+    joint = {n: auto.price(layer_terms(flow, p, cm, shape)) for n, p in (("ep", owners), ("copy", copied))}
+    terms = layer_terms(flow, copied, cm, shape)
+    assert joint["copy"] == pytest.approx(
+        min(arbiter.block_prices(terms.plan_SED, None, A2ADispatcher()).values()) + terms.copies
+    )
+    assert plain["copy"] < plain["ep"] and joint["ep"] < joint["copy"]
 
 
 def test_simulator_price_is_the_cheapest_candidate_per_iteration():

@@ -97,3 +97,20 @@ def wire_hooks(dtype_name: str) -> tuple[MoEHook, MoEHook]:
         raise ValueError(f"dispatch_dtype={dtype_name!r}: expected one of {sorted(WIRE_DTYPES)} or None")
     restore = _WireRestore()
     return restore, _WireCompress(WIRE_DTYPES[dtype_name], restore)
+
+
+class Mark(torch.autograd.Function):
+    """Identity; runs `on_forward()` in forward and `on_backward()` when its gradient arrives (the
+    block-wise prefetch posts and waits transfers at such points; `schedule="auto"` times the
+    block's backward between two of them)."""
+
+    @staticmethod
+    def forward(ctx, x, on_forward, on_backward):
+        ctx.on_backward = on_backward
+        on_forward()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.on_backward()
+        return grad, None, None

@@ -175,6 +175,11 @@ class MoELayer(nn.Module):
         self.gate, self.balance, self.planner = built["gate"], built["balance"], built["strategy"]
         self.schedule, self.dispatcher = built["schedule"], built["dispatch"]
         self.schedule.check_dispatcher(self.dispatcher)
+        if hasattr(self.planner, "block_prices") and hasattr(self.schedule, "block_prices"):
+            # Both arbitrated (`auto`): the planner prices each placement under every schedule.
+            self.planner.block_prices = lambda plan_SED: self.schedule.block_prices(
+                plan_SED, self.node_of, self.dispatcher
+            )
         self.axes = {axis: v if isinstance(v, str) else type(v).__name__ for axis, (v, _) in axes.items()}
         if getattr(self.planner, "needs_cost_model", False) and ctx.cost_model is None:
             raise ValueError(f"strategy={self.axes['strategy']!r} needs cost_model= (a moeflow CostModel)")

@@ -19,7 +19,7 @@ the dense time to the layer's planner, which prices copies with them (Eq. 8). Th
 has no block before it: its copies run in its own forward.
 
 Mechanism: `BlockPrefetch` is a `MoEHook` (FSMoE §3.1) on every MoE layer; at the layer's start,
-after its dispatch, before its combine and at its end it returns the tensor through `_Mark`, an
+after its dispatch, before its combine and at its end it returns the tensor through `core.hooks.Mark`, an
 identity whose forward and backward run the actions of that point. Partial replica sets travel
 point-to-point (`batch_isend_irecv`, one tag per layer, direction and part), experts held everywhere
 as one asynchronous broadcast (forward) / reduce (backward) per owner — a pipelined ring on NCCL,
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.hooks import MoEHook
+from moeflow.core.hooks import Mark, MoEHook
 from moeflow.core.placement import Placement
 from moeflow.core.sparse_collectives import (
     add_flat_rows,
@@ -56,21 +56,6 @@ from moeflow.core.sparse_collectives import (
 
 TAG_BASE = 1 << 27
 """Message tags of prefetched copies start here (the pairwise schedule's stay below 2²⁶)."""
-
-
-class _Mark(torch.autograd.Function):
-    """Identity; runs `on_forward()` in forward and `on_backward()` when its gradient arrives."""
-
-    @staticmethod
-    def forward(ctx, x, on_forward, on_backward):
-        ctx.on_backward = on_backward
-        on_forward()
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.on_backward()
-        return grad, None, None
 
 
 class _TwoParts:
@@ -297,7 +282,7 @@ class BlockPrefetch(MoEHook):
     # ---- the four marks of layer i -----------------------------------------------------------------
     def _mark(self, layer, x: torch.Tensor, point: str) -> torch.Tensor:
         i = layer.prefetch_index
-        return _Mark.apply(x, lambda: self._forward_point(i, point), lambda: self._backward_point(i, point))
+        return Mark.apply(x, lambda: self._forward_point(i, point), lambda: self._backward_point(i, point))
 
     def before_moe_start(self, layer, x):
         return self._mark(layer, x, "start")

@@ -36,7 +36,9 @@ Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from scipy.optimize import nnls
@@ -95,16 +97,28 @@ class AutoDecision:
         return self.predicted_s[-1]
 
 
+class LayerTerms(NamedTuple):
+    """One forward + backward of a layer under a placement, uncorrected (seconds)."""
+
+    compute: float
+    """3 expert computes of the slowest device."""
+    exchange: float
+    """The 4 token exchanges."""
+    copies: float
+    """The copies out and back (as far as the prefetch does not hide them)."""
+    plan_SED: np.ndarray
+    """The dispatch plan the terms were priced on."""
+
+
 def layer_terms(
     flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, node_of=None, hidden=None
-) -> tuple:
-    """(compute, communication) of one forward + backward, uncorrected: 3 expert computes of the
-    slowest device; 4 exchanges and the copies out and back (`placement_times`). `hidden`:
-    (T_nonMoE, h) when the copies are prefetched — priced as sent ahead and hidden (Eq. 8)."""
+) -> LayerTerms:
+    """The terms of `placement` on `flow_WE` (`placement_times`). `hidden`: (T_nonMoE, h) when the
+    copies are prefetched — priced as sent ahead and hidden (Eq. 8)."""
     plan_SED = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
     t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape, hidden is not None)
     copies = t["trans"] + t["agg"] if hidden is None else overlapped_copies(t["trans"], t["agg"], t["fec"], *hidden)
-    return 3.0 * t["fec"], t["a2a"] + float(copies)
+    return LayerTerms(3.0 * t["fec"], float(t["a2a"]), float(copies), plan_SED)
 
 
 def fit_correction(observations) -> tuple[float, float, float]:
@@ -137,6 +151,13 @@ class AutoPlanner:
         self.nonmoe_forward_s = 0.0  # measured by the prefetch
         self.hidden_share = 0.0  # share of the prefetch windows that hid copies; 0 until measured
         self._planned: tuple[str, Placement] | None = None
+        self.block_prices: Callable[[np.ndarray], dict[str, float]] | None = None
+        """Set by the layer when its schedule is chosen too (`schedule="auto"`): the corrected block
+        time of a dispatch plan under each schedule, so placement and schedule are chosen jointly."""
+
+    def __getstate__(self) -> dict:
+        """Checkpointed without the layer's `block_prices` link (the resumed layer sets its own)."""
+        return {k: v for k, v in self.__dict__.items() if k != "block_prices"}
 
     def observe_time(self, forward_s_W: np.ndarray) -> None:
         """The previous forward's time on every rank (from the count exchange): one observation."""
@@ -149,9 +170,14 @@ class AutoPlanner:
         if len(self.observations) >= self.options.min_observations:
             self.scales = fit_correction(self.observations)
 
-    def price(self, compute_s: float, comm_s: float) -> float:
+    def price(self, terms: LayerTerms) -> float:
+        """Corrected forward + backward time of a placement. With `block_prices` (the layer runs
+        `schedule="auto"`): the cheapest schedule's corrected block time, plus the copies."""
         s_comp, s_comm, _ = self.scales
-        return s_comp * compute_s + s_comm * comm_s
+        block_prices = getattr(self, "block_prices", None)  # absent on a planner unpickled on its own
+        if block_prices is not None:
+            return min(block_prices(terms.plan_SED).values()) + s_comm * terms.copies
+        return s_comp * terms.compute + s_comm * (terms.exchange + terms.copies)
 
     # ---- the block-wise prefetch's side (`core.prefetch.BlockPrefetch` sets these) -----------------
     @property
@@ -188,9 +214,9 @@ class AutoPlanner:
         if not options:
             return
         ep = Placement.owners_only(placement.owner_E, placement.world_size)
-        ep_price = self.price(*layer_terms(predicted, ep, cost_model, self.shape, node_of))
+        ep_price = self.price(layer_terms(predicted, ep, cost_model, self.shape, node_of))
         prices = {
-            n: self.price(*layer_terms(predicted, p, cost_model, self.shape, node_of, self._hidden()))
+            n: self.price(layer_terms(predicted, p, cost_model, self.shape, node_of, self._hidden()))
             for n, p in options.items()
         }
         best = min(prices, key=prices.get)
@@ -211,14 +237,14 @@ class AutoPlanner:
             name = f"{planned[0]}+prefetch"
             proposals[name] = planned[1]
             terms[name] = layer_terms(flow_WE, planned[1], cost_model, self.shape, node_of, self._hidden())
-        prices = {name: self.price(*t) for name, t in terms.items()}
+        prices = {name: self.price(t) for name, t in terms.items()}
         best = min(prices, key=lambda name: (prices[name], name != "ep"))
         if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
             best = "ep"
-        compute, comm = terms[best]
+        chosen = terms[best]
         # Forward share: one expert compute of three; the dispatch and combine (half the exchanges),
         # the copies out (about half the copies' traffic).
-        self._pending = (compute / 3.0, comm / 2.0)
+        self._pending = (chosen.compute / 3.0, (chosen.exchange + chosen.copies) / 2.0)
         self.chosen = best
         self.last = AutoDecision(prices, best, self.scales, [prices["ep"], prices[best]])
         self.history.append(np.asarray(flow_WE, dtype=np.float64))

@@ -10,13 +10,14 @@ forward + backward time of this very block.
 Correction. A schedule's overlap is what a cost model gets most wrong on a given machine (on CPUs the
 transfers and the GEMMs share the cores: the model's overlap is not there). The first
 `trials` forwards of each candidate are run in turn (round robin, the same order on every rank) and
-timed (the schedule's forward wall time, cheap: no synchronisation); at agreement points — when the
-trials end, then every `2^k`-th forward — the ranks take the maximum of their timings over the group
-(one all-reduce of C numbers: the block ends with its slowest rank) and set each candidate's factor
-`s_c = median measured / median predicted`. Candidates are then priced `s_c · predict_c`; until every
-candidate was tried the arbiter keeps trying. The factor folds the forward/backward split into one
-number per schedule (a forward is timed, forward + backward predicted): the choice compares
-schedules, so only the factors' ratios matter.
+timed — the block's forward wall time, and its backward between two identity marks (the gradient
+reaching the block's outputs, leaving its sent rows): cheap, no synchronisation. At agreement
+points — when the trials end, then every `2^k`-th forward — the ranks take the maximum of their
+timings over the group (one all-reduce of C numbers: the block ends with its slowest rank) and set
+each candidate's factor `s_c = median measured / median predicted`. Candidates are then priced
+`s_c · predict_c` (`block_prices`), in seconds of forward + backward, the unit `strategy="auto"`
+prices placements in: with both arbiters on, the planner prices each placement's block with these
+corrected prices (placement and schedule chosen jointly).
 
 Every rank computes the same choice: predictions come from global numbers and factors change only
 at agreement points, after the all-reduce. `chosen` names the schedule that ran (per layer, in
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from moeflow.core.checks import positive_int
 from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.hooks import Mark
 from moeflow.strategies.schedules.base import ExchangeBlock, PredictedBlock, Schedule, StepLoad
 
 
@@ -84,15 +86,19 @@ _WINDOW = 32
 @dataclass
 class _Timings:
     measured_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    """[forward, backward or None] seconds of each timed call (backward filled when it ran)."""
     predicted_s: deque = field(default_factory=lambda: deque(maxlen=_WINDOW))
     factor: float | None = None
 
     def medians(self) -> tuple[float, float]:
-        """(measured, predicted) medians, the first call (a warm-up) left out when there are more."""
-        measured, predicted = list(self.measured_s), list(self.predicted_s)
-        if len(measured) > 1 and len(measured) < _WINDOW:
-            measured, predicted = measured[1:], predicted[1:]
-        return float(np.median(measured)), float(np.median(predicted))
+        """(measured forward + backward, predicted) medians over the calls whose backward ran (all
+        calls, forward only, if none did: evaluation), the first call (a warm-up) left out."""
+        pairs = list(zip(self.measured_s, self.predicted_s))
+        if len(pairs) > 1 and len(pairs) < _WINDOW:
+            pairs = pairs[1:]
+        whole = [(f + b, p) for (f, b), p in pairs if b is not None]
+        pairs = whole or [(f, p) for (f, _), p in pairs]
+        return float(np.median([m for m, _ in pairs])), float(np.median([p for _, p in pairs]))
 
 
 class AutoSchedule(Schedule):
@@ -120,6 +126,17 @@ class AutoSchedule(Schedule):
         """Each candidate's predicted price times its measured factor (1 before the first agreement)."""
         return {n: p * (self.timings[n].factor or 1.0) for n, p in predicted.items()}
 
+    def predicted(self, plan_SED: np.ndarray, node_of, dispatcher) -> dict[str, float]:
+        """Each candidate's model time (forward + backward) of the block of this dispatch plan
+        (`node_of` None: the cost model's)."""
+        node_of = node_of if node_of is not None else self.cost_model.topology.node_of
+        step = step_load(plan_SED, self.shape, node_of)
+        return {n: float(s.predict(step, self.cost_model, dispatcher).total_s) for n, s in self.candidates.items()}
+
+    def block_prices(self, plan_SED: np.ndarray, node_of, dispatcher) -> dict[str, float]:
+        """Corrected prices of the block of `plan_SED` under every candidate (for `strategy="auto"`)."""
+        return self.prices(self.predicted(plan_SED, node_of, dispatcher))
+
     def choose(self, predicted: dict[str, float]) -> ScheduleDecision:
         """Pure given the state: round robin during the trials, else the cheapest corrected price
         (ties: the candidates' order, sync first)."""
@@ -133,21 +150,29 @@ class AutoSchedule(Schedule):
         if block.group is None or len(self.candidates) == 1:
             self.chosen = next(iter(self.candidates))
             return self.candidates[self.chosen].execute(block)
-        node_of = block.node_of if block.node_of is not None else self.cost_model.topology.node_of
-        step = step_load(block.plan_SED, self.shape, node_of)
-        dispatcher = block.dispatcher
-        predicted = {n: float(s.predict(step, self.cost_model, dispatcher).total_s) for n, s in self.candidates.items()}
+        predicted = self.predicted(block.plan_SED, block.node_of, block.dispatcher)
         self.last = self.choose(predicted)
         self.chosen = self.last.chosen
-        started = time.perf_counter()
-        out = self.candidates[self.chosen].execute(block)
         timing = self.timings[self.chosen]
-        timing.measured_s.append(time.perf_counter() - started)
+        entry: list = [0.0, None]  # forward, backward seconds
+        timing.measured_s.append(entry)
         timing.predicted_s.append(predicted[self.chosen])
+        backward_from = [0.0]
+
+        def _backward_ends() -> None:
+            entry[1] = time.perf_counter() - backward_from[0]
+
+        def _backward_starts() -> None:
+            backward_from[0] = time.perf_counter()
+
+        started = time.perf_counter()
+        x_sent_AD = Mark.apply(block.x_sent_AD, lambda: None, _backward_ends)
+        out = self.candidates[self.chosen].execute(replace(block, x_sent_AD=x_sent_AD))
+        entry[0] = time.perf_counter() - started
         self.calls += 1
         if self._agreement_point():
             self._agree(block.group)
-        return out
+        return Mark.apply(out, lambda: None, _backward_starts)
 
     def _agreement_point(self) -> bool:
         tried = self.options.trials * len(self.candidates)
