@@ -14,7 +14,7 @@ from moeflow.perf.roofline import curves, points_from_simulation, throughput
 from moeflow.perf.topology import Topology
 from moeflow.perf.traces import Trace, load_trace, synthetic_trace
 from moeflow.routing.hierarchical import cross_node_ratios
-from moeflow.strategies import PLANNERS
+from moeflow.strategies import PLANNERS, SCHEDULES
 from moeflow.strategies.planners.ep import plan_ep
 
 
@@ -230,13 +230,15 @@ def test_cli_simulate_and_roofline(capsys, tmp_path):
     )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["world_size"] == 8 and {r["schedule"] for r in out["results"]} == {"sync", "pairwise"}
+    # Every registered schedule runs with the plain all-to-all dispatcher, so all are simulated by default.
+    assert out["world_size"] == 8 and {r["schedule"] for r in out["results"]} == set(SCHEDULES.names())
     assert all(r["total_s"] > 0 for r in out["results"])
     # The default schedules are those that run with the dispatcher: pairwise needs the plain a2a.
     argv = ["simulate", "--cluster", "prophet_lpwnv", "--trace", "zipf", "--iterations", "3", "--json"]
     assert main([*argv, "--dispatch", "hierarchical", "--strategy", "ep"]) == 0
     hier = json.loads(capsys.readouterr().out)["results"]
-    assert [r["schedule"] for r in hier] == ["sync"]
+    # auto arbitrates among the schedules that run with the dispatcher (here: sync alone).
+    assert [r["schedule"] for r in hier] == ["sync", "auto"]
     rc = main(
         [
             "roofline",
@@ -254,7 +256,7 @@ def test_cli_simulate_and_roofline(capsys, tmp_path):
     assert rc == 0 and (tmp_path / "rl" / "roofline.png").stat().st_size > 0
     data = json.loads((tmp_path / "rl" / "roofline.json").read_text())
     assert {p["label"] for p in data["points"]} == {
-        f"{s}/{sch}" for s in PLANNERS.names() for sch in ("sync", "pairwise")
+        f"{s}/{sch}" for s in PLANNERS.names() for sch in SCHEDULES.names()
     }
     capsys.readouterr()
     # The real trace that ships with the package, folded from 16 ranks onto 8 devices.

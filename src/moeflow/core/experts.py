@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow.core.expert_shape import EXPERT_KINDS
+from moeflow.core.expert_sharding import ForwardOnMemberZero
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -199,6 +200,7 @@ class GroupedExperts(nn.Module):
         self.kind = kind
         self.expert_ids = list(range(num_local))
         self.d_model, self.d_hidden = d_model, d_hidden
+        self.esp_rank, self.esp_size = None, 1  # expert sharding by hidden slice (core.expert_sharding)
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
         self.w2 = nn.Parameter(torch.empty(num_local, d_hidden, d_model))
         if EXPERT_KINDS[kind].biases:
@@ -233,7 +235,8 @@ class GroupedExperts(nn.Module):
             # Biases are broadcast over each group's rows, never gathered per row (Tutel's way):
             # their backward is a sum over contiguous rows, not a scatter over all of them.
             hidden_NH = F.gelu(grouped_mm(x_ND, w["w1"], counts_L, w["b1"]))  # exact erf GELU, as GPT's
-            return grouped_mm(hidden_NH, w["w2"], counts_L, w["b2"])
+            b2 = w["b2"] if self.esp_rank is None else ForwardOnMemberZero.apply(w["b2"], self.esp_rank == 0)
+            return grouped_mm(hidden_NH, w["w2"], counts_L, b2)
         gated_NH = F.silu(grouped_mm(x_ND, w["w1"], counts_L)) * grouped_mm(x_ND, w["w3"], counts_L)
         return grouped_mm(gated_NH, w["w2"], counts_L)
 

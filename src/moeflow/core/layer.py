@@ -31,6 +31,7 @@ from torch import nn
 from moeflow.core import dispatch
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.expert_sharding import sharded_compute
 from moeflow.core.experts import GroupedExperts
 from moeflow.core.hooks import HOOK_POINTS, WIRE_DTYPES, MoEHook, run_hooks, wire_hooks
 from moeflow.core.placement import Placement, cross_node_share, dispatch_counts
@@ -165,6 +166,7 @@ class MoELayer(nn.Module):
         self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
         self.forward_s = 0.0  # wall time of the last forward on this rank (strategy="auto" learns from it)
         self.group: dist.ProcessGroup | None = None
+        self.esp_group: dist.ProcessGroup | None = None  # expert sharding (core.expert_sharding)
         self._bind(Placement.expert_parallel(num_experts, 1))
         if group is not None:
             self.to_expert_parallel(group)
@@ -341,14 +343,20 @@ class MoELayer(nn.Module):
             # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
             perm = dispatch.source_major_to_expert_major(counts_SJ)
             if perm is None:  # one source: already grouped by expert
-                return self.experts(x_recv_RD, counts_SJ.sum(0).tolist(), weights_J)
+                return self._run_experts(x_recv_RD, counts_SJ.sum(0).tolist(), weights_J)
             perm_R = torch.as_tensor(perm, device=x_recv_RD.device)
             inverse_R = dispatch.inverse_permutation(perm_R)
             x_grouped = dispatch.permute_rows(x_recv_RD, perm_R, inverse_R)
-            y_grouped = self.experts(x_grouped, counts_SJ.sum(0).tolist(), weights_J)
+            y_grouped = self._run_experts(x_grouped, counts_SJ.sum(0).tolist(), weights_J)
             return dispatch.permute_rows(y_grouped, inverse_R, perm_R)
 
         return compute
+
+    def _run_experts(self, x_RD: torch.Tensor, counts_J: list[int], weights_J) -> torch.Tensor:
+        """The held experts on rows grouped by expert; over the ESP group when sharded (FSMoE §3)."""
+        if self.esp_group is None:
+            return self.experts(x_RD, counts_J, weights_J)
+        return sharded_compute(self.experts, x_RD, counts_J, self.esp_group, weights_J)
 
     def _record(self, block, flow_WE, choices_WE, plan_SED, placement, dropped, redirected, me) -> None:
         """`stats` of this forward; in training, the expert choices for the step's balance update."""

@@ -1,7 +1,9 @@
 """The parallel layout: one object validates the degrees once, builds the process groups once and
 hands them down explicitly (torchtitan's `ParallelDims` style; `None` = off).
 
-Ranks form a DP × EP grid: `world = dp_size · ep_size`. Expert-parallel groups are blocks of
+Ranks form a DP × EP × ESP grid: `world = dp_size · ep_size · esp_size` (ESP, expert sharding,
+FSMoE §3: `esp_size` consecutive ranks hold the same experts, each a hidden slice; see
+`core.expert_sharding`; with `esp_size=1` the grid is DP × EP). Expert-parallel groups are blocks of
 consecutive ranks (`[i·ep, (i+1)·ep)`), so an EP group stays inside a node when ranks are numbered
 node by node; the expert data-parallel group of a rank is the ranks with the same EP rank (the
 replicas of the same experts). Dense parameters are averaged over the whole world; expert
@@ -34,12 +36,22 @@ class ParallelLayout:
 
     ep_size: int = 1
     """Ranks in one expert-parallel group; experts of a layer are split across them."""
+    esp_size: int = 1
+    """Ranks in one expert-sharding group (FSMoE §3, `core.expert_sharding`): consecutive ranks (a
+    node's devices) holding the same experts, each a slice of their hidden dimension."""
+    node_size: int | None = None
+    """Devices per node when known; `esp_size` must divide it."""
+    d_hidden: int | None = None
+    """The experts' hidden size when known; `esp_size` must divide it."""
     world_size: int | None = None
     """Total ranks; defaults to `dist.get_world_size()` (1 when torch.distributed is not initialized)."""
     rank: int | None = None
     """This rank; defaults to `dist.get_rank()` (0 when not initialized)."""
     ep_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
     expert_dp_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
+    esp_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
+    balance_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
+    """The ranks holding the same experts (expert-DP × ESP): balance state is summed over them."""
 
     def __post_init__(self) -> None:
         initialized = dist.is_available() and dist.is_initialized()
@@ -47,13 +59,20 @@ class ParallelLayout:
             self.world_size = dist.get_world_size() if initialized else 1
         if self.rank is None:
             self.rank = dist.get_rank() if initialized else 0
-        for name in ("ep_size", "world_size"):
+        for name in ("ep_size", "esp_size", "world_size"):
             try:
                 positive_int(name, getattr(self, name))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"ParallelLayout: {exc}") from None
-        if self.world_size % self.ep_size:
-            raise ValueError(f"ParallelLayout: world_size={self.world_size} is not divisible by ep_size={self.ep_size}")
+        if self.world_size % (self.ep_size * self.esp_size):
+            raise ValueError(
+                f"ParallelLayout: world_size={self.world_size} is not divisible by "
+                f"ep_size={self.ep_size} · esp_size={self.esp_size}"
+            )
+        if self.node_size is not None and self.node_size % self.esp_size:
+            raise ValueError(f"ParallelLayout: esp_size={self.esp_size} must divide the node size {self.node_size}")
+        if self.d_hidden is not None and self.d_hidden % self.esp_size:
+            raise ValueError(f"ParallelLayout: esp_size={self.esp_size} must divide d_hidden={self.d_hidden}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"ParallelLayout: rank={self.rank} outside [0, world_size={self.world_size})")
         if self.world_size > 1 and not initialized:
@@ -63,28 +82,49 @@ class ParallelLayout:
 
     def _build_groups(self) -> None:
         # Every rank must create every group, in the same order (torch.distributed.new_group rule).
+        # rank = ((dp_rank · ep_size) + ep_rank) · esp_size + esp_rank; with esp_size 1 as before.
+        ep, esp, replica = self.ep_size, self.esp_size, self.ep_size * self.esp_size
         for block in range(self.dp_size):
-            ranks = list(range(block * self.ep_size, (block + 1) * self.ep_size))
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                self.ep_group = group if self.ep_size > 1 else None
-        for ep_rank in range(self.ep_size):
-            ranks = list(range(ep_rank, self.world_size, self.ep_size))
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                self.expert_dp_group = group if self.dp_size > 1 else None
+            for s in range(esp):
+                ranks = [block * replica + e * esp + s for e in range(ep)]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.ep_group = group if ep > 1 else None
+        for e in range(ep):
+            for s in range(esp):
+                ranks = [d * replica + e * esp + s for d in range(self.dp_size)]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.expert_dp_group = group if self.dp_size > 1 else None
+        if esp > 1:
+            for g in range(self.world_size // esp):
+                ranks = list(range(g * esp, (g + 1) * esp))
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.esp_group = group
+            for e in range(ep):
+                ranks = [d * replica + e * esp + s for d in range(self.dp_size) for s in range(esp)]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.balance_group = group
+        else:
+            self.balance_group = self.expert_dp_group
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.ep_size
+        return self.world_size // (self.ep_size * self.esp_size)
+
+    @property
+    def esp_rank(self) -> int:
+        return self.rank % self.esp_size
 
     @property
     def ep_rank(self) -> int:
-        return self.rank % self.ep_size
+        return (self.rank // self.esp_size) % self.ep_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.ep_size
+        return self.rank // (self.ep_size * self.esp_size)
 
     def validate_experts(self, num_experts: int) -> None:
         """Each EP rank must own the same number of experts."""
@@ -137,7 +177,7 @@ def finish_prefetch(model: nn.Module) -> None:
         prefetch.finish()
 
 
-def all_reduce_gradients(model: nn.Module, layout: ParallelLayout) -> None:
+def all_reduce_gradients(model: nn.Module, layout: ParallelLayout, dense: bool = True) -> None:
     """Once per optimizer step, after backward: make gradients those of the mean loss over the
     global batch, and move every MoE layer's balance state (`MoELayer.update_balance`).
 
@@ -145,19 +185,21 @@ def all_reduce_gradients(model: nn.Module, layout: ParallelLayout) -> None:
     over all ranks. An expert's gradient already sums every rank's contribution (the all-to-all
     backward brought them to the owner), so it is summed over its replicas only and divided by the
     same world size. Balance terms see the step's expert choices summed over the data-parallel
-    replicas, so their state stays identical on every rank.
+    replicas, so their state stays identical on every rank. ``dense=False``: the dense gradients
+    were already averaged (``training.grad_buckets``).
     """
     finish_prefetch(model)
     for module in model.modules():
         if isinstance(module, MoELayer):
-            module.update_balance(layout.expert_dp_group, layout.dp_size)
+            module.update_balance(layout.balance_group, layout.dp_size * layout.esp_size)
     experts = [p for _, p in expert_parameters(model)]
     for p in experts:  # every shard steps, even one without rows (Hecate §4.3): equal step counts
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if layout.world_size == 1:
         return
-    _all_reduce_mean([p for _, p in dense_parameters(model)], None, layout.world_size)
+    if dense:
+        _all_reduce_mean([p for _, p in dense_parameters(model)], None, layout.world_size)
     if layout.dp_size > 1:
         _all_reduce_mean(experts, layout.expert_dp_group, layout.world_size)
     else:

@@ -22,6 +22,7 @@ from moeflow.strategies.planners.shadow import ShadowGreedyOptions, ShadowOption
 from moeflow.strategies.schedules.auto import AutoSchedule, AutoScheduleOptions
 from moeflow.strategies.schedules.base import Schedule
 from moeflow.strategies.schedules.pairwise import PairwiseOptions, PairwiseSchedule
+from moeflow.strategies.schedules.pipeline import PipelineOptions, PipelineSchedule
 from moeflow.strategies.schedules.sync import SyncSchedule
 
 PLANNERS = Registry(
@@ -84,6 +85,12 @@ SCHEDULES = Registry(
             lambda ctx, o: PairwiseSchedule(o),
             PairwiseOptions,
             "FasterMoE smart schedule: grouped pairwise steps overlapping exchanges with expert compute",
+        ),
+        Component(
+            "pipeline",
+            lambda ctx, o: PipelineSchedule(o, ctx.cost_model, ctx.expert),
+            PipelineOptions,
+            "FSMoE pipeline: the block in r chunks, each chunk's experts overlapping the next dispatch",
         ),
     ],
     is_object=lambda value: isinstance(value, Schedule),

@@ -36,6 +36,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 
 PRECISIONS = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")
+GRAD_SYNC_MODES = ("after_backward", "ddp", "fsmoe")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -138,6 +139,10 @@ class MoEConfig:
     dispatch_dtype: str | None = None
     """Send dispatched rows and expert outputs in this precision (`bfloat16`, `float16`;
     `float8_e4m3fn` on nccl), restoring the compute dtype on arrival; None: the compute dtype."""
+    esp_size: int = 1
+    """Expert sharding (FSMoE §3, `moeflow.core.expert_sharding`): ranks splitting each expert's hidden
+    dimension. Only 1 in training for now (checkpoints do not store hidden slices yet); the layer API
+    (`ParallelLayout(esp_size=...)` + `parallelize`) supports more."""
     cost_model: str | None = None
     """Topology preset name or profile JSON (`moeflow profile --out`) pricing the network and GEMMs; needed by
     `strategy="shadow"`, `gate="hierarchical"` and `balance="ta_moe"`. It describes the cluster of a run: used
@@ -165,6 +170,11 @@ class MoEConfig:
         check_balance_fits_gate(self.balance, self.gate)
         if self.dispatch_dtype is not None and self.dispatch_dtype not in WIRE_DTYPES:
             raise ValueError(f"moe.dispatch_dtype={self.dispatch_dtype!r}: expected one of {sorted(WIRE_DTYPES)}")
+        if self.esp_size != 1:
+            raise ValueError(
+                f"moe.esp_size={self.esp_size!r}: expert sharding is not available in training yet (checkpoints "
+                f"do not store hidden slices); use 1, or ParallelLayout(esp_size=...) with parallelize in your own loop"
+            )
         if self.capacity_factor is not None and routing_kind(self.gate) == "soft":
             raise ValueError(f"moe.capacity_factor={self.capacity_factor} with moe.gate='soft': slots never drop")
 
@@ -259,6 +269,12 @@ class TrainConfig:
     """When a worker dies (or a collective times out), restart the group with torch's elastic agent up
     to this many times, also for one process; each restart resumes from the newest complete
     checkpoint (`moeflow train --max-restarts N`). Under an outer torchrun: torchrun's own flag."""
+    grad_sync: str = "after_backward"
+    """Dense gradient all-reduce: `after_backward` (one flat bucket per dtype), `ddp` (buckets of
+    grad_bucket_mb launched as their gradients are ready) or `fsmoe` (FSMoE §5 partition, needs
+    moe.cost_model); docs/training.md."""
+    grad_bucket_mb: float = 25.0
+    """Bucket size of grad_sync=ddp, in MB (PyTorch DDP's default)."""
     collective_timeout_s: float = 300.0
     """A collective that waits longer than this fails the run with an error naming the operation, the
     rank it timed out on and the ranks that did not answer (a stalled or dead peer), instead of
@@ -283,6 +299,10 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)!r}")
         _choice("train", "precision", self.precision, PRECISIONS)
         _choice("train", "on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        _choice("train", "grad_sync", self.grad_sync, GRAD_SYNC_MODES)
+        mb = self.grad_bucket_mb
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb < 1e9:
+            raise ValueError(f"train.grad_bucket_mb must be a finite number of MB > 0, got {mb!r}")
         _choice("train", "device", self.device, DEVICES)
 
 

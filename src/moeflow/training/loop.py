@@ -106,6 +106,7 @@ def run(
     bar.close()
     summary["last_step"] = trainer.step
     summary["skipped_steps"] = trainer.skipped_steps
+    summary.update(trainer.grad_sync_summary())
     if rank0:
         summary.update(recovery_totals(out / METRICS_FILE))
     if rank0 and trainer.step > first_step:

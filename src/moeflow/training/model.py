@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeflow import MoELayer
+from moeflow.core.expert_sharding import to_expert_sharding
 from moeflow.core.prefetch import BlockPrefetch
 from moeflow.perf.costmodel import CostModel
 from moeflow.routing import routing_kind
@@ -171,4 +172,5 @@ def parallelize(model: MoEGPT, layout) -> MoEGPT:
     layout.validate_experts(model.moe_layers()[0][1].num_experts)
     for _, layer in model.moe_layers():
         layer.to_expert_parallel(layout.ep_group)  # group None (one rank): keeps every expert
+        to_expert_sharding(layer, getattr(layout, "esp_group", None))  # FSMoE ESP: hidden slices
     return model

@@ -40,6 +40,27 @@ from moeflow.training.model import MoEGPT, parallelize
 from moeflow.training.optim import build_optimizer, clip_gradients, lr_factor
 from moeflow.training.run_dir import TRACE_FILE
 
+
+def _grad_buckets(model, layout, cfg, cost_model, world_size: int):
+    """``train.grad_sync``: None (after_backward) or the overlapped buckets (docs/training.md)."""
+    from moeflow.training.grad_buckets import (
+        GradBuckets,
+        backward_order,
+        ddp_buckets,
+        partition_buckets,
+        solve_partition,
+    )
+
+    mode = cfg.train.grad_sync
+    if mode == "after_backward":
+        return None
+    params = backward_order(model)
+    if mode == "ddp":
+        return GradBuckets(model, layout, ddp_buckets(params, cfg.train.grad_bucket_mb))
+    partition = solve_partition(model, cfg, cost_model, cfg.train.global_batch_size // world_size)
+    return GradBuckets(model, layout, partition_buckets(params, list(partition.layer_elements[::-1])))
+
+
 # Model-defining config sections: a checkpoint only resumes into a run with the same values.
 SHAPE_SECTIONS = ("model", "moe")
 
@@ -107,6 +128,8 @@ class Trainer:
         self.layout = ParallelLayout(ep_size=self.world_size)
         self.model = parallelize(model, self.layout).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.grad_buckets = _grad_buckets(self.model, self.layout, cfg, cost_model, self.world_size)
+        self.grad_sync_wait_s = 0.0  # total time waiting for outstanding bucket all-reduces
         min_ratio = cfg.optim.min_lr / cfg.optim.lr
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda done: lr_factor(done, cfg.optim.warmup_steps, cfg.train.steps, min_ratio)
@@ -155,6 +178,14 @@ class Trainer:
             logits_BTV = self.model(x_BT.to(self.device))
         return F.cross_entropy(logits_BTV.float().flatten(0, 1), y_BT.to(self.device).flatten())
 
+    def grad_sync_summary(self) -> dict:
+        """train.grad_sync, its buckets' bytes (backward order) and the time waited for their
+        all-reduces after the backward, summed over this run's steps on this rank."""
+        out = {"grad_sync": self.cfg.train.grad_sync}
+        if self.grad_buckets is not None:
+            out.update(grad_bucket_bytes=self.grad_buckets.bucket_bytes, grad_sync_wait_s=self.grad_sync_wait_s)
+        return out
+
     # ---- one step ---------------------------------------------------------------------------
     def train_step(self) -> StepResult:
         step = self.step + 1
@@ -177,8 +208,14 @@ class Trainer:
                 f"train.on_nonfinite=skip to skip such steps"
             )
         if not skipped:
-            loss.backward()
-            all_reduce_gradients(self.model, self.layout)
+            if self.grad_buckets is None:
+                loss.backward()
+                all_reduce_gradients(self.model, self.layout)
+            else:
+                self.grad_buckets.arm()
+                loss.backward()
+                self.grad_buckets.finish()
+                self.grad_sync_wait_s += self.grad_buckets.waited_s
             grad_norm = clip_gradients(self.model, self.layout, self.cfg.optim.grad_clip)
             # The norm is global (every rank the same value): all ranks skip or step together.
             skipped = not math.isfinite(grad_norm)

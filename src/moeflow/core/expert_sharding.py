@@ -1,0 +1,150 @@
+"""Expert sharding (ESP, FSMoE §3): the `S` ranks of an ESP group (consecutive ranks, the devices
+of a node) hold the SAME experts, each a slice `H/S` of their hidden dimension, and compute
+together on the rows all of them received:
+
+    AllGather(rows of the ESP group) → Expert(hidden slice) → ReduceScatter(partial outputs)
+
+FSMoE's block is AllGather → AlltoAll → Expert → AlltoAll → ReduceScatter. Deviation (recorded):
+here each ESP member first runs its own EP dispatch (its EP group is the ranks with the same ESP
+index), and the all-gather happens AFTER dispatch, inside the layer's `compute` step: the gathered
+rows are then exactly the rows of the node for the node's experts (the same rows FSMoE's order
+brings there), and ESP composes with any schedule that calls `compute` (one chunk at a time in a
+pipelined schedule) without changing the dispatch.
+
+Exactness: GELU / SiLU·gate act element by element on the hidden units, so the hidden slices'
+partial outputs `act(x·w1[:, h]) · w2[h, :]` sum to the full output. `b2` (ffn) is added by ESP
+member 0 only, but every member's `b2` receives the gradient of the full output (the partials'
+gradient is the all-gathered output gradient, the same on every member): the sum is exact and
+`b2` stays identical on the members without any extra reduction.
+
+Autograd: `_GatherRows` (all-gather; backward: reduce-scatter) and `_ScatterSumRows`
+(reduce-scatter; backward: all-gather). gloo has no `reduce_scatter` and `all_gather_into_tensor`
+only for some dtypes and equal sizes, so both use `dist.all_gather` (list form) and `dist.all_reduce`
+of zero-padded `[S, R_max, D]` blocks followed by a slice: correct on every backend; the padding
+costs `S · R_max` rows of traffic where a backend-native reduce-scatter would move `Σ R_m`.
+
+Shape suffixes: R rows this member received (grouped by expert), M rows of the whole ESP group,
+D d_model, J experts held, S ESP group size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moeflow.core import dispatch
+
+
+def _padded(x_RD: torch.Tensor, rows: int) -> torch.Tensor:
+    if x_RD.shape[0] == rows:
+        return x_RD.contiguous()
+    return torch.cat([x_RD, x_RD.new_zeros((rows - x_RD.shape[0], x_RD.shape[1]))])
+
+
+def _all_gather_rows(x_RD: torch.Tensor, sizes_S: list[int], group) -> torch.Tensor:
+    """Concatenation of every member's rows, member-major."""
+    r_max = max(sizes_S)
+    parts = [x_RD.new_empty((r_max, x_RD.shape[1])) for _ in sizes_S]
+    dist.all_gather(parts, _padded(x_RD, r_max), group=group)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes_S)])
+
+
+def _reduce_scatter_rows(y_MD: torch.Tensor, sizes_S: list[int], me: int, group) -> torch.Tensor:
+    """The sum over members of `y_MD`'s block of member `me` (gloo: all_reduce + slice)."""
+    r_max = max(sizes_S)
+    blocks = list(torch.split(y_MD, sizes_S))
+    flat_SRD = torch.stack([_padded(b, r_max) for b in blocks])
+    dist.all_reduce(flat_SRD, group=group)
+    return flat_SRD[me, : sizes_S[me]]
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: all-gather of the members' rows. Backward: reduce-scatter of the gradient (each
+    member's rows were used by every member)."""
+
+    @staticmethod
+    def forward(ctx, x_RD, sizes_S, me, group):
+        ctx.sizes, ctx.me, ctx.group = sizes_S, me, group
+        return _all_gather_rows(x_RD, sizes_S, group)
+
+    @staticmethod
+    def backward(ctx, grad_MD):
+        return _reduce_scatter_rows(grad_MD.contiguous(), ctx.sizes, ctx.me, ctx.group), None, None, None
+
+
+class _ScatterSumRows(torch.autograd.Function):
+    """Forward: reduce-scatter (sum of the members' partial outputs, this member's rows).
+    Backward: all-gather of the gradient (every member's partial fed every member's rows)."""
+
+    @staticmethod
+    def forward(ctx, y_MD, sizes_S, me, group):
+        ctx.sizes, ctx.group = sizes_S, group
+        return _reduce_scatter_rows(y_MD.contiguous(), sizes_S, me, group)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        return _all_gather_rows(grad_RD.contiguous(), ctx.sizes, ctx.group), None, None, None
+
+
+class ForwardOnMemberZero(torch.autograd.Function):
+    """`b` on ESP member 0, zeros elsewhere; the gradient reaches `b` on every member."""
+
+    @staticmethod
+    def forward(ctx, b, keep: bool):
+        return b.view_as(b) if keep else torch.zeros_like(b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def shard_hidden_(experts, esp_rank: int, esp_size: int) -> None:
+    """Keep this member's slice `[r·H/S, (r+1)·H/S)` of every expert's hidden dimension (w1/w3
+    columns, b1, w2 rows); b2 stays whole. Build the layer with the same seed on every rank first."""
+    from torch import nn
+
+    if esp_size == 1:
+        return
+    if experts.d_hidden % esp_size:
+        raise ValueError(f"esp_size={esp_size} must divide d_hidden={experts.d_hidden}")
+    if getattr(experts, "esp_size", 1) != 1:
+        raise ValueError("shard_hidden_: these experts are already sharded by hidden slice")
+    width = experts.d_hidden // esp_size
+    lo = esp_rank * width
+    axis = {"w1": 2, "w3": 2, "b1": 1, "w2": 1}
+    for name, param in list(experts.named_parameters()):
+        if name in axis:
+            setattr(experts, name, nn.Parameter(param.detach().narrow(axis[name], lo, width).clone()))
+    experts.d_hidden_full, experts.hidden_offset = experts.d_hidden, lo
+    experts.d_hidden, experts.esp_rank, experts.esp_size = width, esp_rank, esp_size
+
+
+def sharded_compute(experts, x_RD: torch.Tensor, counts_J: list[int], group, weights=None) -> torch.Tensor:
+    """`experts(x_RD, counts_J)` over the ESP group: rows grouped by expert in, this member's full
+    outputs out (the sum of every member's hidden slice)."""
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    counts_t = torch.tensor(counts_J, dtype=torch.int64)
+    gathered = [torch.empty_like(counts_t) for _ in range(size)]
+    dist.all_gather(gathered, counts_t, group=group)
+    counts_SJ = torch.stack(gathered).numpy()
+    sizes_S = [int(n) for n in counts_SJ.sum(1)]
+    x_MD = _GatherRows.apply(x_RD, sizes_S, me, group)
+    perm = dispatch.source_major_to_expert_major(counts_SJ)
+    if perm is None:
+        y_MD = experts(x_MD, counts_SJ.sum(0).tolist(), weights)
+    else:
+        perm_M = torch.as_tensor(perm, device=x_MD.device)
+        inverse_M = dispatch.inverse_permutation(perm_M)
+        y_grouped = experts(dispatch.permute_rows(x_MD, perm_M, inverse_M), counts_SJ.sum(0).tolist(), weights)
+        y_MD = dispatch.permute_rows(y_grouped, inverse_M, perm_M)
+    return _ScatterSumRows.apply(y_MD, sizes_S, me, group)
+
+
+def to_expert_sharding(layer, group) -> None:
+    """Shard `layer`'s (already expert-parallel) experts by hidden slice over the ESP `group`."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    if layer.strategy != "ep":
+        raise ValueError(f"esp_size>1 supports strategy='ep' only, got strategy={layer.strategy!r}")
+    shard_hidden_(layer.experts, dist.get_rank(group), dist.get_world_size(group))
+    layer.esp_group = group

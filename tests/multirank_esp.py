@@ -1,0 +1,93 @@
+"""Expert sharding (ESP, FSMoE §3) under real gloo collectives (run inside tests/test_esp.py's
+spawn): DP × EP × ESP layouts give the single-process layer's outputs, input gradients, every
+parameter gradient (the hidden slice of it) and one AdamW step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from moeflow import MoELayer
+from moeflow.core.expert_sharding import to_expert_sharding
+from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
+
+from .equivalence import TOL, D, H
+
+HIDDEN_AXIS = {"w1": 2, "w3": 2, "b1": 1, "w2": 1}
+
+
+def _expected_slice(name: str, full: torch.Tensor, layout: ParallelLayout, per_rank: int) -> torch.Tensor:
+    rows = full[layout.ep_rank * per_rank : (layout.ep_rank + 1) * per_rank]
+    key = name.rsplit(".", 1)[-1]
+    if key in HIDDEN_AXIS:
+        width = H // layout.esp_size
+        rows = rows.narrow(HIDDEN_AXIS[key], layout.esp_rank * width, width)
+    return rows
+
+
+def check_layout(rank: int, world: int, ep_size: int, esp_size: int, expert: str, seed: int) -> None:
+    layout = ParallelLayout(ep_size=ep_size, esp_size=esp_size, d_hidden=H)
+    num_experts = 2 * ep_size
+    per_rank = num_experts // ep_size
+    torch.manual_seed(seed)
+    ref = MoELayer(D, H, num_experts, top_k=2, expert=expert)
+    with torch.no_grad():  # non-zero biases, so that b1/b2 slicing is visible
+        for name, p in ref.experts.named_parameters():
+            if name.startswith("b"):
+                p.normal_()
+    sharded = copy.deepcopy(ref)
+    sharded.to_expert_parallel(layout.ep_group)
+    to_expert_sharding(sharded, layout.esp_group)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = [5, 0, 9, 3][:world] if world == 4 else [7, 4]
+    xs = [torch.randn(n, D, generator=gen) for n in tokens]
+    gs = [torch.randn(n, D, generator=gen) for n in tokens]
+
+    # Reference: every rank's tokens through the single-process layer, loss = mean over ranks.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x_refs = [x.clone().requires_grad_() for x in xs]
+    y_refs = [ref(x) for x in x_refs]
+    sum((y * g).sum() for y, g in zip(y_refs, gs)).div(world).backward()
+
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    x = xs[rank].clone().requires_grad_()
+    y = sharded(x)
+    (y * gs[rank]).sum().backward()
+    all_reduce_gradients(sharded, layout)
+
+    torch.testing.assert_close(y, y_refs[rank].detach(), **TOL)
+    torch.testing.assert_close(x.grad, x_refs[rank].grad * world, **TOL)  # its rank's loss, not the mean
+    ref_params = dict(ref.named_parameters())
+    for name, p in dense_parameters(sharded):
+        torch.testing.assert_close(p.grad, ref_params[name].grad, **TOL)
+    expert_names = [n for n, _ in expert_parameters(sharded)]
+    assert expert_names, "no expert parameters"
+    for name, p in expert_parameters(sharded):
+        expected = _expected_slice(name, ref_params[name].grad, layout, per_rank)
+        torch.testing.assert_close(p.grad, expected, **TOL, msg=f"{name} grad")
+    ref_opt.step()
+    opt.step()
+    for name, p in expert_parameters(sharded):
+        expected = _expected_slice(name, ref_params[name].detach(), layout, per_rank)
+        torch.testing.assert_close(p.detach(), expected, **TOL, msg=f"{name} after AdamW")
+
+
+def check_bad_input(rank: int, world: int) -> None:
+    with pytest.raises(ValueError, match="esp_size=2 must divide d_hidden=7"):
+        ParallelLayout(ep_size=1, esp_size=2, d_hidden=7)
+    with pytest.raises(ValueError, match="esp_size=2 must divide the node size 3"):
+        ParallelLayout(ep_size=1, esp_size=2, node_size=3)
+    with pytest.raises(ValueError, match="esp_size=0"):
+        ParallelLayout(ep_size=1, esp_size=0)
+    with pytest.raises(ValueError, match="not divisible by ep_size=1 · esp_size=3"):
+        ParallelLayout(ep_size=1, esp_size=3)
+
+
+def esp_body(rank: int, world: int) -> None:
+    layouts = [(1, 2)] if world == 2 else [(2, 2), (4, 1), (1, 2), (1, 4)]
+    for i, (ep_size, esp_size) in enumerate(layouts):
+        for expert in ("ffn", "swiglu"):
+            check_layout(rank, world, ep_size, esp_size, expert, seed=10 + i)
+    check_bad_input(rank, world)

@@ -1,0 +1,63 @@
+"""train.grad_sync: DDP buckets and FSMoE §5 partition buckets (docs/training.md) give the
+gradients of the after-backward all-reduce; the bucket plans are partitions in backward order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from moeflow import cli
+from moeflow.training.config import TrainConfig
+from moeflow.training.grad_buckets import ddp_buckets, partition_buckets
+
+from .test_train import TINY
+
+
+def _params(sizes):
+    return [nn.Parameter(torch.zeros(n)) for n in sizes]
+
+
+def test_ddp_buckets_are_an_ordered_partition_within_the_size():
+    params = _params([100, 200, 50, 300, 10])
+    buckets = ddp_buckets(params, 1200 / 2**20)  # 1200 bytes = 300 fp32 elements
+    assert [p for b in buckets for p in b] == params
+    assert all(sum(p.numel() for p in b) * 4 <= 1200 for b in buckets)
+    assert [len(b) for b in buckets] == [2, 1, 1, 1]
+
+
+def test_partition_buckets_follow_the_element_counts_at_parameter_boundaries():
+    params = _params([10] * 12)
+    buckets = partition_buckets(params, [40, 0, 80])
+    assert [p for b in buckets for p in b] == params
+    assert [sum(p.numel() for p in b) for b in buckets] == [40, 80]
+
+
+@pytest.mark.parametrize("key,value", [("grad_sync", "eager"), ("grad_bucket_mb", 0), ("grad_bucket_mb", -1.0)])
+def test_bad_config_names_key_and_value(key, value):
+    with pytest.raises(ValueError, match=f"train.{key}.*{value!r}"):
+        TrainConfig(**{key: value})
+
+
+def _train(tmp_path, nproc, name, *sets):
+    run = tmp_path / name
+    argv = ["train", "--nproc", str(nproc), "--steps", "3", "--out", str(run), "--cost-model", "fsmoe_a"]
+    for item in [*TINY, "train.checkpoint_every=100", "train.eval_every=100", *sets]:
+        argv += ["--set", item]
+    assert cli.main(argv) == 0
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_bucketed_sync_trains_as_after_backward(tmp_path, nproc):
+    base = _train(tmp_path, nproc, "after", "train.grad_sync=after_backward")
+    for mode in ("ddp", "fsmoe"):
+        got = _train(tmp_path, nproc, mode, f"train.grad_sync={mode}", "train.grad_bucket_mb=0.01")
+        for a, b in zip(base, got, strict=True):
+            for key in ("loss", "grad_norm", "val_loss"):
+                assert (a.get(key) is None) == (b.get(key) is None), (mode, key)
+                if a.get(key) is not None:
+                    assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (mode, a["step"], key)
