@@ -14,12 +14,3 @@ from .multirank_esp import esp_body
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_sharding_equals_single_process(world):
     run_ranks(esp_body, world)
-
-
-def test_training_refuses_esp_for_now():
-    """Training checkpoints do not store hidden slices yet: moe.esp_size>1 is refused by name."""
-    from moeflow.training.config import MoEConfig
-
-    assert MoEConfig().esp_size == 1
-    with pytest.raises(ValueError, match="moe.esp_size=2: expert sharding is not available in training yet"):
-        MoEConfig(esp_size=2)

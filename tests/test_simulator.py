@@ -255,9 +255,7 @@ def test_cli_simulate_and_roofline(capsys, tmp_path):
     )
     assert rc == 0 and (tmp_path / "rl" / "roofline.png").stat().st_size > 0
     data = json.loads((tmp_path / "rl" / "roofline.json").read_text())
-    assert {p["label"] for p in data["points"]} == {
-        f"{s}/{sch}" for s in PLANNERS.names() for sch in SCHEDULES.names()
-    }
+    assert {p["label"] for p in data["points"]} == {f"{s}/{sch}" for s in PLANNERS.names() for sch in SCHEDULES.names()}
     capsys.readouterr()
     # The real trace that ships with the package, folded from 16 ranks onto 8 devices.
     argv = ["simulate", "--cluster", "prophet_lpwnv", "--trace", "smartmoe", "--strategy", "ep", "--schedule", "sync"]

@@ -34,6 +34,10 @@ import torch.distributed as dist
 
 from moeflow.core import dispatch
 
+HIDDEN_AXIS = {"w1": 2, "w3": 2, "b1": 1, "w2": 1}
+"""The axis of each `[J, ...]` expert parameter that runs over the hidden dimension; `b2` has none
+(whole on every member)."""
+
 
 def _padded(x_RD: torch.Tensor, rows: int) -> torch.Tensor:
     if x_RD.shape[0] == rows:
@@ -111,12 +115,28 @@ def shard_hidden_(experts, esp_rank: int, esp_size: int) -> None:
         raise ValueError("shard_hidden_: these experts are already sharded by hidden slice")
     width = experts.d_hidden // esp_size
     lo = esp_rank * width
-    axis = {"w1": 2, "w3": 2, "b1": 1, "w2": 1}
     for name, param in list(experts.named_parameters()):
-        if name in axis:
-            setattr(experts, name, nn.Parameter(param.detach().narrow(axis[name], lo, width).clone()))
+        if name in HIDDEN_AXIS:
+            setattr(experts, name, nn.Parameter(param.detach().narrow(HIDDEN_AXIS[name], lo, width).clone()))
     experts.d_hidden_full, experts.hidden_offset = experts.d_hidden, lo
     experts.d_hidden, experts.esp_rank, experts.esp_size = width, esp_rank, esp_size
+
+
+def hidden_axis(experts, name: str) -> int | None:
+    """The hidden axis of `experts`' parameter `name` when it is a hidden slice (distinct on every
+    ESP member), else None (unsharded experts, `b2`)."""
+    return HIDDEN_AXIS.get(name) if getattr(experts, "esp_size", 1) > 1 else None
+
+
+def hidden_slice_parameters(model) -> set[int]:
+    """`id`s of the parameters of `model` that are hidden slices: their squares sum over the ESP
+    group in a global gradient norm, where a replicated `b2` counts once (FSMoE §3)."""
+    return {
+        id(param)
+        for module in model.modules()
+        for name, param in module.named_parameters(recurse=False)
+        if hidden_axis(module, name) is not None
+    }
 
 
 def sharded_compute(experts, x_RD: torch.Tensor, counts_J: list[int], group, weights=None) -> torch.Tensor:
@@ -148,3 +168,4 @@ def to_expert_sharding(layer, group) -> None:
         raise ValueError(f"esp_size>1 supports strategy='ep' only, got strategy={layer.strategy!r}")
     shard_hidden_(layer.experts, dist.get_rank(group), dist.get_world_size(group))
     layer.esp_group = group
+    layer.experts.esp_group = group  # checkpoints offer the slices as shards of the full tensor

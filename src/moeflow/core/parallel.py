@@ -32,7 +32,7 @@ from moeflow.core.prefetch import BlockPrefetch
 
 @dataclass
 class ParallelLayout:
-    """Validated DP × EP layout and its process groups (built once, in `__post_init__`)."""
+    """Validated DP × EP × ESP layout and its process groups (built once, in `__post_init__`)."""
 
     ep_size: int = 1
     """Ranks in one expert-parallel group; experts of a layer are split across them."""

@@ -7,9 +7,11 @@
 Keys. Dense tensors keep their parameter name (`model.blocks.0.attn.qkv.weight`); every rank
 offers the same key and DCP writes it once. Expert tensors are split per expert and keyed by the
 GLOBAL expert id (`model.blocks.0.ffn.experts.w1.e3`), so each rank saves and loads exactly the
-experts it owns — a checkpoint written by 4 processes loads into 2 (or 1) and vice versa. AdamW
+experts it owns — a checkpoint written by 4 processes loads into 2 (or 1) and vice versa. Expert
+tensors always have the FULL hidden size: under expert sharding (ESP) each member saves and loads its
+hidden slice as a chunk of it (`training.expert_keys`), so any `esp_size` resumes any other. AdamW
 state follows its parameter (`optim.<param name>.exp_avg[.e3]`): expert optimizer state lives,
-and is saved, only on the owner.
+and is saved, only on the owner (its slice on each ESP member).
 
 Atomicity. A checkpoint is written into `step_N.tmp/`; after every rank has finished (dcp.save
 returns once the coordinator has written the metadata), rank 0 writes the `COMPLETE` marker and
@@ -33,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from moeflow.core.experts import GroupedExperts
+from moeflow.training.expert_keys import expert_rows, split
 
 MARKER = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -43,28 +45,11 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _expert_ids(model: nn.Module) -> dict[str, list[int]]:
-    """Full parameter name -> global expert id of each of its rows, for every expert parameter."""
-    out = {}
-    for module_name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            for pname, _ in module.named_parameters(recurse=False):
-                out[f"{module_name}.{pname}" if module_name else pname] = module.expert_ids
-    return out
-
-
-def _split(prefix: str, tensor: torch.Tensor, expert_ids: list[int] | None) -> dict[str, torch.Tensor]:
-    """One entry for a dense tensor; one entry per expert row (views: loading writes in place)."""
-    if expert_ids is None:
-        return {prefix: tensor}
-    return {f"{prefix}.e{e}": tensor[i] for i, e in enumerate(expert_ids)}
-
-
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    ids = _expert_ids(model)
+    rows = expert_rows(model)
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
-        state.update(_split(f"model.{name}", param.data, ids.get(name)))
+        state.update(split(f"model.{name}", param.data, rows.get(name)))
     for name, buf in model.named_buffers():
         state[f"model.{name}"] = buf
     return state
@@ -91,13 +76,13 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    ids = _expert_ids(model)
+    rows = expert_rows(model)
     state: dict[str, Any] = {}
     for name, param in model.named_parameters():
         for key, value in optimizer.state.get(param, {}).items():
             prefix = f"optim.{name}.{key}"
             if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
-                state.update(_split(prefix, value, ids.get(name)))
+                state.update(split(prefix, value, rows.get(name)))
             else:
                 state[prefix] = value  # AdamW's scalar `step`: identical on every rank
     return state

@@ -140,9 +140,10 @@ class MoEConfig:
     """Send dispatched rows and expert outputs in this precision (`bfloat16`, `float16`;
     `float8_e4m3fn` on nccl), restoring the compute dtype on arrival; None: the compute dtype."""
     esp_size: int = 1
-    """Expert sharding (FSMoE §3, `moeflow.core.expert_sharding`): ranks splitting each expert's hidden
-    dimension. Only 1 in training for now (checkpoints do not store hidden slices yet); the layer API
-    (`ParallelLayout(esp_size=...)` + `parallelize`) supports more."""
+    """Expert sharding (FSMoE §3, `moeflow.core.expert_sharding`): this many consecutive ranks hold the
+    same experts, each a slice `d_hidden / esp_size` of their hidden dimension; the experts are split
+    over `world / esp_size` EP ranks. Must divide `d_hidden` and the process count; `strategy="ep"` only.
+    Checkpoints keep full-size experts: a run resumes under any other `esp_size`."""
     cost_model: str | None = None
     """Topology preset name or profile JSON (`moeflow profile --out`) pricing the network and GEMMs; needed by
     `strategy="shadow"`, `gate="hierarchical"` and `balance="ta_moe"`. It describes the cluster of a run: used
@@ -170,13 +171,21 @@ class MoEConfig:
         check_balance_fits_gate(self.balance, self.gate)
         if self.dispatch_dtype is not None and self.dispatch_dtype not in WIRE_DTYPES:
             raise ValueError(f"moe.dispatch_dtype={self.dispatch_dtype!r}: expected one of {sorted(WIRE_DTYPES)}")
-        if self.esp_size != 1:
-            raise ValueError(
-                f"moe.esp_size={self.esp_size!r}: expert sharding is not available in training yet (checkpoints "
-                f"do not store hidden slices); use 1, or ParallelLayout(esp_size=...) with parallelize in your own loop"
-            )
+        self._check_esp()
         if self.capacity_factor is not None and routing_kind(self.gate) == "soft":
             raise ValueError(f"moe.capacity_factor={self.capacity_factor} with moe.gate='soft': slots never drop")
+
+    def _check_esp(self) -> None:
+        """What expert sharding (FSMoE §3) needs of the model; the process count is checked by
+        `RunConfig.validate_world_size`."""
+        esp = self.esp_size
+        if isinstance(esp, bool) or not isinstance(esp, int) or esp < 1:
+            raise ValueError(f"moe.esp_size must be an integer >= 1, got {esp!r}")
+        if self.d_hidden % esp:
+            raise ValueError(f"moe.esp_size={esp} must divide moe.d_hidden={self.d_hidden}")
+        if esp > 1 and self.strategy != "ep":
+            # Other planners move or copy whole experts (core.expert_sharding.to_expert_sharding).
+            raise ValueError(f"moe.esp_size={esp} supports moe.strategy='ep' only, got moe.strategy={self.strategy!r}")
 
     def layer_options(self) -> dict[str, dict[str, Any]]:
         """`MoELayer`'s `*_options` keyword arguments."""
@@ -317,11 +326,21 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate_world_size(self, world_size: int) -> None:
-        """Cross-field checks that depend on how many processes run (plain EP over all ranks)."""
-        if self.moe.num_experts % world_size:
+        """Cross-field checks that depend on how many processes run: experts over the
+        `world_size / moe.esp_size` EP ranks, each ESP group of `moe.esp_size` ranks one EP rank."""
+        esp = self.moe.esp_size
+        if world_size % esp:
+            raise ValueError(f"moe.esp_size={esp} must divide the number of processes, {world_size}")
+        ep_size = world_size // esp
+        if self.moe.num_experts % ep_size:
+            if esp == 1:
+                raise ValueError(
+                    f"{world_size} processes cannot share moe.num_experts={self.moe.num_experts} experts "
+                    f"evenly (expert parallelism needs world size dividing num_experts)"
+                )
             raise ValueError(
-                f"{world_size} processes cannot share moe.num_experts={self.moe.num_experts} experts "
-                f"evenly (expert parallelism needs world size dividing num_experts)"
+                f"{ep_size} expert-parallel ranks ({world_size} processes / moe.esp_size={esp}) cannot share "
+                f"moe.num_experts={self.moe.num_experts} experts evenly"
             )
         if self.train.global_batch_size % world_size:
             raise ValueError(

@@ -34,7 +34,7 @@ def preflight(cfg: RunConfig, out: Path, resume: bool, world: int, in_process: b
     (loaded here when training runs in this process, so the trainer reuses it; only listed when
     worker processes will each load their own), the checkpoint to resume from. Names and options
     of the layer's components were validated when the config was built (`MoEConfig`)."""
-    if cfg.moe.num_experts % world:
+    if cfg.moe.esp_size == 1 and cfg.moe.num_experts % world:  # esp_size > 1: validate_world_size says it
         raise ValueError(
             f"--nproc {world}: moe.num_experts={cfg.moe.num_experts} experts cannot be split "
             f"evenly over {world} processes (use a divisor of {cfg.moe.num_experts})"

@@ -163,7 +163,8 @@ class MoEGPT(nn.Module):
 
 
 def parallelize(model: MoEGPT, layout) -> MoEGPT:
-    """Apply expert parallelism in place: every MoE layer keeps this rank's experts.
+    """Apply expert parallelism in place: every MoE layer keeps this rank's experts, and with
+    `layout.esp_size > 1` (FSMoE §3) only this ESP member's hidden slice of them.
 
     The model must have been built with the same seed on every rank, so the kept slices are slices
     of one and the same full model. Dense parameters stay replicated; their gradients are averaged

@@ -1,5 +1,5 @@
 """AdamW with decoupled weight decay on matrices only, linear warmup + cosine decay, and clipping
-to the global gradient norm over dense and sharded expert gradients."""
+to the global gradient norm over dense and sharded expert gradients (EP shards, ESP hidden slices)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from moeflow.core.expert_sharding import hidden_slice_parameters
 from moeflow.core.parallel import ParallelLayout, dense_parameters, expert_parameters
 
 
@@ -39,13 +40,25 @@ def clip_gradients(model: torch.nn.Module, layout: ParallelLayout, max_norm: flo
     """Clip to the global gradient norm and return it (before clipping).
 
     Dense gradients are identical on every rank after all_reduce_gradients; expert gradients are
-    sharded, so their squared norms are summed over the EP group (each expert counted once).
+    sharded, so their squared norms are summed over the EP group (each expert counted once). Under
+    expert sharding (FSMoE §3) the hidden slices (w1/w3 columns, b1, w2 rows) differ on every ESP
+    member, so their squares are summed over the ESP group first, while `b2`, whole and identical on
+    every member, counts once. Expert-DP replicas hold the same gradients: never summed over them.
     """
+    sliced_ids = hidden_slice_parameters(model)
+    experts = [p for _, p in expert_parameters(model) if p.grad is not None]
     dense = [p.grad for _, p in dense_parameters(model) if p.grad is not None]
-    experts = [p.grad for _, p in expert_parameters(model) if p.grad is not None]
+    sliced = [p.grad for p in experts if id(p) in sliced_ids]
+    whole = [p.grad for p in experts if id(p) not in sliced_ids]
     device = next(model.parameters()).device
-    dense_sq = torch.nn.utils.get_total_norm(dense).float() ** 2 if dense else torch.zeros((), device=device)
-    expert_sq = torch.nn.utils.get_total_norm(experts).float() ** 2 if experts else torch.zeros((), device=device)
+
+    def squared(grads: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm(grads).float() ** 2 if grads else torch.zeros((), device=device)
+
+    dense_sq, sliced_sq, whole_sq = squared(dense), squared(sliced), squared(whole)
+    if layout.esp_size > 1:
+        dist.all_reduce(sliced_sq, group=layout.esp_group)
+    expert_sq = sliced_sq + whole_sq
     if layout.ep_size > 1:
         dist.all_reduce(expert_sq, group=layout.ep_group)
     total = (dense_sq + expert_sq).sqrt()

@@ -2,7 +2,10 @@
 cosine LR, sharded checkpoints, routing traces.
 
 Every rank is a data-parallel rank for the dense parameters (it trains on its own rows of the
-global batch) and owns num_experts / world_size experts of every MoE layer. Per step:
+global batch) and owns num_experts / ep_size experts of every MoE layer: the layout is
+`ParallelLayout(ep_size=world / moe.esp_size, esp_size=moe.esp_size)`, so with expert sharding
+(FSMoE §3) each of the `esp_size` consecutive ranks of a group holds a hidden slice of the same
+experts, and with `esp_size` 1 it is plain EP over all ranks. Per step:
 forward → loss = CE + Σ aux → backward → all_reduce_gradients (also each layer's balance state) →
 clip (global norm over dense + sharded expert gradients) → AdamW → LR schedule step. Rank 0 writes
 the routing trace; every rank writes its shard of each checkpoint. The loop around it is
@@ -61,8 +64,10 @@ def _grad_buckets(model, layout, cfg, cost_model, world_size: int):
     return GradBuckets(model, layout, partition_buckets(params, list(partition.layer_elements[::-1])))
 
 
-# Model-defining config sections: a checkpoint only resumes into a run with the same values.
+# Model-defining config sections: a checkpoint only resumes into a run with the same values,
+# except the layout keys (checkpoints hold full experts by global id, `training.expert_keys`).
 SHAPE_SECTIONS = ("model", "moe")
+LAYOUT_KEYS = {("moe", "esp_size")}
 
 
 def _rng_state() -> dict[str, Any]:
@@ -125,7 +130,8 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # identical full model on every rank before sharding
         cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None  # read once
         model = MoEGPT(cfg.model, cfg.moe, cost_model)
-        self.layout = ParallelLayout(ep_size=self.world_size)
+        esp_size = cfg.moe.esp_size
+        self.layout = ParallelLayout(ep_size=self.world_size // esp_size, esp_size=esp_size, d_hidden=cfg.moe.d_hidden)
         self.model = parallelize(model, self.layout).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.grad_buckets = _grad_buckets(self.model, self.layout, cfg, cost_model, self.world_size)
@@ -150,10 +156,11 @@ class Trainer:
         )
         self.step = 0  # completed optimizer steps
         self.skipped_steps = 0  # non-finite loss or gradient norm (train.on_nonfinite=skip), whole run
-        # Flows are global (identical on every rank): rank 0 alone records them.
+        # Flows are global (identical on every rank): rank 0 alone records them. With expert sharding
+        # they are those of rank 0's EP group (ESP index 0: 1 / esp_size of the batch; docs/training.md).
         tokens_per_rank = self.sampler.local_batch_size * cfg.model.seq_len
         self.trace = (
-            TraceRecorder(routing_meta(self.model, self.world_size, tokens_per_rank))
+            TraceRecorder(routing_meta(self.model, self.layout.ep_size, tokens_per_rank))
             if cfg.train.record_routing and self.rank == 0
             else None
         )
@@ -335,13 +342,16 @@ class Trainer:
         return path
 
     def resume(self, path: str | Path) -> None:
-        """Load a checkpoint (possibly written by a different number of ranks) and continue from it."""
+        """Load a checkpoint (possibly written by a different number of ranks or another `esp_size`)
+        and continue from it."""
         # Compare the model-defining config first: "moe.num_experts=8, this run has 4" is a clearer
         # message than the tensor-level mismatch the full load would report.
         saved = json.loads(checkpoint.load_extra(path, {"train": self._extra_state()["train"]})["train"]["config"])
         ours = {s: config_to_dict(self.cfg)[s] for s in SHAPE_SECTIONS}
         for section in SHAPE_SECTIONS:
             for key in sorted(set(saved[section]) | set(ours[section])):
+                if (section, key) in LAYOUT_KEYS:
+                    continue
                 if saved[section].get(key) != ours[section].get(key):
                     raise ValueError(
                         f"checkpoint {str(path)!r} has {section}.{key}="
