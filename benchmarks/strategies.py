@@ -167,7 +167,7 @@ def testbed_part(args) -> dict:
     raw = Path(args.out).with_suffix(".testbed.raw.json")
     bench = ["bench", "--suite", "--cost-model", str(profile), "--tokens", "2048", "--d-model", "256"]
     bench += ["--d-hidden", "1024", "--experts", "2", "--iterations", str(args.testbed_iterations)]
-    bench += ["--drift", str(args.testbed_drift), "--out", str(raw)]
+    bench += ["--warmup", str(args.testbed_warmup), "--drift", str(args.testbed_drift), "--out", str(raw)]
     on_testbed(bench, 2, 2, args.bandwidth_mbit, timeout_s=3600)
     rows = json.loads(raw.read_text())["rows"]
 
@@ -213,6 +213,12 @@ def main() -> int:
     parser.add_argument("--nonmoe-ms", type=float, default=2.0, help="simulator: dense forward of a block")
     parser.add_argument("--testbed-iterations", type=int, default=8, help="testbed: timed iterations per workload")
     parser.add_argument("--testbed-drift", type=int, default=4, help="testbed: iterations between moves")
+    parser.add_argument(
+        "--testbed-warmup",
+        type=int,
+        default=10,
+        help="testbed: untimed iterations per variant (covers schedule=auto's trials: 3 x 3 candidates)",
+    )
     parser.add_argument("--bandwidth-mbit", type=float, default=800.0, help="testbed: inter-node link")
     parser.add_argument("--profile", default="results/profile-testbed.json", help="testbed: its measured profile")
     args = parser.parse_args()

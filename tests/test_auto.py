@@ -13,7 +13,7 @@ from moeflow.core.registry import LayerContext
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.strategies import PLANNERS
-from moeflow.strategies.planners.auto import AutoOptions, fit_correction
+from moeflow.strategies.planners.auto import AutoOptions, fit_correction, layer_terms
 
 SHAPE = ExpertShape(8, 16)
 OWNERS = Placement.expert_parallel(4, 4)
@@ -57,16 +57,42 @@ def test_break_even_few_tokens_stay_ep():
 
 def test_online_correction_recovers_the_machine_scales():
     rng = np.random.default_rng(0)
-    compute, comm = rng.uniform(1e-3, 1e-2, 20), rng.uniform(1e-3, 1e-2, 20)
-    measured = 2.0 * compute + 0.5 * comm + 1e-3
-    assert fit_correction(zip(compute, comm, measured)) == pytest.approx((2.0, 0.5, 1e-3), rel=1e-6)
+    compute, exchange, copies = (rng.uniform(1e-3, 1e-2, 20) for _ in range(3))
+    measured = 2.0 * compute + 0.5 * exchange + 3.0 * copies + 1e-3
+    fitted = fit_correction(zip(compute, exchange, copies, measured))
+    assert fitted == pytest.approx((2.0, 0.5, 3.0, 1e-3), rel=1e-6)
+    # A term no forward exercised (EP alone ran: no copies) keeps the factor it had.
+    no_copies = fit_correction(zip(compute, exchange, 0 * copies, measured - 3.0 * copies), (1.0, 1.0, 7.0))
+    assert no_copies == pytest.approx((2.0, 0.5, 7.0, 1e-3), rel=1e-6)
     auto, cm = _auto(1e12, min_observations=2)
-    for _ in range(3):  # every forward measured twice as slow as predicted
+    for _ in range(4):  # every forward measured twice as slow as predicted
         auto(_skewed(), OWNERS, cm)
-        c, m = auto._pending
-        auto.observe_time(np.array([2.0 * (c + m), 0.5 * (c + m)]))
-    assert auto.model_error() == pytest.approx(0.0, abs=1e-9)
-    assert auto.scales[0] * c + auto.scales[1] * m + auto.scales[2] == pytest.approx(2.0 * (c + m))
+        c, x, p, _ = auto._pending
+        auto.observe_time(np.array([2.0 * (c + x + p), 0.5 * (c + x + p)]))
+    assert auto.model_error() == pytest.approx(0.0, abs=1e-9)  # out of sample: the last two forecasts
+    assert auto._fitted(c, x, p) == pytest.approx(2.0 * (c + x + p))
+
+
+@pytest.mark.parametrize("copies_factor, after", [(1.0, "shadow"), (3.0, "ep")])
+def test_copies_dearer_than_modelled_are_learnt_apart_from_the_exchanges(copies_factor, after):
+    """A machine where EP's terms are priced right and copies cost `copies_factor` × the model: the
+    arbiter, having chosen the copies on the model's word, returns to EP after one forward of them
+    when they cost 3× (and keeps them when the model was right). A single communication factor
+    learnt 'exchanges cost 3×' from the same forwards and kept the copies."""
+    shape = ExpertShape(8, 1024)
+    auto, cm = _auto(1e4, shape, candidates="ep,shadow", min_observations=2)
+    node_of, rng = cm.topology.node_of, np.random.default_rng(0)
+
+    def run(flow) -> str:
+        terms = layer_terms(flow, auto(flow, OWNERS, cm), cm, shape, node_of)
+        auto.observe_time(np.array([terms.compute / 3 + (terms.exchange + copies_factor * terms.copies) / 2]))
+        return auto.chosen
+
+    assert {run(rng.integers(5, 60, (4, 4))) for _ in range(6)} == {"ep"}  # mild loads: the fit learns EP
+    skewed = np.full((4, 4), 2)
+    skewed[:, 0] = 400
+    assert [run(skewed) for _ in range(4)] == ["shadow"] + [after] * 3
+    assert auto.scales[:3] == pytest.approx((1.0, 1.0, copies_factor), rel=1e-6)
 
 
 def test_options_name_the_bad_value():

@@ -90,6 +90,8 @@ def test_bench_variants_parse_and_name_the_bad_one():
         StrategyBenchConfig(variants=(Variant.parse("prophet:sync+prefetch"),))
     with pytest.raises(ValueError, match="trace_replay"):
         StrategyBenchConfig(trace_replay=True)
+    with pytest.raises(ValueError, match="warmup=-1"):
+        StrategyBenchConfig(warmup=-1)
     assert str(Variant.parse("ep:sync:hierarchical")) == "ep:sync:hierarchical"
     assert Variant.parse("ep:sync:a2a:bfloat16").wire_dtype == "bfloat16"
     assert str(Variant.parse("ep:sync:a2a:bfloat16")) == "ep:sync:a2a:bfloat16"

@@ -113,6 +113,8 @@ class StrategyBenchConfig:
         for name in ("tokens_per_rank", "d_model", "d_hidden", "experts_per_rank", "top_k", "iterations", "blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be >= 0")
         if self.drift_period < 0:
             raise ValueError(f"drift_period={self.drift_period} must be >= 0 (0: no drifting case)")
         if any(s < 0 for s in self.skews):

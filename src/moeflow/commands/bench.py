@@ -79,6 +79,13 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--suite", action="store_true", help="every strategy x schedule on the suite's workloads")
     parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed iterations first (strategy benchmark; schedule=auto tries its candidates in them, "
+        "3 forwards each)",
+    )
     parser.add_argument("--out", default=None, help="also write the result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(defaults={key: parser.get_default(key) for key in SUITE})  # --suite keeps explicit flags
@@ -150,6 +157,7 @@ def _strategy_result(args, world: int, outer: bool) -> dict | None:
         variants=variants,
         schedule_options=None if args.group_size is None else {"group_size": args.group_size},
         iterations=args.iterations,
+        warmup=args.warmup,
     )
     if outer:
         rows = _strategy_worker(cfg, args.cost_model)

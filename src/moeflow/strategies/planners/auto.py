@@ -21,11 +21,18 @@ the shadow planner needed a 5% margin for it). The layer times its own forward o
 sends that time with the next count exchange (one more row of the all-gather it runs anyway, no
 extra synchronisation), so every rank sees every rank's time and corrects identically. The
 arbiter pairs the slowest rank's forward time with what it had predicted for that forward —
-compute `fec` and communication `a2a/2 + trans` (two of the four exchanges, the copies out) — and
-fits measured ≈ s_comp·compute + s_comm·communication + c (non-negative least squares,
+compute `fec`, exchanges `a2a/2` (two of the four) and copies `trans` (the copies out) — and fits
+measured ≈ s_comp·compute + s_comm·exchanges + s_copy·copies + c (non-negative least squares,
 `scipy.optimize.nnls`, over the last `window` forwards; c: the layer's fixed cost, gate and sort).
-Candidates are then priced with s_comp and s_comm (backward as 2× compute and the other half of
-the traffic). Until `min_observations` forwards are in, s = 1.
+The copies get their own factor: they run on other collectives than the exchanges (point-to-point,
+broadcasts), and a fit that lumped them with the exchanges learnt, from a placement whose copies
+cost 3× the model, that EP's exchanges cost 3× too — and kept choosing the copies. A term that no
+forward of the window exercised (no copies since EP alone ran) keeps its last factor. Candidates
+are then priced with the factors (backward as 2× compute and the other half of the traffic). Until
+`min_observations` forwards are in, every factor is 1.
+
+Error. `model_error()` is out of sample: each forward's corrected prediction, made before it ran
+(the factors as they were), against what it then measured.
 
 `AutoDecision` (`planner.last`) records each candidate's corrected price, the choice and the
 model's current error; `MoEStats.strategy` names the planner chosen, per layer and step.
@@ -87,8 +94,8 @@ class AutoDecision:
     """Each candidate's corrected predicted time (forward + backward), plain EP included."""
     chosen: str
     """The planner whose placement ran."""
-    scales: tuple[float, float, float]
-    """(s_comp, s_comm, c) of the correction in use."""
+    scales: tuple[float, float, float, float]
+    """(s_comp, s_comm, s_copy, c) of the correction in use."""
     predicted_s: list[float] = field(default_factory=list)
     """[EP's price, the chosen one's]: for the bench's predicted speedup."""
 
@@ -121,13 +128,30 @@ def layer_terms(
     return LayerTerms(3.0 * t["fec"], float(t["a2a"]), float(copies), plan_SED)
 
 
-def fit_correction(observations) -> tuple[float, float, float]:
-    """(s_comp, s_comm, c) ≥ 0 with measured ≈ s_comp·compute + s_comm·comm + c, least squares over
-    the (compute, comm, measured) forwards (module docstring)."""
+class PendingForward(NamedTuple):
+    """What was predicted for the forward about to run, to pair with its measured time."""
+
+    compute: float
+    """Its share of the expert compute (one of three), uncorrected."""
+    exchange: float
+    """Its share of the exchanges (half), uncorrected."""
+    copies: float
+    """Its share of the copies (the copies out: half), uncorrected."""
+    forecast: float | None
+    """Its corrected forward time (None: fewer than `min_observations` forwards seen)."""
+
+
+def fit_correction(observations, previous=(1.0, 1.0, 1.0)) -> tuple[float, float, float, float]:
+    """(s_comp, s_comm, s_copy, c) ≥ 0 with measured ≈ s_comp·compute + s_comm·exchange +
+    s_copy·copies + c, least squares over the (compute, exchange, copies, measured) forwards; a term
+    that is zero in every forward keeps its `previous` factor (module docstring)."""
     obs = np.asarray(list(observations), dtype=np.float64)
-    A = np.column_stack([obs[:, 0], obs[:, 1], np.ones(len(obs))])
-    coef, _ = nnls(A, obs[:, 2])
-    return float(coef[0]), float(coef[1]), float(coef[2])
+    terms, measured = obs[:, :3], obs[:, 3]
+    seen = np.flatnonzero(np.any(terms != 0.0, axis=0))
+    coef, _ = nnls(np.column_stack([terms[:, seen], np.ones(len(obs))]), measured)
+    factors = np.asarray(previous, dtype=np.float64).copy()
+    factors[seen] = coef[:-1]
+    return (*map(float, factors), float(coef[-1]))
 
 
 class AutoPlanner:
@@ -141,11 +165,12 @@ class AutoPlanner:
         self.shape = shape
         self.options = options or AutoOptions()
         self.planners = planners
-        self.observations: deque[tuple[float, float, float]] = deque(maxlen=self.options.window)
-        self.scales = (1.0, 1.0, 0.0)
+        self.observations: deque[tuple[float, float, float, float]] = deque(maxlen=self.options.window)
+        self.scales = (1.0, 1.0, 1.0, 0.0)
         self.last: AutoDecision | None = None
         self.chosen: str | None = None
-        self._pending: tuple[float, float] | None = None  # the last forward's (compute, comm) predicted
+        self._pending: PendingForward | None = None
+        self.forecasts: deque[tuple[float, float]] = deque(maxlen=self.options.window)  # (forecast, measured)
         self.history: deque[np.ndarray] = deque(maxlen=3)  # flows seen: the predicted flow's window
         self._prefetched = False
         self.nonmoe_forward_s = 0.0  # measured by the prefetch
@@ -162,22 +187,27 @@ class AutoPlanner:
     def observe_time(self, forward_s_W: np.ndarray) -> None:
         """The previous forward's time on every rank (from the count exchange): one observation."""
         slowest = float(np.max(forward_s_W))
-        if self._pending is None or slowest <= 0:  # nothing predicted, or not timed (evaluation)
-            self._pending = None
+        pending, self._pending = self._pending, None
+        if pending is None or slowest <= 0:  # nothing predicted, or not timed (evaluation)
             return
-        self.observations.append((*self._pending, slowest))
-        self._pending = None
+        self.observations.append((*pending[:3], slowest))
+        if pending.forecast is not None:
+            self.forecasts.append((pending.forecast, slowest))
         if len(self.observations) >= self.options.min_observations:
-            self.scales = fit_correction(self.observations)
+            self.scales = fit_correction(self.observations, self.scales[:3])
+
+    def _fitted(self, compute: float, exchange: float, copies: float) -> float:
+        s_comp, s_comm, s_copy, c = self.scales
+        return s_comp * compute + s_comm * exchange + s_copy * copies + c
 
     def price(self, terms: LayerTerms) -> float:
         """Corrected forward + backward time of a placement. With `block_prices` (the layer runs
         `schedule="auto"`): the cheapest schedule's corrected block time, plus the copies."""
-        s_comp, s_comm, _ = self.scales
+        s_comp, s_comm, s_copy, _ = self.scales
         block_prices = getattr(self, "block_prices", None)  # absent on a planner unpickled on its own
         if block_prices is not None:
-            return min(block_prices(terms.plan_SED).values()) + s_comm * terms.copies
-        return s_comp * terms.compute + s_comm * (terms.exchange + terms.copies)
+            return min(block_prices(terms.plan_SED).values()) + s_copy * terms.copies
+        return s_comp * terms.compute + s_comm * terms.exchange + s_copy * terms.copies
 
     # ---- the block-wise prefetch's side (`core.prefetch.BlockPrefetch` sets these) -----------------
     @property
@@ -244,7 +274,9 @@ class AutoPlanner:
         chosen = terms[best]
         # Forward share: one expert compute of three; the dispatch and combine (half the exchanges),
         # the copies out (about half the copies' traffic).
-        self._pending = (chosen.compute / 3.0, (chosen.exchange + chosen.copies) / 2.0)
+        shares = (chosen.compute / 3.0, chosen.exchange / 2.0, chosen.copies / 2.0)
+        fitted = len(self.observations) >= self.options.min_observations
+        self._pending = PendingForward(*shares, self._fitted(*shares) if fitted else None)
         self.chosen = best
         self.last = AutoDecision(prices, best, self.scales, [prices["ep"], prices[best]])
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
@@ -252,10 +284,9 @@ class AutoPlanner:
         return proposals[best]
 
     def model_error(self) -> float | None:
-        """Mean relative error of the corrected forward predictions over the window (None: too few)."""
-        if len(self.observations) < self.options.min_observations:
+        """Mean relative error of the corrected forward predictions, each made before its forward ran,
+        over the window (None: fewer than `min_observations`)."""
+        if len(self.forecasts) < self.options.min_observations:
             return None
-        obs = np.asarray(self.observations)
-        s_comp, s_comm, c = self.scales
-        predicted = s_comp * obs[:, 0] + s_comm * obs[:, 1] + c
-        return float(np.mean(np.abs(predicted - obs[:, 2]) / obs[:, 2]))
+        forecast, measured = np.asarray(self.forecasts).T
+        return float(np.mean(np.abs(forecast - measured) / measured))
