@@ -13,11 +13,12 @@ pairwise and `auto` (the cheapest schedule per forward). The ceiling is plain EP
 routing with the same tokens: `share_of_ceiling` = (T_ep − T) / (T_ep − T_ceiling), the part of the
 possible gain a strategy reaches.
 
-Testbed: `moeflow bench --suite` on 2 nodes × 2 ranks behind an emulated 800 Mbit/s link (network
-namespaces and tc, `scripts/testbed.py`; needs root), with the testbed's own measured profile; every
-variant and the ceiling interleaved iteration by iteration. Reported beside each workload: the best
-single strategy, `auto`'s distance to it, and `auto`'s corrected cost model's error on the forwards
-it timed (MAPE per layer). Simulator: the same workloads at paper scale on a cluster preset (its cost
+Testbed: `moeflow bench --suite` on 2 nodes × 2 ranks (or × 1: `--testbed-ranks-per-node 1`)
+behind an emulated 800 Mbit/s link (network namespaces and tc, `scripts/testbed.py`; needs root),
+with the testbed's own measured profile; every variant and the ceiling interleaved iteration by
+iteration, after `--testbed-warmup` untimed ones. Reported beside each workload: the best single
+strategy, `auto`'s distance to it, and `auto`'s corrected cost model's error on the forwards it
+timed (MAPE per layer, out of sample). Simulator: the same workloads at paper scale on a cluster preset (its cost
 model is exact there, so `auto` has nothing to correct). Each part writes its plot next to the JSON.
 """
 
@@ -163,12 +164,14 @@ def testbed_part(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from testbed_run import ensure_profile, on_testbed
 
-    profile = ensure_profile(Path(args.profile), args.bandwidth_mbit)
+    rpn = args.testbed_ranks_per_node
+    default_profile = "results/profile-testbed.json" if rpn == 2 else f"results/profile-testbed-2x{rpn}.json"
+    profile = ensure_profile(Path(args.profile or default_profile), args.bandwidth_mbit, 2, rpn)
     raw = Path(args.out).with_suffix(".testbed.raw.json")
     bench = ["bench", "--suite", "--cost-model", str(profile), "--tokens", "2048", "--d-model", "256"]
     bench += ["--d-hidden", "1024", "--experts", "2", "--iterations", str(args.testbed_iterations)]
     bench += ["--warmup", str(args.testbed_warmup), "--drift", str(args.testbed_drift), "--out", str(raw)]
-    on_testbed(bench, 2, 2, args.bandwidth_mbit, timeout_s=3600)
+    on_testbed(bench, 2, rpn, args.bandwidth_mbit, timeout_s=3600)
     rows = json.loads(raw.read_text())["rows"]
 
     def label(r: dict) -> str:
@@ -182,6 +185,7 @@ def testbed_part(args) -> dict:
     errors = [r["auto_model_error"] for r in rows if "auto_model_error" in r]
     result = {
         "bandwidth_mbit": args.bandwidth_mbit,
+        "nodes_x_ranks": [2, rpn],
         "profile": str(profile),
         "rows": rows,
         "speedup_over_ep": speedups,
@@ -196,7 +200,7 @@ def testbed_part(args) -> dict:
     plot(
         {k: [speedups[w][k] for w in workloads_] for k in [*labels, "ceiling"]},
         workloads_,
-        f"moeflow strategies on the 2x2 testbed ({args.bandwidth_mbit:g} Mbit/s)",
+        f"moeflow strategies on the 2x{rpn} testbed ({args.bandwidth_mbit:g} Mbit/s)",
         Path(args.out).with_suffix(".testbed.png"),
     )
     return result
@@ -220,7 +224,16 @@ def main() -> int:
         help="testbed: untimed iterations per variant (covers schedule=auto's trials: 3 x 3 candidates)",
     )
     parser.add_argument("--bandwidth-mbit", type=float, default=800.0, help="testbed: inter-node link")
-    parser.add_argument("--profile", default="results/profile-testbed.json", help="testbed: its measured profile")
+    parser.add_argument(
+        "--testbed-ranks-per-node",
+        type=int,
+        default=2,
+        choices=(1, 2),
+        help="testbed: 2 nodes x this many ranks (1: no rank shares a core on a 2-core machine)",
+    )
+    parser.add_argument(
+        "--profile", default=None, help="testbed: its measured profile (default results/profile-testbed[-2xN].json)"
+    )
     args = parser.parse_args()
     result = {"command": " ".join(["python", *sys.argv])}
     if args.where in ("both", "simulator"):

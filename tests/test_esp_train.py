@@ -45,6 +45,9 @@ def test_bad_esp_size_is_refused_by_name(tmp_path, capsys):
         MoEConfig(esp_size=2, strategy="fssdp")
     cfg = load_config(None, ["moe.esp_size=2", "moe.num_experts=2", "train.global_batch_size=24"])
     cfg.validate_world_size(4)  # esp 2 × ep 2
+    cfg.validate_world_size(4, node_size=2)
+    with pytest.raises(ValueError, match="moe.esp_size=2 must divide the processes per node, 1"):
+        cfg.validate_world_size(4, node_size=1)
     with pytest.raises(ValueError, match="moe.esp_size=2 must divide the number of processes, 3"):
         cfg.validate_world_size(3)
     with pytest.raises(ValueError, match=r"4 expert-parallel ranks \(8 processes / moe.esp_size=2\) cannot share"):

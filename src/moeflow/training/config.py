@@ -325,12 +325,19 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def validate_world_size(self, world_size: int) -> None:
+    def validate_world_size(self, world_size: int, node_size: int | None = None) -> None:
         """Cross-field checks that depend on how many processes run: experts over the
-        `world_size / moe.esp_size` EP ranks, each ESP group of `moe.esp_size` ranks one EP rank."""
+        `world_size / moe.esp_size` EP ranks, each ESP group of `moe.esp_size` ranks one EP rank.
+        `node_size`: processes per node when known (the launcher's `LOCAL_WORLD_SIZE`)."""
         esp = self.moe.esp_size
         if world_size % esp:
             raise ValueError(f"moe.esp_size={esp} must divide the number of processes, {world_size}")
+        if node_size is not None and node_size % esp:
+            # An ESP group all-gathers and reduce-scatters every dispatched row: inside a node (FSMoE §3).
+            raise ValueError(
+                f"moe.esp_size={esp} must divide the processes per node, {node_size}: an expert-sharding group "
+                f"stays inside a node"
+            )
         ep_size = world_size // esp
         if self.moe.num_experts % ep_size:
             if esp == 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import pickle
 import random
 import types
@@ -122,7 +123,10 @@ class Trainer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
-        cfg.validate_world_size(self.world_size)
+        # The launcher's ranks per node (torchrun, the testbed); one process: none.
+        node_size = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+        node_size = node_size if self.distributed else None
+        cfg.validate_world_size(self.world_size, node_size)
         self.device = device or torch.device("cpu")
 
         # warn_only: an op without a deterministic kernel warns instead of stopping the run.
@@ -131,7 +135,9 @@ class Trainer:
         cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None  # read once
         model = MoEGPT(cfg.model, cfg.moe, cost_model)
         esp_size = cfg.moe.esp_size
-        self.layout = ParallelLayout(ep_size=self.world_size // esp_size, esp_size=esp_size, d_hidden=cfg.moe.d_hidden)
+        self.layout = ParallelLayout(
+            ep_size=self.world_size // esp_size, esp_size=esp_size, node_size=node_size, d_hidden=cfg.moe.d_hidden
+        )
         self.model = parallelize(model, self.layout).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.grad_buckets = _grad_buckets(self.model, self.layout, cfg, cost_model, self.world_size)
