@@ -143,3 +143,54 @@ def test_option_errors_name_the_option(options, named):
 @pytest.mark.parametrize("world", [2, 4])
 def test_fssdp_training_equals_ep_across_resharding(world):
     run_ranks(check_fssdp_equals_ep, world)
+
+
+@pytest.mark.parametrize("name", ["fssdp", "eplb"])
+def test_planning_thread_plans_what_inline_planning_plans(name):
+    """`planners.ahead`: the search for the next placement runs on the planning thread, on inputs
+    captured at submission (the prefetch's measurements change between calls); the placements and
+    decisions equal inline planning's, and a copy of a planner carries the finished plan."""
+    import copy
+
+    from moeflow.strategies.planners.eplb import EPLBPlanner
+
+    cls = FSSDPPlanner if name == "fssdp" else EPLBPlanner
+    threaded, inline = cls(SHAPE), cls(SHAPE, background=False)
+    owners, cm = Placement.expert_parallel(4, 4), _cm(1e9)
+    hot = np.full((4, 4), 2)
+    hot[:, 0] = 400
+    flows = [hot, hot[:, [1, 0, 2, 3]], np.full((4, 4), 30), hot]
+    for i, flow in enumerate(flows):
+        for planner in (threaded, inline):
+            planner.prefetched, planner.nonmoe_forward_s, planner.hidden_share = i % 2 == 1, 0.01, 0.5
+        assert threaded(flow, owners, cm) == inline(flow, owners, cm)
+    clone = copy.deepcopy(threaded)
+    assert clone.next_placement() == threaded.next_placement() == inline.next_placement()
+    assert not clone.next_placement().is_owners_only()
+    if name == "fssdp":
+        assert threaded.last.predicted_s == inline.last.predicted_s and threaded.last.accepted == inline.last.accepted
+    else:
+        assert threaded.predicted_s == inline.predicted_s
+
+
+def test_searches_deferred_start_when_the_block_ends():
+    """`searches_deferred`: a search submitted inside waits (the caller's pricing keeps the GIL),
+    starts on the planning thread at the block's end, and one asked for before then runs inline."""
+    import threading
+
+    from moeflow.strategies.planners.ahead import PlanAhead, searches_deferred
+
+    threads = []
+
+    def search(x):
+        threads.append(threading.current_thread().name)
+        return 2 * x
+
+    late, early = PlanAhead(), PlanAhead()
+    with searches_deferred():
+        late.submit(search, 1)
+        early.submit(search, 2)
+        with searches_deferred():  # nested: still the outer block's
+            assert threads == []
+        assert early.result() == 4 and threads == [threading.current_thread().name]
+    assert late.result() == 2 and threads[1].startswith("moeflow-plan")

@@ -14,7 +14,10 @@ of the planners that plan ahead (and EP), the cheapest on the predicted flow (th
 the measured share h), and offers it as `next_placement()`, which `core.prefetch.BlockPrefetch`
 sends ahead. At the next call that planned placement competes on the real flow, its copies priced
 as hidden, with every proposal for the current flow, copies on the critical path; if another wins,
-the prefetched copies are drained and the winner's are sent then.
+the prefetched copies are drained and the winner's are sent then. The choice after a call is made
+when the prefetch first asks for it (or at the next call): by then the planners' own searches
+for their next placements have run on the planning thread (`planners.ahead`), off the layer's
+critical path.
 
 Online correction. A planner's cost model misprices a machine systematically (on the 2 × 1 testbed
 the shadow planner needed a 5% margin for it). The layer times its own forward on every rank and
@@ -53,6 +56,7 @@ from scipy.optimize import nnls
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement, dispatch_counts
+from moeflow.strategies.planners.ahead import searches_deferred
 from moeflow.strategies.planners.prophet_model import overlapped_copies, placement_times
 
 CANDIDATES = ("ep", "shadow", "prophet", "eplb", "fssdp")
@@ -176,12 +180,15 @@ class AutoPlanner:
         self.nonmoe_forward_s = 0.0  # measured by the prefetch
         self.hidden_share = 0.0  # share of the prefetch windows that hid copies; 0 until measured
         self._planned: tuple[str, Placement] | None = None
+        self._plan_after: tuple[Placement, object] | None = None  # the call to plan ahead from, not yet done
         self.block_prices: Callable[[np.ndarray], dict[str, float]] | None = None
         """Set by the layer when its schedule is chosen too (`schedule="auto"`): the corrected block
         time of a dispatch plan under each schedule, so placement and schedule are chosen jointly."""
 
     def __getstate__(self) -> dict:
-        """Checkpointed without the layer's `block_prices` link (the resumed layer sets its own)."""
+        """Checkpointed without the layer's `block_prices` link (the resumed layer sets its own), its
+        planned-ahead choice made."""
+        self._resolve_planned()
         return {k: v for k, v in self.__dict__.items() if k != "block_prices"}
 
     def observe_time(self, forward_s_W: np.ndarray) -> None:
@@ -209,6 +216,22 @@ class AutoPlanner:
             return min(block_prices(terms.plan_SED).values()) + s_copy * terms.copies
         return s_comp * terms.compute + s_comm * terms.exchange + s_copy * terms.copies
 
+    def _priced(
+        self, flow_WE: np.ndarray, placements: dict[str, Placement], cost_model, hidden=None
+    ) -> dict[str, tuple[LayerTerms, float]]:
+        """Each placement's terms and corrected price on `flow_WE` (`layer_terms`, `price`). The
+        planners often propose the same placement (plain EP, most of all, on an even load): each
+        distinct one is priced once — pricing is on the layer's critical path."""
+        memo: dict[bytes, tuple[LayerTerms, float]] = {}
+        out = {}
+        for name, p in placements.items():
+            key = p.owner_E.tobytes() + p.holders_EW.tobytes()
+            if key not in memo:
+                t = layer_terms(flow_WE, p, cost_model, self.shape, cost_model.topology.node_of, hidden)
+                memo[key] = (t, self.price(t))
+            out[name] = memo[key]
+        return out
+
     # ---- the block-wise prefetch's side (`core.prefetch.BlockPrefetch` sets these) -----------------
     @property
     def prefetched(self) -> bool:
@@ -228,7 +251,18 @@ class AutoPlanner:
         return (self.nonmoe_forward_s, self.hidden_share) if self._prefetched else None
 
     def next_placement(self) -> Placement | None:
+        self._resolve_planned()
         return self._planned[1] if self._planned else None
+
+    def _resolve_planned(self) -> None:
+        """Make the planned-ahead choice of the last call, if not made yet. Deferred to the first
+        `next_placement()` (the prefetch asks during the block before the layer's next call) so that
+        the planners' searches for it have run on the planning thread meanwhile
+        (`planners.ahead`); every rank asks at the same point of the same iteration."""
+        if self._plan_after is not None:
+            placement, cost_model = self._plan_after
+            self._plan_after = None
+            self._plan_ahead(placement, cost_model)
 
     def _plan_ahead(self, placement: Placement, cost_model) -> None:
         """The cheapest of the planned-ahead placements on the predicted flow (module docstring)."""
@@ -238,17 +272,13 @@ class AutoPlanner:
         for planner in self._ahead():  # what the prefetch measured reaches the planners too
             planner.nonmoe_forward_s, planner.hidden_share = self.nonmoe_forward_s, self.hidden_share
         predicted = np.mean(np.stack(self.history), axis=0)
-        node_of = cost_model.topology.node_of
         options = {n: p.next_placement() for n, p in self.planners.items() if getattr(p, "plans_ahead", False)}
         options = {n: p for n, p in options.items() if p is not None and not p.is_owners_only()}
         if not options:
             return
         ep = Placement.owners_only(placement.owner_E, placement.world_size)
-        ep_price = self.price(layer_terms(predicted, ep, cost_model, self.shape, node_of))
-        prices = {
-            n: self.price(layer_terms(predicted, p, cost_model, self.shape, node_of, self._hidden()))
-            for n, p in options.items()
-        }
+        ep_price = self._priced(predicted, {"ep": ep}, cost_model)["ep"][1]
+        prices = {n: price for n, (_, price) in self._priced(predicted, options, cost_model, self._hidden()).items()}
         best = min(prices, key=prices.get)
         if prices[best] <= (1.0 - self.options.min_gain) * ep_price:
             self._planned = (best, options[best])
@@ -256,21 +286,23 @@ class AutoPlanner:
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
         if cost_model is None:
             raise ValueError("strategy='auto' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
-        node_of = cost_model.topology.node_of
+        self._resolve_planned()
         planned = (
             self._planned if self._planned and np.array_equal(self._planned[1].owner_E, placement.owner_E) else None
         )
-        proposals = {name: planner(flow_WE, placement, cost_model) for name, planner in self.planners.items()}
-        proposals.setdefault("ep", Placement.owners_only(placement.owner_E, placement.world_size))
-        terms = {name: layer_terms(flow_WE, p, cost_model, self.shape, node_of) for name, p in proposals.items()}
-        if planned is not None:  # sent ahead: its copies hidden as far as the prefetch hides them
-            name = f"{planned[0]}+prefetch"
-            proposals[name] = planned[1]
-            terms[name] = layer_terms(flow_WE, planned[1], cost_model, self.shape, node_of, self._hidden())
-        prices = {name: self.price(t) for name, t in terms.items()}
-        best = min(prices, key=lambda name: (prices[name], name != "ep"))
-        if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
-            best = "ep"
+        with searches_deferred():  # the planners' next searches wait until this one is priced
+            proposals = {name: planner(flow_WE, placement, cost_model) for name, planner in self.planners.items()}
+            proposals.setdefault("ep", Placement.owners_only(placement.owner_E, placement.world_size))
+            priced = self._priced(flow_WE, proposals, cost_model)
+            if planned is not None:  # sent ahead: its copies hidden as far as the prefetch hides them
+                name = f"{planned[0]}+prefetch"
+                proposals[name] = planned[1]
+                priced |= self._priced(flow_WE, {name: planned[1]}, cost_model, self._hidden())
+            terms = {name: t for name, (t, _) in priced.items()}
+            prices = {name: price for name, (_, price) in priced.items()}
+            best = min(prices, key=lambda name: (prices[name], name != "ep"))
+            if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
+                best = "ep"
         chosen = terms[best]
         # Forward share: one expert compute of three; the dispatch and combine (half the exchanges),
         # the copies out (about half the copies' traffic).
@@ -280,7 +312,7 @@ class AutoPlanner:
         self.chosen = best
         self.last = AutoDecision(prices, best, self.scales, [prices["ep"], prices[best]])
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
-        self._plan_ahead(placement, cost_model)
+        self._planned, self._plan_after = None, (placement, cost_model)
         return proposals[best]
 
     def model_error(self) -> float | None:

@@ -34,6 +34,7 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.strategies.planners.ahead import PlanAhead
 from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
 
 
@@ -101,13 +102,43 @@ def pack_copies(
     return placed
 
 
+def eplb_plan(
+    flow_WE: np.ndarray,
+    placement: Placement,
+    cost_model,
+    shape: ExpertShape,
+    redundant_slots: int,
+    pricing: ProphetOptions,
+    min_gain: float,
+) -> tuple[Placement, list[float]]:
+    """EPLB's copies for `flow_WE` (`replicate_experts`, `pack_copies`) and the best-priced prefix
+    of them (module docstring): none unless `min_gain` faster than the owners alone. Returns the
+    placement and every prefix's predicted time. Pure: runs on the planning thread."""
+    flow = np.asarray(flow_WE, dtype=np.float64)
+    world, load_E = placement.world_size, flow.sum(0)
+    node_of = cost_model.topology.node_of
+    copies = replicate_experts(load_E, world * redundant_slots)
+    placed = pack_copies(copies, load_E, placement.owner_E, world, redundant_slots, node_of)
+    base = Placement.owners_only(placement.owner_E, world)
+    candidates = [base]
+    for e, d in placed:
+        extra = candidates[-1].holders_EW.copy()
+        extra[e, d] = True
+        candidates.append(Placement(base.owner_E, extra))
+    predicted_s = [price_placement(flow, c, cost_model, shape, pricing, node_of) for c in candidates]
+    best = int(np.argmin(predicted_s))
+    if predicted_s[best] > (1.0 - min_gain) * predicted_s[0]:
+        best = 0
+    return candidates[best], predicted_s
+
+
 class EPLBPlanner:
     """`strategy="eplb"`: iteration j runs on the placement planned from the iterations < j."""
 
     needs_cost_model = True
     plans_ahead = True
 
-    def __init__(self, shape: ExpertShape, options: EPLBOptions | None = None):
+    def __init__(self, shape: ExpertShape, options: EPLBOptions | None = None, background: bool = True):
         self.shape = shape
         self.options = options or EPLBOptions()
         self.history: deque[np.ndarray] = deque(maxlen=self.options.window)
@@ -115,39 +146,35 @@ class EPLBPlanner:
         self.nonmoe_forward_s = 0.0
         self.hidden_share = 0.0
         self.predicted_s: list[float] = []
-        self._next: Placement | None = None
+        """The predicted times of the prefixes of the copies the running plan chose among."""
+        self._next = PlanAhead(background)  # (placement, predicted_s), planned off the critical path
 
-    def plan(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> Placement:
-        """EPLB's copies for `flow_WE`, the best-priced prefix (module docstring)."""
-        flow = np.asarray(flow_WE, dtype=np.float64)
-        world, load_E = placement.world_size, flow.sum(0)
-        node_of = cost_model.topology.node_of
-        copies = replicate_experts(load_E, world * self.options.redundant_slots)
-        placed = pack_copies(copies, load_E, placement.owner_E, world, self.options.redundant_slots, node_of)
-        base = Placement.owners_only(placement.owner_E, world)
-        candidates = [base]
-        for e, d in placed:
-            extra = candidates[-1].holders_EW.copy()
-            extra[e, d] = True
-            candidates.append(Placement(base.owner_E, extra))
+    def plan_inputs(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
+        """Everything `eplb_plan` runs on, read from the planner now."""
         pricing = ProphetOptions(
             overlap=self.prefetched, nonmoe_forward_s=self.nonmoe_forward_s, hidden_share=self.hidden_share
         )
-        self.predicted_s = [price_placement(flow, c, cost_model, self.shape, pricing, node_of) for c in candidates]
-        best = int(np.argmin(self.predicted_s))
-        if self.predicted_s[best] > (1.0 - self.options.min_gain) * self.predicted_s[0]:
-            best = 0
-        return candidates[best]
+        o = self.options
+        return (flow_WE, placement, cost_model, self.shape, o.redundant_slots, pricing, o.min_gain)
+
+    def plan(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> Placement:
+        """EPLB's copies for `flow_WE`, the best-priced prefix (`eplb_plan`), inline."""
+        placement, self.predicted_s = eplb_plan(*self.plan_inputs(flow_WE, placement, cost_model))
+        return placement
 
     def next_placement(self) -> Placement | None:
-        return self._next
+        plan = self._next.result()
+        if plan is None:
+            return None
+        placement, self.predicted_s = plan
+        return placement
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
         if cost_model is None:
             raise ValueError("strategy='eplb' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
-        planned = self._next
+        planned = self.next_placement()
         if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
             planned = Placement.owners_only(placement.owner_E, placement.world_size)
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
-        self._next = self.plan(np.mean(np.stack(self.history), axis=0), placement, cost_model)
+        self._next.submit(eplb_plan, *self.plan_inputs(np.mean(np.stack(self.history), axis=0), placement, cost_model))
         return planned

@@ -40,6 +40,7 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.strategies.planners.ahead import PlanAhead
 from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
 from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
 
@@ -122,7 +123,7 @@ class FSSDPPlanner:
     needs_cost_model = True
     plans_ahead = True
 
-    def __init__(self, shape: ExpertShape, options: FSSDPOptions | None = None):
+    def __init__(self, shape: ExpertShape, options: FSSDPOptions | None = None, background: bool = True):
         self.shape = shape
         self.options = options or FSSDPOptions()
         self.history: deque[np.ndarray] = deque(maxlen=self.options.window)
@@ -130,7 +131,7 @@ class FSSDPPlanner:
         self.nonmoe_forward_s = 0.0  # measured by the prefetch (agreed across ranks)
         self.hidden_share = 0.0  # share of the prefetch windows that hid copies; 0 until measured
         self.last: FSSDPDecision | None = None
-        self._next: Placement | None = None
+        self._next = PlanAhead(background)  # (placement, decision), planned off the critical path
 
     # ---- the numbers Algorithm 1 runs with ---------------------------------------------------------
     def estimate(self) -> np.ndarray:
@@ -167,27 +168,15 @@ class FSSDPPlanner:
         )
 
     # ---- planning ------------------------------------------------------------------------------------
+    def plan_inputs(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
+        """Everything `fssdp_plan` runs on, read from the planner now (a plan made on the planning
+        thread never reads the planner while it runs)."""
+        degrees = self.degrees(cost_model, placement.num_experts, placement.world_size)
+        return (flow_WE, placement, cost_model, self.shape, *degrees, self.pricing(), self.options.min_gain)
+
     def plan(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple[Placement, FSSDPDecision]:
-        """Algorithm 1 on `flow_WE`, then the best-priced prefix (module docstring, deviation 1)."""
-        flow = np.asarray(flow_WE, dtype=np.float64)
-        world, num_experts = placement.world_size, placement.num_experts
-        overlap, memory = self.degrees(cost_model, num_experts, world)
-        load_E, node_of = flow.sum(0), cost_model.topology.node_of
-        base = Placement.owners_only(placement.owner_E, world)
-        holders = sparse_materialization(load_E, placement.owner_E, world, node_of, overlap, memory)
-        copied = [e for e in np.argsort(-load_E, kind="stable") if holders[e].sum() > 1]
-        options = self.pricing()
-        candidates = [base]
-        for k in range(1, len(copied) + 1):
-            extra = np.zeros_like(holders)
-            extra[copied[:k]] = holders[copied[:k]]
-            candidates.append(base.with_holders(extra))
-        predicted = [price_placement(flow, c, cost_model, self.shape, options, node_of) for c in candidates]
-        best = int(np.argmin(predicted))
-        if predicted[best] > (1.0 - self.options.min_gain) * predicted[0]:
-            best = 0
-        decision = FSSDPDecision(overlap, memory, predicted, best, load_E=load_E)
-        return candidates[best], decision
+        """Algorithm 1 on `flow_WE`, then the best-priced prefix (`fssdp_plan`), inline."""
+        return fssdp_plan(*self.plan_inputs(flow_WE, placement, cost_model))
 
     def calibrate(self, flow_WE: np.ndarray, planned: Placement, cost_model) -> Placement:
         """§4.2's calibration on the real flow (module docstring, deviation 3)."""
@@ -210,27 +199,62 @@ class FSSDPPlanner:
 
     def owners_changed(self, placement: Placement, cost_model) -> None:
         """The shards moved (`core.resharding`): plan the next iteration on the new owners."""
-        self._next = self.plan(self.estimate(), placement, cost_model)[0] if self.history else None
+        self._next.set(self.plan(self.estimate(), placement, cost_model) if self.history else None)
 
     def next_placement(self) -> Placement | None:
         """The placement the next call will run (None before the first flow was seen)."""
-        return self._next
+        plan = self._next.result()
+        if plan is None:
+            return None
+        placement, self.last = plan
+        return placement
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
         if cost_model is None:
             raise ValueError("strategy='fssdp' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
-        planned = self._next
+        planned = self.next_placement()
         if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
             planned = Placement.owners_only(placement.owner_E, placement.world_size)  # first call, or re-sharded
         if self.options.calibrate:
             planned = self.calibrate(flow_WE, planned, cost_model)
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
-        self._next, self.last = self.plan(self.estimate(), placement, cost_model)
+        self._next.submit(fssdp_plan, *self.plan_inputs(self.estimate(), placement, cost_model))
         return planned
 
     def expert_load(self) -> np.ndarray | None:
         """Estimated tokens per expert `[E]` (the window's mean), for Algorithm 2; None if unseen."""
         return self.estimate().sum(0) if self.history else None
+
+
+def fssdp_plan(
+    flow_WE: np.ndarray,
+    placement: Placement,
+    cost_model,
+    shape: ExpertShape,
+    overlap: int,
+    memory: int,
+    pricing: ProphetOptions,
+    min_gain: float,
+) -> tuple[Placement, FSSDPDecision]:
+    """Algorithm 1 on `flow_WE` with overlap degree t = `overlap` and memory m = `memory`, then the
+    best-priced prefix of its copies, heaviest expert first (module docstring, deviation 1): none
+    unless `min_gain` faster than the owners alone. Pure: runs on the planning thread."""
+    flow = np.asarray(flow_WE, dtype=np.float64)
+    world = placement.world_size
+    load_E, node_of = flow.sum(0), cost_model.topology.node_of
+    base = Placement.owners_only(placement.owner_E, world)
+    holders = sparse_materialization(load_E, placement.owner_E, world, node_of, overlap, memory)
+    copied = [e for e in np.argsort(-load_E, kind="stable") if holders[e].sum() > 1]
+    candidates = [base]
+    for k in range(1, len(copied) + 1):
+        extra = np.zeros_like(holders)
+        extra[copied[:k]] = holders[copied[:k]]
+        candidates.append(base.with_holders(extra))
+    predicted = [price_placement(flow, c, cost_model, shape, pricing, node_of) for c in candidates]
+    best = int(np.argmin(predicted))
+    if predicted[best] > (1.0 - min_gain) * predicted[0]:
+        best = 0
+    return candidates[best], FSSDPDecision(overlap, memory, predicted, best, load_E=load_E)
 
 
 def plan_resharding(planners, cost_model, world: int, node_of, step: int) -> np.ndarray | None:

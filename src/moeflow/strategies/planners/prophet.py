@@ -35,9 +35,7 @@ Shape suffixes: W devices (ranks of the expert-parallel group), E experts; S sou
 
 from __future__ import annotations
 
-import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -46,6 +44,7 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement, dispatch_counts
+from moeflow.strategies.planners.ahead import PlanAhead
 from moeflow.strategies.planners.prophet_model import overlapped_copies, placement_times, prophet_layer_times
 
 PREDICTORS = ("last", "mean")
@@ -194,20 +193,6 @@ def _relief(flow_WE, holders_EW, load_EW, H_W, owner_E) -> tuple[int, list[int]]
     return None
 
 
-_PLANNING = None
-_PLANNING_LOCK = threading.Lock()
-
-
-def _planning_pool() -> ThreadPoolExecutor:
-    """One background thread per process for all planners: Plan overlaps the layer's exchanges
-    (gloo and numpy release the GIL while they wait or compute)."""
-    global _PLANNING
-    with _PLANNING_LOCK:
-        if _PLANNING is None:
-            _PLANNING = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeflow-plan")
-        return _PLANNING
-
-
 class ProphetPlanner:
     """`strategy="prophet"`: runs iteration j on the placement planned from iterations < j."""
 
@@ -217,14 +202,13 @@ class ProphetPlanner:
     def __init__(self, shape: ExpertShape, options: ProphetOptions | None = None, background: bool = True):
         self.shape = shape
         self.options = options or ProphetOptions()
-        self.background = background
         self.history: deque[np.ndarray] = deque(maxlen=self.options.window)
         self.calls = 0
         self.prefetched = False  # set by `core.prefetch.BlockPrefetch`: copies are hidden (Eq. 8)
         self.nonmoe_forward_s = 0.0  # T_FNEC measured by the prefetch (agreed across ranks)
         self.hidden_share = 0.0  # what the prefetch measured to hide; nothing until measured
         self.last: ProphetDecision | None = None
-        self._next: Future | Placement | None = None
+        self._next = PlanAhead(background)  # (placement, decision), planned off the critical path
 
     def predict(self) -> np.ndarray:
         """The next iteration's flow from the history (module docstring)."""
@@ -234,10 +218,11 @@ class ProphetPlanner:
 
     def next_placement(self) -> Placement | None:
         """The placement the next call will return (None before the first flow was seen)."""
-        if isinstance(self._next, Future):
-            placement, self.last = self._next.result()
-            self._next = placement
-        return self._next
+        plan = self._next.result()
+        if plan is None:
+            return None
+        placement, self.last = plan
+        return placement
 
     def search_options(self) -> ProphetOptions:
         """The options Algorithm 1 runs with: under the block-wise prefetch, copies priced as Eq. 8
@@ -258,16 +243,7 @@ class ProphetPlanner:
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
         self.calls += 1
         if (self.calls - 1) % self.options.plan_interval == 0:
-            args = (self.predict(), placement, cost_model, self.shape, self.search_options())
-            if self.background:
-                self._next = _planning_pool().submit(prophet_search, *args)
-            else:
-                self._next, self.last = prophet_search(*args)
+            self._next.submit(prophet_search, self.predict(), placement, cost_model, self.shape, self.search_options())
         else:
-            self._next = planned  # between re-plans the last plan stands
+            self._next.set((planned, self.last))  # between re-plans the last plan stands
         return planned
-
-    def __getstate__(self) -> dict:
-        """Copies (deepcopy, pickling) carry the finished plan, never the pending future."""
-        self.next_placement()
-        return dict(self.__dict__)

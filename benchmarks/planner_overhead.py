@@ -1,0 +1,106 @@
+"""Time each planner spends on the layer's critical path per call, planning inline vs on the planning
+thread (`strategies/planners/ahead.py`), side by side (docs/benchmarks.md, "Planning off the
+critical path").
+
+    .venv/bin/python benchmarks/planner_overhead.py --out results/planner_overhead.json
+
+A call is what the layer waits for between its count exchange and its dispatch: the planner's
+`__call__` on the real flow, plus, for `auto` under the block-wise prefetch, its planned-ahead
+choice (`next_placement()`, which the prefetch asks for during the block before the next call).
+After each call the script sleeps `--gap-ms` (the layer's exchanges and experts, the block before:
+they release the GIL), so a search on the planning thread has that long to finish. Flows:
+Dirichlet(1) loads per source rank, 4096 tokens, seeded; priced on two cluster presets (Pro-Prophet's
+LPWNV, 8 GPUs; FasterMoE's johnny, 16 GPUs), 2 experts per GPU, d = 256, h = 1024. Modes
+alternate call by call (each planner object keeps its own state); medians over `--calls` calls
+after 5 warm-up calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import Placement
+from moeflow.core.registry import LayerContext
+from moeflow.perf.costmodel import CostModel
+from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
+
+CLUSTERS = {"prophet_lpwnv": 2, "johnny": 2}
+"""Cluster presets (moeflow.perf.topology_presets) and experts per device."""
+PLANNER_NAMES = ("shadow", "prophet", "eplb", "fssdp", "auto")
+
+
+def _build(name: str, ctx: LayerContext, background: bool):
+    planner = PLANNERS.build(name, ctx, {})
+    inner = getattr(planner, "planners", {}).values() if name == "auto" else [planner]
+    for p in inner:
+        if hasattr(p, "_next"):
+            p._next.background = background
+    if name == "auto":  # as in a layer with schedule="auto" and the prefetch
+        schedule = SCHEDULES.build("auto", ctx, {})
+        dispatcher = DISPATCHERS.build("a2a", ctx, {})
+        planner.block_prices = lambda plan: schedule.block_prices(plan, None, dispatcher)
+        planner.prefetched, planner.nonmoe_forward_s, planner.hidden_share = True, 0.01, 0.5
+    return planner
+
+
+def measure(cluster: str, calls: int, gap_s: float, seed: int = 0) -> dict:
+    cost_model = CostModel.resolve(cluster)
+    world = cost_model.topology.num_devices
+    experts = CLUSTERS[cluster] * world
+    ctx = LayerContext(experts // world, 2, ExpertShape(256, 1024), cost_model)
+    owners = Placement.expert_parallel(experts, world)
+    rng = np.random.default_rng(seed)
+    flows = [
+        np.stack([rng.multinomial(4096, rng.dirichlet(np.ones(experts))) for _ in range(world)])
+        for _ in range(calls + 5)
+    ]
+    out = {}
+    for name in PLANNER_NAMES:
+        planners = {"inline": _build(name, ctx, False), "thread": _build(name, ctx, True)}
+        spent: dict[str, list[float]] = {mode: [] for mode in planners}
+        for flow in flows:
+            for mode, planner in planners.items():
+                start = time.perf_counter()
+                planner(flow, owners, cost_model)
+                spent[mode].append(time.perf_counter() - start)
+                time.sleep(gap_s)  # the layer's exchanges and experts; then the block before the next call
+                if name == "auto":  # where the prefetch asks for the planned-ahead choice
+                    start = time.perf_counter()
+                    planner.next_placement()
+                    spent[mode][-1] += time.perf_counter() - start
+        med = {mode: float(np.median(v[5:])) for mode, v in spent.items()}
+        out[name] = {
+            "inline_ms": 1e3 * med["inline"],
+            "thread_ms": 1e3 * med["thread"],
+            "inline/thread": med["inline"] / med["thread"],
+        }
+        print(f"{cluster} {name:8s} inline {out[name]['inline_ms']:6.2f} ms  thread {out[name]['thread_ms']:6.2f} ms")
+    return {"world": world, "experts": experts, "planners": out}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/planner_overhead.json")
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--gap-ms", type=float, default=30.0)
+    args = parser.parse_args()
+    result = {
+        "command": " ".join(["python", *sys.argv]),
+        "gap_ms": args.gap_ms,
+        "clusters": {c: measure(c, args.calls, args.gap_ms / 1e3) for c in CLUSTERS},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
