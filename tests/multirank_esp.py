@@ -1,6 +1,7 @@
 """Expert sharding (ESP, FSMoE §3) under real gloo collectives (run inside tests/test_esp.py's
 spawn): DP × EP × ESP layouts give the single-process layer's outputs, input gradients, every
-parameter gradient (the hidden slice of it) and one AdamW step."""
+parameter gradient (the hidden slice of it) and one AdamW step — under `sync`, and under the
+pipelined (forward and backward degrees differing) and pairwise schedules."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ def _expected_slice(name: str, full: torch.Tensor, layout: ParallelLayout, per_r
     return rows
 
 
-def check_layout(rank: int, world: int, ep_size: int, esp_size: int, expert: str, seed: int) -> None:
+def check_layout(
+    rank: int, world: int, ep_size: int, esp_size: int, expert: str, seed: int, schedule: str = "sync", options=None
+) -> None:
     layout = ParallelLayout(ep_size=ep_size, esp_size=esp_size, d_hidden=H)
     num_experts = 2 * ep_size
     per_rank = num_experts // ep_size
     torch.manual_seed(seed)
-    ref = MoELayer(D, H, num_experts, top_k=2, expert=expert)
+    ref = MoELayer(D, H, num_experts, top_k=2, expert=expert, schedule=schedule, schedule_options=options)
     with torch.no_grad():  # non-zero biases, so that b1/b2 slicing is visible
         for name, p in ref.experts.named_parameters():
             if name.startswith("b"):
@@ -90,4 +93,8 @@ def esp_body(rank: int, world: int) -> None:
     for i, (ep_size, esp_size) in enumerate(layouts):
         for expert in ("ffn", "swiglu"):
             check_layout(rank, world, ep_size, esp_size, expert, seed=10 + i)
+    # The other schedules over sharded experts: each chunk's experts run over the ESP group.
+    ep_size = world // 2
+    check_layout(rank, world, ep_size, 2, "ffn", 20, "pipeline", {"forward_degree": 2, "backward_degree": 3})
+    check_layout(rank, world, ep_size, 2, "swiglu", 21, "pairwise")
     check_bad_input(rank, world)
