@@ -3,6 +3,7 @@
 moeflow simulate --cluster trevor --trace zipf --iterations 1000 --d-model 1024
 moeflow simulate --cluster johnny --trace smartmoe --strategy ep,shadow --balance ta_moe --json
 moeflow simulate --cluster results/profile.json --trace runs/demo/routing.npz --option schedule.group_size=1
+moeflow simulate --cluster fsmoe_a --trace zipf --strategy ep --schedule sync --degrees 1,2,4,8,auto
 """
 
 from __future__ import annotations
@@ -14,7 +15,31 @@ def add_arguments(parser):
     from moeflow.perf.workload import add_workload_arguments
 
     add_workload_arguments(parser)
+    parser.add_argument(
+        "--degrees",
+        default=None,
+        help="also the pipelined schedule at each of these degrees (comma list of integers and 'auto', "
+        "e.g. 1,2,4,8,auto): one row per strategy and degree, schedule 'pipe/r=R' ('pipe/auto')",
+    )
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+
+
+def degree_sweep(trace, cost_model, layer, strategies, degrees: str) -> list:
+    """`simulate` of `schedule="pipeline"` at every degree of the comma list `degrees` (the layer's
+    other schedule options kept), each result's schedule renamed `pipe/r=R` or `pipe/auto`."""
+    from dataclasses import replace
+
+    from moeflow.perf.simulator import simulate
+
+    out = []
+    for item in [d.strip() for d in degrees.split(",") if d.strip()]:
+        if item != "auto" and not (item.isdigit() and int(item) >= 1):
+            raise ValueError(f"--degrees: {item!r} is not an integer >= 1 nor 'auto'")
+        options = {**layer.options, "schedule": {**layer.options.get("schedule", {}), "degree": item}}
+        for r in simulate(trace, cost_model, replace(layer, options=options), strategies, ["pipeline"]):
+            r.schedule = "pipe/auto" if item == "auto" else f"pipe/r={item}"
+            out.append(r)
+    return out
 
 
 def run(args) -> int:
@@ -27,6 +52,11 @@ def run(args) -> int:
     trace, cost_model, layer, strategies, schedules = workload_from_args(args)
     t0 = time.perf_counter()
     results = simulate(trace, cost_model, layer, strategies, schedules)
+    if args.degrees:
+        try:
+            results += degree_sweep(trace, cost_model, layer, strategies, args.degrees)
+        except ValueError as exc:
+            raise SystemExit(f"moeflow simulate: error: {exc}") from None
     elapsed = time.perf_counter() - t0
     I, L, W, E = trace.flow.shape
     header = {
