@@ -36,14 +36,8 @@ import numpy as np
 
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.grad_partition import partition_gradients
-from moeflow.perf.pipeline_degree import (
-    PipelineFits,
-    PipelineWorkload,
-    case_at,
-    find_degree,
-    pass_model,
-    priced_time,
-)
+from moeflow.perf.pipeline_degree import case_at, find_degree, pass_model, priced_time
+from moeflow.perf.pipeline_inputs import PipelineFits, PipelineWorkload
 
 FIXED = (1, 2, 4, 8)
 PUBLISHED = {"fsmoe_a": 1.18, "fsmoe_b": 1.22}  # FSMoE Table 5, FSMoE over Tutel (w/ PipeMoE)

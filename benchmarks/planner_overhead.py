@@ -40,8 +40,8 @@ def _build(name: str, ctx: LayerContext, background: bool):
     planner = PLANNERS.build(name, ctx, {})
     inner = getattr(planner, "planners", {}).values() if name == "auto" else [planner]
     for p in inner:
-        if hasattr(p, "_next"):
-            p._next.background = background
+        if hasattr(p, "next_plan"):
+            p.next_plan.background = background
     if name == "auto":  # as in a layer with schedule="auto" and the prefetch
         schedule = SCHEDULES.build("auto", ctx, {})
         dispatcher = DISPATCHERS.build("a2a", ctx, {})

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from moeflow.core.expert_sharding import hidden_axis
 from moeflow.core.experts import GroupedExperts
-from moeflow.training.config import load_config
+from moeflow.training.config_files import load_config
 from moeflow.training.data import load_corpus
 from moeflow.training.trainer import Trainer
 

@@ -18,7 +18,8 @@ import torch
 from moeflow import cli
 from moeflow.perf.traces import load_trace
 from moeflow.training import checkpoint
-from moeflow.training.config import ModelConfig, MoEConfig, load_config
+from moeflow.training.config import ModelConfig, MoEConfig
+from moeflow.training.config_files import load_config
 from moeflow.training.model import MoEGPT
 from moeflow.training.trainer import Trainer
 

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moeflow.training.config import (
-    ModelConfig,
-    MoEConfig,
-    RunConfig,
-    TrainConfig,
-    apply_overrides,
-    config_from_dict,
-    load_config,
-    write_config,
-)
+from moeflow.training.config import ModelConfig, MoEConfig, RunConfig, TrainConfig
+from moeflow.training.config_files import apply_overrides, config_from_dict, load_config, write_config
 
 
 def test_defaults_and_repo_configs_load():

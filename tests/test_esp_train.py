@@ -13,7 +13,8 @@ import torch
 
 from moeflow import cli
 from moeflow.training import checkpoint
-from moeflow.training.config import MoEConfig, load_config
+from moeflow.training.config import MoEConfig
+from moeflow.training.config_files import load_config
 from moeflow.training.model import MoEGPT
 
 from .multirank import run_ranks

@@ -11,8 +11,6 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.perf.grad_partition import partition_gradients, step1
 from moeflow.perf.pipeline_degree import (
     PassModel,
-    PipelineFits,
-    PipelineWorkload,
     best_candidate_time_ms,
     candidate_degrees,
     case_at,
@@ -24,6 +22,7 @@ from moeflow.perf.pipeline_degree import (
     predicate_margins,
     priced_time,
 )
+from moeflow.perf.pipeline_inputs import PipelineFits, PipelineWorkload
 
 # The published tool's constants (order a2a, ag, gemm, rs, ar) and its example model.
 ALPHA = [0.23515350484, 0.0549, 0.59194353200, 0.0688, 0.34099276392]

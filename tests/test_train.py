@@ -15,7 +15,7 @@ import torch
 
 from moeflow import cli
 from moeflow.perf.traces import TraceRecorder, load_trace
-from moeflow.training.config import load_config
+from moeflow.training.config_files import load_config
 from moeflow.training.optim import clip_gradients, lr_factor
 from moeflow.training.trainer import Trainer
 

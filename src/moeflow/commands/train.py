@@ -55,7 +55,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from moeflow.training.config import load_config
+    from moeflow.training.config_files import load_config
     from moeflow.training.entry import launch
     from moeflow.training.run_dir import format_summary
 

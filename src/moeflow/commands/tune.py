@@ -49,7 +49,7 @@ def add_arguments(parser):
 
 def _workload(args):
     from moeflow.core.checks import finite_number, positive_int
-    from moeflow.perf.pipeline_degree import PipelineWorkload
+    from moeflow.perf.pipeline_inputs import PipelineWorkload
 
     for flag in ("batch", "seq", "d_model", "d_hidden", "gemms", "esp", "layers"):
         positive_int("--" + flag.replace("_", "-"), getattr(args, flag))
@@ -78,7 +78,7 @@ def _workload(args):
 
 def _fits(args, workload):
     from moeflow.perf.costmodel import CostModel
-    from moeflow.perf.pipeline_degree import FIT_ORDER, PipelineFits
+    from moeflow.perf.pipeline_inputs import FIT_ORDER, PipelineFits
 
     explicit = args.alpha_ms is not None or args.beta_ms is not None
     if (args.cost_model is not None) == explicit:

@@ -16,6 +16,7 @@ import typing
 from typing import Any, Literal
 
 import numpy as np
+import torch
 
 
 def positive_int(name: str, value: Any, minimum: int = 1) -> int:
@@ -26,6 +27,19 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
         bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name}={value!r} must be {bound}")
     return int(value)
+
+
+def check_layer_input(x: Any, d_model: int, check_finite: bool) -> None:
+    """A `MoELayer` input: a floating-point tensor whose last dimension is `d_model` (finite, with
+    `check_finite`)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"MoELayer input must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"MoELayer input dtype={x.dtype} must be floating point")
+    if x.dim() == 0 or x.shape[-1] != d_model:
+        raise ValueError(f"MoELayer input shape {tuple(x.shape)}: last dim must be d_model={d_model}")
+    if check_finite and not torch.isfinite(x).all():
+        raise ValueError("MoELayer input contains NaN or Inf (check_finite=True)")
 
 
 def finite_number(

@@ -99,6 +99,19 @@ def wire_hooks(dtype_name: str) -> tuple[MoEHook, MoEHook]:
     return restore, _WireCompress(WIRE_DTYPES[dtype_name], restore)
 
 
+def layer_hooks(hooks: Sequence[object] | None, dispatch_dtype: str | None) -> list[object]:
+    """A layer's hooks in running order: each checked to implement some hook point, and with a
+    `dispatch_dtype` the wire pair around them (`wire_hooks`)."""
+    hooks = list(hooks or [])
+    for hook in hooks:
+        if not any(hasattr(hook, point) for point in HOOK_POINTS):
+            raise TypeError(f"hooks entry {hook!r} implements none of {list(HOOK_POINTS)}")
+    if dispatch_dtype is None:
+        return hooks
+    restore, compress = wire_hooks(dispatch_dtype)
+    return [restore, *hooks, compress]
+
+
 class Mark(torch.autograd.Function):
     """Identity; runs `on_forward()` in forward and `on_backward()` when its gradient arrives (the
     block-wise prefetch posts and waits transfers at such points; `schedule="auto"` times the

@@ -29,15 +29,15 @@ import torch.distributed as dist
 from torch import nn
 
 from moeflow.core import dispatch
-from moeflow.core.checks import finite_number, positive_int
+from moeflow.core.checks import check_layer_input, finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.expert_sharding import sharded_compute
 from moeflow.core.experts import GroupedExperts
-from moeflow.core.hooks import HOOK_POINTS, WIRE_DTYPES, MoEHook, run_hooks, wire_hooks
-from moeflow.core.placement import Placement, cross_node_share, dispatch_counts
+from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
+from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.core.prefetch import BlockPrefetch
 from moeflow.core.registry import LayerContext
-from moeflow.core.rematerialize import held_bytes, release_after_forward
+from moeflow.core.rematerialize import release_held
 from moeflow.core.sparse_collectives import materialize
 from moeflow.core.stats import MoEStats
 from moeflow.routing import BALANCES, GATES, check_balance_fits_gate, default_balance, routing_kind
@@ -64,9 +64,10 @@ class MoELayer(nn.Module):
             and rank, first choices before second, then earlier tokens (token choice); expert choice
             takes C = ceil(c·k·T/E) tokens per expert (c = 1 when None); slots never drop.
         group: expert-parallel process group (None: single process); see `to_expert_parallel`.
-        strategy: a name of `moeflow.strategies.PLANNERS` (`ep`, `shadow`, `shadow_greedy`) or a
-            callable `(flow_WE, placement, cost_model) -> Placement`.
-        schedule: a name of `moeflow.strategies.SCHEDULES` (`sync`, `pairwise`) or a `Schedule`.
+        strategy: a name of `moeflow.strategies.PLANNERS` (`ep`, `shadow`, `prophet`, `eplb`, `fssdp`,
+            `auto`, ...) or a callable `(flow_WE, placement, cost_model) -> Placement`.
+        schedule: a name of `moeflow.strategies.SCHEDULES` (`sync`, `pairwise`, `pipeline`, `auto`)
+            or a `Schedule`.
         dispatch: a name of `moeflow.strategies.DISPATCHERS` (`a2a`) or a dispatcher object.
         balance: a name of `moeflow.routing.BALANCES` (`gshard`, `aux_free`, `ta_moe`, `none`) or a
             balance module; None: the gate's default (`gshard` for token choice, `none` for expert
@@ -147,14 +148,8 @@ class MoELayer(nn.Module):
             dispatch=(dispatch, dispatch_options),
         )
         self.experts = GroupedExperts(num_experts, d_model, d_hidden, kind=expert)
-        self.hooks = list(hooks or [])
-        for hook in self.hooks:
-            if not any(hasattr(hook, point) for point in HOOK_POINTS):
-                raise TypeError(f"hooks entry {hook!r} implements none of {list(HOOK_POINTS)}")
+        self.hooks = layer_hooks(hooks, dispatch_dtype)
         self.dispatch_dtype = dispatch_dtype
-        if dispatch_dtype is not None:
-            restore, compress = wire_hooks(dispatch_dtype)
-            self.hooks = [restore, *self.hooks, compress]
         self.cost_model = cost_model
         self._node_of_arg = None if node_of is None else list(node_of)
         self._calls = 0  # forward calls: part of the pairwise schedule's message tags
@@ -237,16 +232,6 @@ class MoELayer(nn.Module):
         self.node_of = self._node_of_arg if self._node_of_arg is not None else topology_node_of
 
     # ---- forward -----------------------------------------------------------------------------
-    def _validate_input(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"MoELayer input must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"MoELayer input dtype={x.dtype} must be floating point")
-        if x.dim() == 0 or x.shape[-1] != self.d_model:
-            raise ValueError(f"MoELayer input shape {tuple(x.shape)}: last dim must be d_model={self.d_model}")
-        if self.check_finite and not torch.isfinite(x).all():
-            raise ValueError("MoELayer input contains NaN or Inf (check_finite=True)")
-
     def _balance_active(self) -> bool:
         """A topology-aware balance term (TA-MoE: bias and state belong to its loss term and to the
         cluster) acts only with its loss on and the cluster known."""
@@ -271,7 +256,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
-        self._validate_input(x)
+        check_layer_input(x, self.d_model, self.check_finite)
         if self.cluster_mismatch:
             self._notice_mismatch()
         x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
@@ -361,17 +346,17 @@ class MoELayer(nn.Module):
     def _record(self, block, flow_WE, choices_WE, plan_SED, placement, dropped, redirected, me) -> None:
         """`stats` of this forward; in training, the expert choices for the step's balance update."""
         wire = WIRE_DTYPES[self.dispatch_dtype] if self.dispatch_dtype else block.x_sent_AD.dtype
-        row_bytes = wire.itemsize * self.d_model  # bytes on the wire
-        bytes_sent = torch.tensor(block.send_splits, dtype=torch.int64).index_fill(0, torch.tensor(me), 0) * row_bytes
-        self.stats = MoEStats(
-            flow=torch.from_numpy(flow_WE),
-            choices=torch.from_numpy(choices_WE),
-            device_loads=torch.from_numpy(plan_SED.sum((0, 1))),
+        self.stats = MoEStats.of_forward(
+            flow_WE,
+            choices_WE,
+            plan_SED,
+            block.send_splits,
+            me,
+            wire.itemsize * self.d_model,  # bytes of a row on the wire
+            self.node_of,
             dropped=dropped,
-            bytes_sent=bytes_sent,
             placement=placement,
             redirected=redirected,
-            cross_node_share=cross_node_share(plan_SED.sum(1), self.node_of),
             strategy=getattr(self.planner, "chosen", None) or self.strategy,
             schedule=getattr(self.schedule, "chosen", None) or self.axes["schedule"],
             materialized_bytes=self.held_bytes[0],
@@ -386,26 +371,19 @@ class MoELayer(nn.Module):
         """Re-materialization (`core.rematerialize`, the planner's `rematerialize` option): free the
         copies this forward computed with, gather them again for backward. Records their bytes."""
         weights, self._held = self._held, None
-        if weights is None:
-            self.held_bytes = (0, 0)
-            return y_TD
-        built = held_bytes(weights)
-        if getattr(getattr(self.planner, "options", None), "rematerialize", False):
-            y_TD = release_after_forward(y_TD, weights, self._refill(placement, me))
-        self.held_bytes = (built, held_bytes(weights))
-        return y_TD
-
-    def _refill(self, placement: Placement, me: int):
-        """The re-materializing gather of `placement`'s held weights, run again in backward."""
+        rematerialize = getattr(getattr(self.planner, "options", None), "rematerialize", False)
         held_J = np.flatnonzero(placement.holders_EW[:, me])
 
-        def refill() -> dict[str, torch.Tensor]:
+        def refill() -> dict[str, torch.Tensor]:  # the same gather again, in backward
             with torch.no_grad():
-                return materialize(
-                    self.experts.weights(), placement, self.group, self.experts.expert_ids, held_J, self.node_of
-                )
+                return self._gather(placement, held_J)
 
-        return refill
+        y_TD, self.held_bytes = release_held(y_TD, weights, rematerialize, refill)
+        return y_TD
+
+    def _gather(self, placement: Placement, held_J: np.ndarray) -> dict[str, torch.Tensor]:
+        """The sparse all-gather of `placement`'s held weights (owned rows and copies, `held_J` order)."""
+        return materialize(self.experts.weights(), placement, self.group, self.experts.expert_ids, held_J, self.node_of)
 
     def _notice_mismatch(self) -> None:
         """Say once (Python's warnings filter keeps one per place) that the cost model is unused."""
@@ -457,7 +435,7 @@ class MoELayer(nn.Module):
                 weights = hook.held_weights(self, placement)
                 if weights is not None:
                     return weights
-        return materialize(self.experts.weights(), placement, self.group, self.experts.expert_ids, held_J, self.node_of)
+        return self._gather(placement, held_J)
 
     def extra_repr(self) -> str:
         axes = ", ".join(f"{axis}={name!r}" for axis, name in self.axes.items())

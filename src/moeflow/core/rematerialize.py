@@ -55,3 +55,20 @@ def release_after_forward(
 ) -> torch.Tensor:
     """`y_TD` unchanged; `weights` freed now and refilled by `refill()` in backward (module docstring)."""
     return _Release.apply(y_TD, weights, refill)
+
+
+def release_held(
+    y_TD: torch.Tensor,
+    weights: dict[str, torch.Tensor] | None,
+    rematerialize: bool,
+    refill: Callable[[], dict[str, torch.Tensor]],
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """At a layer's end: with `rematerialize`, `release_after_forward` of the held `weights` (None:
+    the layer held exactly its own experts); returns the output and the held bytes (when built,
+    after the forward), for `MoEStats`."""
+    if weights is None:
+        return y_TD, (0, 0)
+    built = held_bytes(weights)
+    if rematerialize:
+        y_TD = release_after_forward(y_TD, weights, refill)
+    return y_TD, (built, held_bytes(weights))

@@ -6,11 +6,13 @@ Shape suffixes: W ranks of the expert-parallel group, E experts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from moeflow.core.placement import Placement
+from moeflow.core.placement import Placement, cross_node_share
 
 
 @dataclass
@@ -46,6 +48,31 @@ class MoEStats:
     held_bytes: int = 0
     """Of `materialized_bytes`, what is still allocated after the forward: 0 with re-materialization,
     which frees them until this layer's backward (`core.rematerialize`)."""
+
+    @classmethod
+    def of_forward(
+        cls,
+        flow_WE: np.ndarray,
+        choices_WE: np.ndarray,
+        plan_SED: np.ndarray,
+        send_splits: Sequence[int],
+        me: int,
+        row_bytes: int,
+        node_of: Sequence[int] | None,
+        **named,
+    ) -> MoEStats:
+        """The stats of a forward from its global flow, choices and dispatch plan `[S, E, D]`, this
+        rank's send splits (rows per destination) and the bytes of a row on the wire; `named`: the
+        remaining fields as they are."""
+        bytes_sent = torch.tensor(send_splits, dtype=torch.int64).index_fill(0, torch.tensor(me), 0) * row_bytes
+        return cls(
+            flow=torch.from_numpy(flow_WE),
+            choices=torch.from_numpy(choices_WE),
+            device_loads=torch.from_numpy(plan_SED.sum((0, 1))),
+            bytes_sent=bytes_sent,
+            cross_node_share=cross_node_share(plan_SED.sum(1), node_of),
+            **named,
+        )
 
     @property
     def expert_counts(self) -> torch.Tensor:

@@ -39,14 +39,13 @@ from scipy import optimize
 
 from moeflow.perf.pipeline_degree import (
     ExpertAlpha,
-    PipelineFits,
-    PipelineWorkload,
     best_candidate_time_ms,
     candidate_degrees,
     find_degree,
     overlappable_ms,
     pass_model,
 )
+from moeflow.perf.pipeline_inputs import PipelineFits, PipelineWorkload
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Run configuration: one small dataclass per component, TOML files and `--set` overrides.
+"""Run configuration: one small dataclass per component (`RunConfig`); reading TOML files and
+`--set` overrides into it is `training.config_files`:
 
     cfg = load_config("configs/tiny.toml", overrides=["moe.top_k=1", "train.steps=50"])
     write_config(cfg, "runs/demo/config.toml")      # the resolved config, loadable again
@@ -18,21 +19,12 @@ one mechanism for every component, errors naming the key.
 from __future__ import annotations
 
 import dataclasses
-import sys
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from moeflow.core.checks import typed_value
 from moeflow.core.hooks import WIRE_DTYPES
 from moeflow.core.layer import AXES
 from moeflow.routing import check_balance_fits_gate, default_balance, routing_kind
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on Python 3.10
-    import tomli as tomllib
 
 PRECISIONS = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -353,105 +345,3 @@ class RunConfig:
             raise ValueError(
                 f"train.global_batch_size={self.train.global_batch_size} is not divisible by the {world_size} processes"
             )
-
-
-SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
-
-
-def _section_types(section: str) -> dict[str, Any]:
-    cls = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}[section]
-    return typing.get_type_hints(cls)
-
-
-def _is_table(annotation: Any) -> bool:
-    return typing.get_origin(annotation) is dict
-
-
-def config_from_dict(raw: dict[str, Any]) -> RunConfig:
-    """Build a validated RunConfig from nested tables; unknown tables/keys raise naming the key."""
-    sections: dict[str, Any] = {}
-    for section, table in raw.items():
-        if section not in SECTIONS:
-            raise ValueError(f"unknown config key {section!r} (sections: {', '.join(SECTIONS)})")
-        if not isinstance(table, dict):
-            raise TypeError(f"config key {section!r} must be a table, got {table!r}")
-        hints = _section_types(section)
-        values = {}
-        for key, value in table.items():
-            _check_known(section, key, hints)
-            if _is_table(hints[key]):
-                if not isinstance(value, dict):
-                    raise TypeError(f"config key {section}.{key} must be a table, got {value!r}")
-                values[key] = dict(value)
-            else:
-                values[key] = typed_value(f"{section}.{key}", value, hints[key], parse_text=False)
-        sections[section] = values
-    cls_of = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
-    return RunConfig(**{name: cls_of[name](**sections.get(name, {})) for name in SECTIONS})
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `section.key=value` strings to nested tables `raw` (a new dict is returned)."""
-    merged = {section: dict(table) for section, table in raw.items()}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        section, dot, name = key.partition(".")
-        if not sep or not dot or not name:
-            raise ValueError(f"--set expects section.key=value, got {item!r}")
-        if section not in SECTIONS:
-            raise ValueError(f"unknown config key {key!r} (sections: {', '.join(SECTIONS)})")
-        hints = _section_types(section)
-        field_name, _, option = name.partition(".")
-        _check_known(section, field_name if option else name, hints)
-        if option:  # moe.balance_options.smoothing=0.3: typed by the component's options dataclass
-            if not _is_table(hints[field_name]):
-                raise ValueError(f"unknown config key {key!r} ({section}.{field_name} is not a table)")
-            table = dict(merged.setdefault(section, {}).get(field_name, {}))
-            table[option] = text.strip()
-            merged[section][field_name] = table
-        elif _is_table(hints[name]):
-            raise ValueError(f"--set {key}: a table; set its keys, e.g. --set {key}.KEY=VALUE")
-        else:
-            merged.setdefault(section, {})[name] = typed_value(key, text.strip(), hints[name])
-    return merged
-
-
-def _check_known(section: str, key: str, hints: dict[str, Any]) -> None:
-    if key in hints:
-        return
-    moved = RENAMED_KEYS.get(f"{section}.{key}")
-    if moved:
-        raise ValueError(f"config key '{section}.{key}' is now {moved}")
-    raise ValueError(f"unknown config key '{section}.{key}'")
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults, then the TOML file (if any), then the `--set` overrides, validated."""
-    raw = read_toml(path) if path is not None else {}
-    return config_from_dict(apply_overrides(raw, list(overrides or [])))
-
-
-def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
-    """Nested tables for TOML; `None` values are left out (TOML has no null, the default is None)."""
-    return {
-        section: {k: v for k, v in dataclasses.asdict(getattr(cfg, section)).items() if v is not None and v != {}}
-        for section in SECTIONS
-    }
-
-
-def write_config(cfg: RunConfig, path: str | Path) -> None:
-    import tomli_w
-
-    Path(path).write_text(tomli_w.dumps(config_to_dict(cfg)))

@@ -23,7 +23,8 @@ from moeflow.core.launch import (
 )
 from moeflow.perf.costmodel import CostModel
 from moeflow.training import checkpoint
-from moeflow.training.config import RunConfig, config_from_dict, config_to_dict
+from moeflow.training.config import RunConfig
+from moeflow.training.config_files import config_from_dict, config_to_dict
 from moeflow.training.data import Corpus, corpus_files, load_corpus
 from moeflow.training.loop import run
 

@@ -15,7 +15,7 @@ import torch
 
 from moeflow.perf.costmodel import CostModel
 from moeflow.training import checkpoint
-from moeflow.training.config import load_config
+from moeflow.training.config_files import load_config
 from moeflow.training.model import MoEGPT
 
 

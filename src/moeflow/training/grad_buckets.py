@@ -79,7 +79,7 @@ def partition_buckets(params: list[nn.Parameter], layer_elements: list[int]) -> 
 def solve_partition(model: nn.Module, cfg, cost_model, local_batch: int):
     """The FSMoE §5 partition of this run, solved once (workload built as ``moeflow tune``'s)."""
     from moeflow.perf.grad_partition import partition_gradients
-    from moeflow.perf.pipeline_degree import PipelineFits, PipelineWorkload
+    from moeflow.perf.pipeline_inputs import PipelineFits, PipelineWorkload
 
     if cost_model is None:
         raise ValueError("train.grad_sync='fsmoe' needs a cost model: set moe.cost_model")

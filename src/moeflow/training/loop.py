@@ -12,7 +12,8 @@ import torch
 
 from moeflow.core.heap import HeapTrim
 from moeflow.training import checkpoint
-from moeflow.training.config import RunConfig, write_config
+from moeflow.training.config import RunConfig
+from moeflow.training.config_files import write_config
 from moeflow.training.data import Corpus
 from moeflow.training.metrics import metric_record
 from moeflow.training.run_dir import METRICS_FILE, Truncated, clear_run, recovery_totals, truncate_metrics

@@ -37,7 +37,8 @@ from moeflow.core.resharding import fssdp_layers, maybe_reshard, reshard_experts
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.traces import TraceRecorder
 from moeflow.training import checkpoint, faults
-from moeflow.training.config import RunConfig, config_to_dict
+from moeflow.training.config import RunConfig
+from moeflow.training.config_files import config_to_dict
 from moeflow.training.data import BatchSampler, Corpus, load_corpus, validation_batches
 from moeflow.training.metrics import StepResult
 from moeflow.training.model import MoEGPT, parallelize

@@ -147,7 +147,7 @@ class EPLBPlanner:
         self.hidden_share = 0.0
         self.predicted_s: list[float] = []
         """The predicted times of the prefixes of the copies the running plan chose among."""
-        self._next = PlanAhead(background)  # (placement, predicted_s), planned off the critical path
+        self.next_plan = PlanAhead(background)  # (placement, predicted_s), planned off the critical path
 
     def plan_inputs(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
         """Everything `eplb_plan` runs on, read from the planner now."""
@@ -163,7 +163,7 @@ class EPLBPlanner:
         return placement
 
     def next_placement(self) -> Placement | None:
-        plan = self._next.result()
+        plan = self.next_plan.result()
         if plan is None:
             return None
         placement, self.predicted_s = plan
@@ -176,5 +176,6 @@ class EPLBPlanner:
         if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
             planned = Placement.owners_only(placement.owner_E, placement.world_size)
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
-        self._next.submit(eplb_plan, *self.plan_inputs(np.mean(np.stack(self.history), axis=0), placement, cost_model))
+        estimate = np.mean(np.stack(self.history), axis=0)
+        self.next_plan.submit(eplb_plan, *self.plan_inputs(estimate, placement, cost_model))
         return planned

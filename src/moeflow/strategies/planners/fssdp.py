@@ -131,7 +131,7 @@ class FSSDPPlanner:
         self.nonmoe_forward_s = 0.0  # measured by the prefetch (agreed across ranks)
         self.hidden_share = 0.0  # share of the prefetch windows that hid copies; 0 until measured
         self.last: FSSDPDecision | None = None
-        self._next = PlanAhead(background)  # (placement, decision), planned off the critical path
+        self.next_plan = PlanAhead(background)  # (placement, decision), planned off the critical path
 
     # ---- the numbers Algorithm 1 runs with ---------------------------------------------------------
     def estimate(self) -> np.ndarray:
@@ -199,11 +199,11 @@ class FSSDPPlanner:
 
     def owners_changed(self, placement: Placement, cost_model) -> None:
         """The shards moved (`core.resharding`): plan the next iteration on the new owners."""
-        self._next.set(self.plan(self.estimate(), placement, cost_model) if self.history else None)
+        self.next_plan.set(self.plan(self.estimate(), placement, cost_model) if self.history else None)
 
     def next_placement(self) -> Placement | None:
         """The placement the next call will run (None before the first flow was seen)."""
-        plan = self._next.result()
+        plan = self.next_plan.result()
         if plan is None:
             return None
         placement, self.last = plan
@@ -218,7 +218,7 @@ class FSSDPPlanner:
         if self.options.calibrate:
             planned = self.calibrate(flow_WE, planned, cost_model)
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
-        self._next.submit(fssdp_plan, *self.plan_inputs(self.estimate(), placement, cost_model))
+        self.next_plan.submit(fssdp_plan, *self.plan_inputs(self.estimate(), placement, cost_model))
         return planned
 
     def expert_load(self) -> np.ndarray | None:

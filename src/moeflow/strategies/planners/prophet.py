@@ -208,7 +208,7 @@ class ProphetPlanner:
         self.nonmoe_forward_s = 0.0  # T_FNEC measured by the prefetch (agreed across ranks)
         self.hidden_share = 0.0  # what the prefetch measured to hide; nothing until measured
         self.last: ProphetDecision | None = None
-        self._next = PlanAhead(background)  # (placement, decision), planned off the critical path
+        self.next_plan = PlanAhead(background)  # (placement, decision), planned off the critical path
 
     def predict(self) -> np.ndarray:
         """The next iteration's flow from the history (module docstring)."""
@@ -218,7 +218,7 @@ class ProphetPlanner:
 
     def next_placement(self) -> Placement | None:
         """The placement the next call will return (None before the first flow was seen)."""
-        plan = self._next.result()
+        plan = self.next_plan.result()
         if plan is None:
             return None
         placement, self.last = plan
@@ -243,7 +243,8 @@ class ProphetPlanner:
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
         self.calls += 1
         if (self.calls - 1) % self.options.plan_interval == 0:
-            self._next.submit(prophet_search, self.predict(), placement, cost_model, self.shape, self.search_options())
+            args = (self.predict(), placement, cost_model, self.shape, self.search_options())
+            self.next_plan.submit(prophet_search, *args)
         else:
-            self._next.set((planned, self.last))  # between re-plans the last plan stands
+            self.next_plan.set((planned, self.last))  # between re-plans the last plan stands
         return planned
