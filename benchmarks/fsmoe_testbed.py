@@ -15,7 +15,11 @@ Cost model: the optimiser prices the expert-parallel group (2 ranks, one per nod
 2-device model. It is derived from the testbed's own profiles (`moeflow profile` on 2 x 1 and 2 x 2,
 results/profile-testbed-2x1.json and results/profile-testbed.json, made first if absent): the 2 x 1
 profile's link and collectives with the link's bandwidth halved (the two EP groups share each node's
-link) and the 2 x 2 profile's GEMM rate (4 ranks on 2 cores). Written next to the result.
+link), the 2 x 2 profile's GEMM rate (4 ranks on 2 cores), and the cost of one more pipeline chunk
+measured on the 2 x 2 testbed with this very layout (`moeflow profile --ops chunk_forward,chunk_backward
+--chunk-esp-size 2`, results/profile-testbed-chunks-esp2.json; `moeflow.perf.chunk_profile`: a layer
+of this shape, 512 tokens per rank, d_model 128, d_hidden 1024, at degrees 1, 2, 4, 8). Written next
+to the result. `--esp-size 1` prices with the 2 x 2 profile itself (its chunk fit is plain EP).
 
 Prediction per variant: the schedules' own `predict` (FSMoE Eq. 1 and the §4.2 case formulas for the
 pipeline) of one MoE block under the measured routing's average (uniform) load, times the MoE layers;
@@ -45,6 +49,7 @@ from testbed_run import ROOT, ensure_profile, on_testbed, user_command  # noqa: 
 SCHEDULES = {
     "sync": ["moe.schedule=sync"],
     "pairwise": ["moe.schedule=pairwise"],
+    "pipeline_r1": ["moe.schedule=pipeline", "moe.schedule_options.degree=1"],
     "pipeline_r2": ["moe.schedule=pipeline", "moe.schedule_options.degree=2"],
     "pipeline_r4": ["moe.schedule=pipeline", "moe.schedule_options.degree=4"],
     "pipeline_auto": ["moe.schedule=pipeline", "moe.schedule_options.degree=auto"],
@@ -65,9 +70,12 @@ SHAPE = [
 ]
 
 
-def derived_cost_model(p2x1: Path, p2x2: Path, out: Path) -> Path:
+def derived_cost_model(p2x1: Path, p2x2: Path, chunks: Path, out: Path) -> Path:
     """The EP group's 2-device model (module docstring)."""
     a, b = json.loads(p2x1.read_text()), json.loads(p2x2.read_text())
+    for kind, fit in json.loads(chunks.read_text())["fits"].items():
+        if kind.startswith("chunk_"):
+            a["fits"][kind] = fit
     a["name"] = "fsmoe-testbed-ep-group"
     a["topology"]["level_bandwidth_bytes_per_s"] = [0.5 * x for x in a["topology"]["level_bandwidth_bytes_per_s"]]
     for op in ("a2a", "p2p_inter"):
@@ -78,6 +86,7 @@ def derived_cost_model(p2x1: Path, p2x2: Path, out: Path) -> Path:
     a["derived_from"] = {
         "link_and_collectives": str(p2x1),
         "gemm": str(p2x2),
+        "chunk_forward, chunk_backward": str(chunks),
         "note": "link bandwidth halved: both EP groups cross each node's link at once",
     }
     out.write_text(json.dumps(a, indent=2) + "\n")
@@ -92,6 +101,7 @@ def predictions(cost_model_path: Path, counts_LE: np.ndarray | None = None, esp:
     from moeflow.core.expert_shape import ExpertShape
     from moeflow.perf.costmodel import CostModel
     from moeflow.perf.pipeline_degree import case_at, find_degree
+    from moeflow.perf.pipeline_inputs import chunk_cost_ms
     from moeflow.strategies.dispatchers import A2ADispatcher
     from moeflow.strategies.schedules.base import StepLoad
     from moeflow.strategies.schedules.pairwise import PairwiseSchedule
@@ -109,6 +119,7 @@ def predictions(cost_model_path: Path, counts_LE: np.ndarray | None = None, esp:
     schedules = {
         "sync": SyncSchedule(),
         "pairwise": PairwiseSchedule(),
+        "pipeline_r1": PipelineSchedule(PipelineOptions(degree=1)),
         "pipeline_r2": PipelineSchedule(PipelineOptions(degree=2)),
         "pipeline_r4": PipelineSchedule(PipelineOptions(degree=4)),
         "pipeline_auto": PipelineSchedule(PipelineOptions(degree="auto"), cost_model=cm),
@@ -128,7 +139,12 @@ def predictions(cost_model_path: Path, counts_LE: np.ndarray | None = None, esp:
         step = StepLoad(send, computed, ExpertShape(D_MODEL, D_HIDDEN, "ffn"), node_of)
         fwd, bwd = (_scalar_model(m) for m in pass_models(step, cm, disp))
         auto = [find_degree(m, 0.0, (1, 2, 4, 8)) for m in (fwd, bwd)]
-        degrees = {"pipeline_r2": (2, 2), "pipeline_r4": (4, 4), "pipeline_auto": (auto[0].degree, auto[1].degree)}
+        degrees = {
+            "pipeline_r1": (1, 1),
+            "pipeline_r2": (2, 2),
+            "pipeline_r4": (4, 4),
+            "pipeline_auto": (auto[0].degree, auto[1].degree),
+        }
         for name, sched in schedules.items():
             p = sched.predict(step, cm, disp)
             out[name]["moe_s"] += float(np.asarray(p.total_s))
@@ -140,7 +156,9 @@ def predictions(cost_model_path: Path, counts_LE: np.ndarray | None = None, esp:
                 out[name].setdefault("cases", []).append([int(case_at(fwd, rf, 0.0)), int(case_at(bwd, rb, 0.0))])
         # overlap bound per pass: max(comm, compute) instead of their sum (comm = dispatch + combine)
         a2a = fwd.alpha_ms[0] + fwd.volume_ms[0]
-        exp_f, exp_b = fwd.alpha_ms[3] + fwd.volume_ms[3], bwd.alpha_ms[3] + bwd.volume_ms[3]
+        chunk_f, chunk_b = chunk_cost_ms(cm)  # what chunking adds is no work to hide
+        exp_f = fwd.alpha_ms[3] + fwd.volume_ms[3] - chunk_f
+        exp_b = bwd.alpha_ms[3] + bwd.volume_ms[3] - chunk_b
         hide += min(2 * a2a, exp_f) + min(2 * a2a, exp_b)
         bound += max(2 * a2a, exp_f) + max(2 * a2a, exp_b)
         layers.append(
@@ -197,7 +215,13 @@ def main() -> int:
     p2x1 = ensure_profile(results / "profile-testbed-2x1.json", args.bandwidth_mbit, 2, 1)
     p2x2 = ensure_profile(results / "profile-testbed.json", args.bandwidth_mbit, 2, 2)
     # esp 2: the EP group is one rank per node (derived model); esp 1: all 4 ranks (the 2 x 2 profile)
-    cm = derived_cost_model(p2x1, p2x2, Path(args.out).with_suffix(".costmodel.json")) if args.esp_size == 2 else p2x2
+    cm = p2x2
+    if args.esp_size == 2:
+        chunk_options = ("--ops", "chunk_forward,chunk_backward", "--chunk-esp-size", "2")
+        chunks = ensure_profile(
+            results / "profile-testbed-chunks-esp2.json", args.bandwidth_mbit, 2, 2, options=chunk_options
+        )
+        cm = derived_cost_model(p2x1, p2x2, chunks, Path(args.out).with_suffix(".costmodel.json"))
     if args.predict_only:
         print(json.dumps(predictions(cm, esp=args.esp_size), indent=2))
         return 0
@@ -268,8 +292,9 @@ def summarize(steps: dict, pred: dict, args) -> dict:
                 **({"degrees_per_layer": p["degrees"], "cases_per_layer": p["cases"]} if "degrees" in p else {}),
             }
             table[s]["predicted_vs_sync"] = base / table[s]["predicted_iteration_s"]
-        fixed = min(table[s]["median_s"] for s in ("pipeline_r2", "pipeline_r4") if s in table)
-        best_pipe = min(table[s]["median_s"] for s in ("pipeline_r2", "pipeline_r4", "pipeline_auto") if s in table)
+        fixed_names = [s for s in args.schedules if s.startswith("pipeline_r")]  # every fixed degree run
+        fixed = min(table[s]["median_s"] for s in fixed_names)
+        best_pipe = min(table[s]["median_s"] for s in [*fixed_names, "pipeline_auto"] if s in table)
         hideable = sync_pred["hideable_s"]
         out["grad_sync"][g] = {
             "variants": table,
@@ -277,6 +302,7 @@ def summarize(steps: dict, pred: dict, args) -> dict:
             "predicted_moe_sync_s": sync_pred["variants"]["sync"]["moe_s"],
             "hideable_s": hideable,
             "overlap_bound_iteration_s": base - hideable,
+            "fixed_degrees_compared": fixed_names,
             "auto_vs_best_fixed": table["pipeline_auto"]["median_s"] / fixed if "pipeline_auto" in table else None,
             "overlap_reached_best_pipeline": (base - best_pipe) / hideable,
             "overlap_reached_auto": (base - table["pipeline_auto"]["median_s"]) / hideable

@@ -12,7 +12,9 @@ they release the GIL), so a search on the planning thread has that long to finis
 Dirichlet(1) loads per source rank, 4096 tokens, seeded; priced on two cluster presets (Pro-Prophet's
 LPWNV, 8 GPUs; FasterMoE's johnny, 16 GPUs), 2 experts per GPU, d = 256, h = 1024. Modes
 alternate call by call (each planner object keeps its own state); medians over `--calls` calls
-after 5 warm-up calls.
+after 5 warm-up calls. `auto` rests candidates that keep losing (`rest_margin`, `max_rest`);
+`auto_all` prices every candidate every call: the JSON gives both, the candidates each priced per
+call, and the share of calls where the two chose the same planner.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 
 CLUSTERS = {"prophet_lpwnv": 2, "johnny": 2}
 """Cluster presets (moeflow.perf.topology_presets) and experts per device."""
-PLANNER_NAMES = ("shadow", "prophet", "eplb", "fssdp", "auto")
+PLANNER_NAMES = ("shadow", "prophet", "eplb", "fssdp", "auto", "auto_all")
+"""`auto_all`: `auto` pricing every candidate every call (`max_rest=0`), beside `auto`, which rests
+the candidates that keep losing."""
 
 
-def _build(name: str, ctx: LayerContext, background: bool):
-    planner = PLANNERS.build(name, ctx, {})
+def _build(row: str, ctx: LayerContext, background: bool):
+    name, options = ("auto", {"max_rest": 0}) if row == "auto_all" else (row, {})
+    planner = PLANNERS.build(name, ctx, options)
     inner = getattr(planner, "planners", {}).values() if name == "auto" else [planner]
     for p in inner:
         if hasattr(p, "next_plan"):
@@ -65,6 +70,7 @@ def measure(cluster: str, calls: int, gap_s: float, seed: int = 0) -> dict:
     for name in PLANNER_NAMES:
         planners = {"inline": _build(name, ctx, False), "thread": _build(name, ctx, True)}
         spent: dict[str, list[float]] = {mode: [] for mode in planners}
+        priced, chosen = [], []  # auto: candidates priced per call, and which won (thread mode)
         for flow in flows:
             for mode, planner in planners.items():
                 start = time.perf_counter()
@@ -75,13 +81,22 @@ def measure(cluster: str, calls: int, gap_s: float, seed: int = 0) -> dict:
                     start = time.perf_counter()
                     planner.next_placement()
                     spent[mode][-1] += time.perf_counter() - start
+            if name.startswith("auto"):
+                priced.append(len(planners["thread"].last.prices_s))
+                chosen.append(planners["thread"].chosen)
         med = {mode: float(np.median(v[5:])) for mode, v in spent.items()}
         out[name] = {
             "inline_ms": 1e3 * med["inline"],
             "thread_ms": 1e3 * med["thread"],
             "inline/thread": med["inline"] / med["thread"],
         }
+        if priced:
+            out[name] |= {"candidates_priced_mean": float(np.mean(priced[5:])), "chosen": chosen[5:]}
         print(f"{cluster} {name:8s} inline {out[name]['inline_ms']:6.2f} ms  thread {out[name]['thread_ms']:6.2f} ms")
+    if "auto" in out and "auto_all" in out:  # the calls where resting changed the choice
+        pairs = list(zip(out["auto"]["chosen"], out["auto_all"]["chosen"]))
+        out["auto"]["same_choice_as_auto_all"] = sum(a == b for a, b in pairs) / len(pairs)
+        print(f"{cluster} auto chose as auto_all in {100 * out['auto']['same_choice_as_auto_all']:.0f}% of calls")
     return {"world": world, "experts": experts, "planners": out}
 
 

@@ -48,12 +48,18 @@ def on_testbed(
 
 
 def ensure_profile(
-    path: Path, bandwidth_mbit: float, nodes: int = 2, ranks_per_node: int = 2, latency_ms: float = 0.0
+    path: Path,
+    bandwidth_mbit: float,
+    nodes: int = 2,
+    ranks_per_node: int = 2,
+    latency_ms: float = 0.0,
+    options: tuple[str, ...] = (),
 ) -> Path:
-    """The testbed's own α-β profile (measured once, reused): planners and losses price with it."""
+    """The testbed's own α-β profile (measured once, reused): planners and losses price with it.
+    `options`: more `moeflow profile` flags (e.g. which ops)."""
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        on_testbed(["profile", "--out", str(path)], nodes, ranks_per_node, bandwidth_mbit, latency_ms)
+        on_testbed(["profile", "--out", str(path), *options], nodes, ranks_per_node, bandwidth_mbit, latency_ms)
     return path
 
 

@@ -1,11 +1,13 @@
 """Expert sharding (ESP, FSMoE §3) under real gloo collectives (run inside tests/test_esp.py's
 spawn): DP × EP × ESP layouts give the single-process layer's outputs, input gradients, every
 parameter gradient (the hidden slice of it) and one AdamW step — under `sync`, and under the
-pipelined (forward and backward degrees differing) and pairwise schedules."""
+pipelined (forward and backward degrees differing, and `degree="auto"`, which the ESP members agree
+on) and pairwise schedules."""
 
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ import torch
 from moeflow import MoELayer
 from moeflow.core.expert_sharding import to_expert_sharding
 from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
+from moeflow.perf.costmodel import CostModel
+from moeflow.perf.topology import Topology
+from moeflow.strategies.schedules.pipeline import _agree_over_esp
 
 from .equivalence import TOL, D, H
 
@@ -29,13 +34,23 @@ def _expected_slice(name: str, full: torch.Tensor, layout: ParallelLayout, per_r
 
 
 def check_layout(
-    rank: int, world: int, ep_size: int, esp_size: int, expert: str, seed: int, schedule: str = "sync", options=None
+    rank: int,
+    world: int,
+    ep_size: int,
+    esp_size: int,
+    expert: str,
+    seed: int,
+    schedule: str = "sync",
+    options=None,
+    cost_model=None,
 ) -> None:
     layout = ParallelLayout(ep_size=ep_size, esp_size=esp_size, d_hidden=H)
     num_experts = 2 * ep_size
     per_rank = num_experts // ep_size
     torch.manual_seed(seed)
-    ref = MoELayer(D, H, num_experts, top_k=2, expert=expert, schedule=schedule, schedule_options=options)
+    ref = MoELayer(
+        D, H, num_experts, top_k=2, expert=expert, schedule=schedule, schedule_options=options, cost_model=cost_model
+    )
     with torch.no_grad():  # non-zero biases, so that b1/b2 slicing is visible
         for name, p in ref.experts.named_parameters():
             if name.startswith("b"):
@@ -77,6 +92,16 @@ def check_layout(
         torch.testing.assert_close(p.detach(), expected, **TOL, msg=f"{name} after AdamW")
 
 
+def check_esp_members_agree_on_the_degree(ep_size: int) -> None:
+    """Each member priced its own expert-parallel group's flow; the slowest member's choice per pass
+    is taken by all (else the chunks' all-gathers pair up wrongly and the group hangs)."""
+    layout = ParallelLayout(ep_size=ep_size, esp_size=2, d_hidden=H)
+    m = layout.esp_rank
+    mine = [SimpleNamespace(degree=1 + 3 * m, time_ms=10.0 + m), SimpleNamespace(degree=8 - 6 * m, time_ms=5.0 - m)]
+    assert _agree_over_esp(mine, layout.esp_group) == [4, 8]
+    assert _agree_over_esp(mine, None) == [mine[0].degree, mine[1].degree]
+
+
 def check_bad_input(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="esp_size=2 must divide d_hidden=7"):
         ParallelLayout(ep_size=1, esp_size=2, d_hidden=7)
@@ -97,4 +122,8 @@ def esp_body(rank: int, world: int) -> None:
     ep_size = world // 2
     check_layout(rank, world, ep_size, 2, "ffn", 20, "pipeline", {"forward_degree": 2, "backward_degree": 3})
     check_layout(rank, world, ep_size, 2, "swiglu", 21, "pairwise")
+    check_esp_members_agree_on_the_degree(ep_size)
+    if ep_size > 1:  # Algorithm 1 on each expert-parallel group's flow, then the ESP group agrees
+        cost_model = CostModel(Topology.homogeneous(ep_size, 1e8), gemm_flops_per_s=1e9)
+        check_layout(rank, world, ep_size, 2, "ffn", 22, "pipeline", {"degree": "auto"}, cost_model)
     check_bad_input(rank, world)

@@ -13,7 +13,7 @@ from moeflow.core.registry import LayerContext
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.strategies import PLANNERS
-from moeflow.strategies.planners.auto import AutoOptions, fit_correction, layer_terms
+from moeflow.strategies.planners.auto import AutoOptions, AutoPlanner, fit_correction, layer_terms
 
 SHAPE = ExpertShape(8, 16)
 OWNERS = Placement.expert_parallel(4, 4)
@@ -95,11 +95,41 @@ def test_copies_dearer_than_modelled_are_learnt_apart_from_the_exchanges(copies_
     assert auto.scales[:3] == pytest.approx((1.0, 1.0, copies_factor), rel=1e-6)
 
 
+def test_a_candidate_that_keeps_losing_rests_longer_each_time_and_ep_is_always_priced():
+    fast, fast_cm = _auto(1e12)
+    copies = fast(_skewed(), OWNERS, fast_cm)  # shadow's copies of the hot expert
+    assert not copies.is_owners_only()
+    shape = ExpertShape(8, 8192)
+    slow_cm = CostModel(Topology.homogeneous(4, 1e3), gemm_flops_per_s=1e7)  # copying a large expert: dear
+    auto = AutoPlanner(shape, {"shadow": lambda flow, placement, cm: copies}, AutoOptions(candidates="ep,shadow"))
+    priced_at = []
+    for call in range(20):
+        assert auto(_skewed(), OWNERS, slow_cm).is_owners_only() and auto.chosen == "ep"
+        assert "ep" in auto.last.prices_s
+        if "shadow" in auto.last.prices_s:
+            priced_at.append(call)
+        else:
+            assert auto.last.resting == ["shadow"]
+    assert priced_at == [0, 2, 5, 10, 19]  # rests 1, 2, 4, 8 (max_rest), 8 calls
+    for _ in range(9):  # the copies become cheap: priced again after the rest, then every call
+        auto(_skewed(), OWNERS, fast_cm)
+    assert auto.chosen == "shadow" and all(auto(_skewed(), OWNERS, fast_cm) == copies for _ in range(3))
+    assert auto.last.resting == [] and auto.rest["shadow"] == [0, 1]
+    always = AutoPlanner(shape, dict(auto.planners), AutoOptions(candidates="ep,shadow", max_rest=0))
+    for _ in range(3):
+        always(_skewed(), OWNERS, slow_cm)
+        assert set(always.last.prices_s) == {"ep", "shadow"}
+
+
 def test_options_name_the_bad_value():
     with pytest.raises(ValueError, match="candidates='ep,magic'"):
         AutoOptions(candidates="ep,magic")
     with pytest.raises(ValueError, match="min_gain"):
         AutoOptions(min_gain=1.5)
+    with pytest.raises(ValueError, match="max_rest=-1"):
+        AutoOptions(max_rest=-1)
+    with pytest.raises(ValueError, match="rest_margin"):
+        AutoOptions(rest_margin=float("nan"))
     auto, _ = _auto(1e12, candidates="ep,shadow")
     assert list(auto.planners) == ["shadow"]
     with pytest.raises(ValueError, match="needs cost_model"):

@@ -7,14 +7,16 @@ import numpy as np
 import pytest
 
 from moeflow.core.expert_shape import ExpertShape
+from moeflow.perf.alpha_beta import AlphaBeta
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.pipeline_degree import candidate_degrees, priced_time
+from moeflow.perf.pipeline_degree import candidate_degrees, find_degree, priced_time
 from moeflow.perf.topology import Topology
 from moeflow.strategies import DISPATCHERS, SCHEDULES
 from moeflow.strategies.schedules.base import StepLoad
 from moeflow.strategies.schedules.pipeline import (
     PipelineOptions,
     PipelineSchedule,
+    _scalar_model,
     chunk_bounds,
     chunk_counts,
     pass_models,
@@ -98,6 +100,28 @@ def test_predict_is_pipeline_degree_priced_time():
     auto = PipelineSchedule(PipelineOptions(degree="auto"), cm, SHAPE).predict(step, cm, a2a)
     best = sum(np.min([priced_time(m, float(r), 0.0) for r in candidate_degrees("powers")], axis=0) for m in (fwd, bwd))
     np.testing.assert_allclose(auto.total_s, best / 1e3)
+
+
+def test_measured_chunk_cost_is_priced_per_chunk_and_moves_auto_to_fewer_chunks():
+    """`moeflow profile`'s chunk_* fits add to the experts' α of their pass (perf.chunk_profile):
+    each chunk pays it, so degree 1 costs sync + one chunk per pass, and a chunk cost of the size
+    the CPU testbed measured (milliseconds) turns auto's choice from many chunks to few."""
+    base = CostModel(Topology.homogeneous(4, 1e7), gemm_flops_per_s=1e9)
+    step, a2a = _step(), DISPATCHERS.build("a2a", _ctx(base))
+    chunk = {"chunk_forward": AlphaBeta(0.0, 2e-3, "chunk"), "chunk_backward": AlphaBeta(0.0, 5e-3, "chunk")}
+    cm = CostModel(base.topology, gemm_flops_per_s=1e9, fits=chunk)
+    (f0, b0), (f1, b1) = pass_models(step, base, a2a), pass_models(step, cm, a2a)
+    np.testing.assert_allclose(f1.alpha_ms[3], f0.alpha_ms[3] + 2.0)
+    np.testing.assert_allclose(b1.alpha_ms[3], b0.alpha_ms[3] + 5.0)
+    np.testing.assert_allclose(np.stack(f1.volume_ms), np.stack(f0.volume_ms))
+    np.testing.assert_allclose(np.stack(b1.alpha_ms[:3]), np.stack(b0.alpha_ms[:3]))
+    sync = SCHEDULES.build("sync", _ctx()).predict(step, cm, a2a)
+    one = PipelineSchedule(PipelineOptions(degree=1)).predict(step, cm, a2a)
+    np.testing.assert_allclose(one.total_s, sync.total_s + 7e-3, rtol=1e-9)
+    cands = candidate_degrees("powers")
+    free = [find_degree(_scalar_model(m), 0.0, cands).degree for m in (f0, b0)]
+    costly = [find_degree(_scalar_model(m), 0.0, cands).degree for m in (f1, b1)]
+    assert costly[0] < free[0] and costly[1] < free[1], (free, costly)
 
 
 def test_refuses_other_dispatchers():

@@ -35,6 +35,8 @@ def test_profile_two_gloo_ranks(tmp_path, capsys):
             "2",
             "--warmup",
             "1",
+            "--chunk-layer",
+            "64,16,32",
             "--json",
         ]
     )
@@ -54,8 +56,12 @@ def test_profile_two_gloo_ranks(tmp_path, capsys):
         "broadcast",
         "reduce",
         "p2p_intra",
+        "chunk_forward",
+        "chunk_backward",
     }
     assert set(data["fits"]) == expected
+    assert data["measurements"]["chunk_forward"]["sizes"] == [1, 2, 4, 8]  # the pipeline degrees
+    assert data["fits"]["chunk_forward"]["unit"] == data["fits"]["chunk_backward"]["unit"] == "chunk"
     for kind, fit in data["fits"].items():
         m = data["measurements"][kind]
         assert len(m["sizes"]) == len(m["median_s"]) >= 3 and all(t > 0 for t in m["median_s"])
@@ -77,6 +83,30 @@ def test_profile_argument_errors(capsys):
     assert "repeats=1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="gemm_sizes"):
         ProfileConfig(gemm_sizes=(8,))
+    assert main(["profile", "--nproc", "2", "--chunk-layer", "64,16"]) == 2
+    assert "chunk_layer=[64, 16]" in capsys.readouterr().err
+    assert main(["profile", "--nproc", "2", "--chunk-esp-size", "3"]) == 2
+    assert "chunk_esp_size=3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="chunk_degrees"):
+        ProfileConfig(chunk_degrees=(2, 2))
+
+
+def test_chunk_fit_and_layout():
+    """`perf.chunk_profile`: t(r) = a + b/r + c·r recovered exactly (c = cost of one more chunk);
+    an ESP group must lie inside one node."""
+    from moeflow.perf.chunk_profile import check_chunk_layout, chunk_fit
+
+    r = np.array([1, 2, 4, 8])
+    fit = chunk_fit(r, 0.010 + 0.006 / r + 0.002 * r)
+    assert fit.unit == "chunk" and fit.alpha_s == pytest.approx(0.010) and fit.beta_s_per_unit == pytest.approx(0.002)
+    assert fit.r2 == pytest.approx(1.0)
+    # the overlap alone (time falling with r) is no chunk cost: c stays >= 0
+    assert chunk_fit(r, 0.01 + 0.006 / r).beta_s_per_unit == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="3 distinct degrees"):
+        chunk_fit([1, 2], [0.1, 0.2])
+    assert check_chunk_layout(4, [0, 0, 1, 1], 2) == 2 and check_chunk_layout(4, [0, 0, 1, 1], 1) == 4
+    with pytest.raises(ValueError, match="chunk_esp_size=2: ranks 0..1 span nodes"):
+        check_chunk_layout(4, [0, 1, 0, 1], 2)
 
 
 needs_netns = pytest.mark.skipif(

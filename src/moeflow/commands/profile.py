@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 -m moeflow.cli profile --out p.json  # the ranks torchrun gives
     python scripts/testbed.py --nodes 2 --ranks-per-node 2 --bandwidth-mbit 800 -- \\
         .venv/bin/moeflow profile --out results/profile-testbed.json
+    moeflow profile --nproc 4 --ops chunk_forward,chunk_backward --chunk-esp-size 2  # FSMoE's chunk cost
 The JSON loads with `CostModel.load` and `moeflow simulate --cluster FILE`.
 """
 
@@ -25,7 +26,20 @@ def add_arguments(parser):
         "--ops",
         default=None,
         help="comma list of kinds (default: all): "
-        "a2a,all_gather,reduce_scatter,all_reduce,broadcast,reduce,p2p_intra,p2p_inter,gemm,elementwise",
+        "a2a,all_gather,reduce_scatter,all_reduce,broadcast,reduce,p2p_intra,p2p_inter,copies,gemm,elementwise,"
+        "chunk_forward,chunk_backward",
+    )
+    parser.add_argument(
+        "--chunk-layer",
+        default=None,
+        metavar="TOKENS,D_MODEL,D_HIDDEN",
+        help="the MoE layer whose pipelined block chunk_forward/chunk_backward time (default 512,128,1024)",
+    )
+    parser.add_argument(
+        "--chunk-esp-size",
+        type=int,
+        default=1,
+        help="expert-sharding group size of that layer (FSMoE's layout: ranks of a node; 1: plain EP)",
     )
     parser.add_argument("--sizes", default=None, help="comma list of message sizes in bytes")
     parser.add_argument("--gemm-sizes", default=None, help="comma list of square GEMM sizes")
@@ -57,6 +71,9 @@ def run(args) -> int:
         kw["comm_sizes_bytes"] = _ints(args.sizes, "--sizes")
     if args.gemm_sizes:
         kw["gemm_sizes"] = _ints(args.gemm_sizes, "--gemm-sizes")
+    if args.chunk_layer:
+        kw["chunk_layer"] = tuple(_ints(args.chunk_layer, "--chunk-layer"))
+    kw["chunk_esp_size"] = args.chunk_esp_size
     config = ProfileConfig(**kw)
     backend = args.backend
     if backend == "auto":
@@ -76,10 +93,13 @@ def run(args) -> int:
     print(f"{'op':<16}{'alpha (us)':>12}{'1/beta':>16}{'r2':>10}{'noise cv':>10}")
     for kind, fit in profile["fits"].items():
         inv = 1.0 / fit["beta_s_per_unit"] if fit["beta_s_per_unit"] > 0 else float("inf")
-        unit = "GFLOP/s" if fit["unit"] == "flop" else "MB/s"
-        scale = 1e-9 if fit["unit"] == "flop" else 1e-6
         noise = profile["measurements"][kind]["noise_cv"]
-        print(f"{kind:<16}{1e6 * fit['alpha_s']:>12.1f}{inv * scale:>10.1f} {unit:<6}{fit['r2']:>9.4f}{noise:>10.3f}")
+        if fit["unit"] == "chunk":  # β is the cost of one more chunk, not a rate
+            rate, unit = 1e3 * fit["beta_s_per_unit"], "ms/chk"
+        else:
+            rate = inv * (1e-9 if fit["unit"] == "flop" else 1e-6)
+            unit = "GFLOP/s" if fit["unit"] == "flop" else "MB/s"
+        print(f"{kind:<16}{1e6 * fit['alpha_s']:>12.1f}{rate:>10.1f} {unit:<6}{fit['r2']:>9.4f}{noise:>10.3f}")
     if args.out:
         print(f"wrote {args.out}")
     return 0

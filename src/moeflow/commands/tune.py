@@ -112,7 +112,12 @@ def run(args) -> int:
     if args.json:
         out = {
             **plan.to_dict(),
-            "fits": {"order": ["a2a", "ag", "gemm", "rs", "ar"], "alpha_ms": fits.alpha_ms, "beta_ms": fits.beta_ms},
+            "fits": {
+                "order": ["a2a", "ag", "gemm", "rs", "ar"],
+                "alpha_ms": fits.alpha_ms,
+                "beta_ms": fits.beta_ms,
+                "chunk_ms": {"forward": fits.chunk_ms[0], "backward": fits.chunk_ms[1]},
+            },
             "fits_source": fits.source,
             "gradient_partition": partition.to_dict(),
         }
@@ -123,6 +128,8 @@ def run(args) -> int:
         f"B={w.batch} L={w.seq} M={w.d_model} H={w.d_hidden} N={w.gemms} F={w.factor:g} S={w.esp}, "
         f"{w.layers} MoE layers; fits: {fits.source}; degrees: {args.snap} {list(plan.candidates)}"
     )
+    if any(fits.chunk_ms):
+        print(f"measured cost of one more chunk: forward {fits.chunk_ms[0]:.2f} ms, backward {fits.chunk_ms[1]:.2f} ms")
     shown = plan.candidates[:16]
     if len(plan.candidates) > len(shown):
         print(f"(times at the first {len(shown)} of {len(plan.candidates)} degrees; all of them in --json)")

@@ -296,6 +296,7 @@ class MoELayer(nn.Module):
             hooks=lambda point, t: run_hooks(self.hooks, point, self, t),
             call_id=self._calls,
             plan_SED=plan_SED,
+            esp_group=self.esp_group,
         )
         y_back_AD = self.schedule.execute(block)
 

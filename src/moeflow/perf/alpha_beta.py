@@ -26,8 +26,13 @@ OP_KINDS = (
     "copies",
     "gemm",
     "elementwise",
+    "chunk_forward",
+    "chunk_backward",
 )
-"""Operation kinds the profiler measures and the cost model prices."""
+"""Operation kinds the profiler measures and the cost model prices. ``chunk_*``: the cost of one
+more chunk of FSMoE's pipelined block, forward and backward (``perf.chunk_profile``; n = chunks)."""
+UNITS = ("byte", "flop", "chunk")
+CHUNK_KINDS = ("chunk_forward", "chunk_backward")
 
 
 @dataclass(frozen=True)
@@ -37,17 +42,17 @@ class AlphaBeta:
     alpha_s: float
     """Start-up time in seconds."""
     beta_s_per_unit: float
-    """Seconds per byte (collectives) or per FLOP (GEMM)."""
+    """Seconds per byte (collectives), per FLOP (GEMM) or per chunk (``chunk_*``)."""
     unit: str = "byte"
-    """``byte`` or ``flop``."""
+    """``byte``, ``flop`` or ``chunk``."""
     r2: float | None = None
     """Coefficient of determination of the least-squares fit (None for published constants)."""
     source: str = ""
     """Where the constants come from (profile file, paper figure)."""
 
     def __post_init__(self) -> None:
-        if self.unit not in ("byte", "flop"):
-            raise ValueError(f"AlphaBeta unit={self.unit!r}: expected 'byte' or 'flop'")
+        if self.unit not in UNITS:
+            raise ValueError(f"AlphaBeta unit={self.unit!r}: expected one of {list(UNITS)}")
         for name in ("alpha_s", "beta_s_per_unit"):
             v = getattr(self, name)
             if not math.isfinite(v):

@@ -26,6 +26,10 @@ Deviations, recorded:
 * r is bounded above by the largest candidate degree (the paper only states r ≥ 1).
 * Predicates are non-strict as SLSQP constraints (``≥ 0``); the case formulas agree on every
   boundary, so this changes no time.
+* A measured per-chunk cost (``PipelineFits.chunk_ms``, ``moeflow profile``'s ``chunk_*`` fits,
+  ``perf.chunk_profile``) is added to α_exp of its pass: where the chunks' collectives share the
+  computing cores (CPU ranks on gloo) one more chunk costs milliseconds, not the ops' µs α, and that
+  cost lands on the experts' critical path r times (Case 2). 0 for FSMoE's constants.
 * Not reproduced: the tool's shortcuts (forward degree 1 when one unchunked all-to-all takes
   < 1 ms, backward degree 1 whenever the forward one is 1).
 """
@@ -82,6 +86,7 @@ def pass_model(
         raise ValueError(f"expert_alpha={expert_alpha!r}: expected 'once' or 'per_gemm'")
     scale = 2.0 if backward else 1.0
     alpha_exp = fits.alpha("gemm") * (workload.gemms if expert_alpha == "per_gemm" else 1) * scale
+    alpha_exp += fits.chunk_ms[1 if backward else 0]  # measured per-chunk cost, not doubled
     ops = ("a2a", "ag", "rs", "gemm")
     alphas = tuple(fits.alpha(op) for op in ops[:3]) + (alpha_exp,)
     volumes = tuple(workload.elements(op) * fits.beta(op) * (scale if op == "gemm" else 1.0) for op in ops)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from moeflow.core.checks import finite_number, positive_int
+from moeflow.perf.alpha_beta import CHUNK_KINDS
 
 FIT_ORDER = ("a2a", "ag", "gemm", "rs", "ar")
 """Order of α/β values in lists (the published tool's): all-to-all, ESP all-gather, GEMM,
@@ -98,6 +99,9 @@ class PipelineFits:
     bytes_per_element: int = 4
     """Bytes of one element (FSMoE measures float32)."""
     source: str = "explicit"
+    chunk_ms: tuple[float, float] = (0.0, 0.0)
+    """What one more chunk costs beyond the ops' α (forward, backward), in ms: the ``chunk_*`` fits
+    of ``moeflow profile`` (`chunk_cost_ms`); 0 for FSMoE's own constants, which have no such term."""
 
     def __post_init__(self) -> None:
         for name in ("alpha_ms", "beta_ms"):
@@ -108,6 +112,8 @@ class PipelineFits:
                 finite_number(f"{name}[{op}]", v, 0.0)
             object.__setattr__(self, name, tuple(float(v) for v in values))
         positive_int("bytes_per_element", self.bytes_per_element)
+        for name, v in zip(("chunk_ms[forward]", "chunk_ms[backward]"), self.chunk_ms):
+            finite_number(name, v, 0.0)
 
     def alpha(self, op: str) -> float:
         return self.alpha_ms[FIT_ORDER.index(op)]
@@ -148,4 +154,12 @@ class PipelineFits:
                 alpha_s = max(float(t_s[1]) - beta_s * units, 0.0)
             alphas.append(1e3 * alpha_s)
             betas.append(1e3 * beta_s * per_unit)
-        return cls(tuple(alphas), tuple(betas), bpe, f"cost model {cost_model.name}")
+        return cls(tuple(alphas), tuple(betas), bpe, f"cost model {cost_model.name}", chunk_cost_ms(cost_model))
+
+
+def chunk_cost_ms(cost_model: Any) -> tuple[float, float]:
+    """What one more chunk of the pipelined block costs beyond the ops' α, forward and backward, in
+    ms: β of the cost model's ``chunk_forward`` / ``chunk_backward`` fits (``perf.chunk_profile``),
+    0 where it has none."""
+    fits = getattr(cost_model, "fits", {})
+    return tuple(1e3 * fits[k].beta_s_per_unit if k in fits else 0.0 for k in CHUNK_KINDS)

@@ -7,7 +7,9 @@ r². Measured here: GEMM over sizes (square, or given shapes); a memory-bound ke
 ``*_into_tensor``/``*_tensor`` names on older torch), ``all_reduce``, ``broadcast``, ``reduce``
 over sizes; ``send``/``recv`` between two ranks of one node and two ranks of different nodes
 (when the job spans both); across nodes on gloo, the shadow ``copies`` of
-``moeflow.core.sparse_collectives`` (every rank owning one message, forward and backward). CPU ranks
+``moeflow.core.sparse_collectives`` (every rank owning one message, forward and backward); the cost
+of one more chunk of the pipelined MoE block (``chunk_forward``, ``chunk_backward``:
+``perf.chunk_profile``). CPU ranks
 that all run on one machine record ``host_cores`` (the cores they share; ``CostModel.host_cores``).
 
 Nodes are discovered, not configured: ranks that share a host name *and* a network namespace
@@ -37,12 +39,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeflow.core.checks import positive_int
 from moeflow.core.launch import init_distributed, launch_local, under_torchrun
 from moeflow.core.placement import Placement, copies_by_tree
 from moeflow.core.sparse_collectives import materialize
-from moeflow.perf.alpha_beta import OP_KINDS, AlphaBeta
+from moeflow.perf.alpha_beta import CHUNK_KINDS, OP_KINDS, AlphaBeta
+from moeflow.perf.chunk_profile import chunk_fit, measure_chunks
 
-COMM_KINDS = tuple(kind for kind in OP_KINDS if kind not in ("gemm", "elementwise"))
+COMM_KINDS = tuple(kind for kind in OP_KINDS if kind not in ("gemm", "elementwise", *CHUNK_KINDS))
 
 
 @dataclass
@@ -66,6 +70,13 @@ class ProfileConfig:
     """Element size used for messages and GEMMs (4 = float32)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form labels copied into the output (e.g. testbed bandwidth)."""
+    chunk_layer: tuple[int, int, int] = (512, 128, 1024)
+    """The layer whose pipelined block ``chunk_*`` times: tokens per rank, d_model, d_hidden
+    (``perf.chunk_profile``)."""
+    chunk_esp_size: int = 1
+    """Expert-sharding group size of that layer (consecutive ranks inside a node; 1: plain EP)."""
+    chunk_degrees: Sequence[int] = (1, 2, 4, 8)
+    """Pipeline degrees the ``chunk_*`` fit runs over."""
 
     def __post_init__(self) -> None:
         unknown = [o for o in self.ops if o not in OP_KINDS]
@@ -79,6 +90,16 @@ class ProfileConfig:
             vals = list(getattr(self, name))
             if len(set(vals)) < 2 or any(int(v) < 1 for v in vals):
                 raise ValueError(f"{name}={vals!r}: need >= 2 distinct positive sizes")
+        for name, values in (("chunk_layer", self.chunk_layer), ("chunk_degrees", self.chunk_degrees)):
+            if any(int(v) < 1 for v in values) or (name == "chunk_layer" and len(values) != 3):
+                raise ValueError(f"{name}={list(values)!r}: need positive integers (chunk_layer: 3 of them)")
+        if len(set(self.chunk_degrees)) < 2:
+            raise ValueError(f"chunk_degrees={list(self.chunk_degrees)!r}: need >= 2 distinct degrees")
+        positive_int("chunk_esp_size", self.chunk_esp_size)
+        if self.chunk_layer[2] % self.chunk_esp_size:
+            raise ValueError(
+                f"chunk_esp_size={self.chunk_esp_size} must divide the chunk layer's d_hidden={self.chunk_layer[2]}"
+            )
         if self.dtype_bytes != 4:
             raise ValueError(f"dtype_bytes={self.dtype_bytes!r}: only float32 (4) is measured")
 
@@ -252,8 +273,14 @@ def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
     _measure_collectives(sweep)
     _measure_p2p(sweep, nodes)
     _measure_copies(sweep)
+    measure_chunks(sweep)
+    src = "moeflow profile"
     fits = {
-        k: AlphaBeta.fit(m["sizes"], m["median_s"], m["unit"], source="moeflow profile").to_dict()
+        k: (
+            chunk_fit(m["sizes"], m["median_s"], source=src)
+            if m["unit"] == "chunk"
+            else AlphaBeta.fit(m["sizes"], m["median_s"], m["unit"], source=src)
+        ).to_dict()
         for k, m in sweep.measurements.items()
     }
     # CPU ranks that all live on one machine share its cores (CostModel.host_cores).

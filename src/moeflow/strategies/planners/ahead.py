@@ -11,7 +11,8 @@ whenever its thread gets to it.
 The searches are Python (numpy on small arrays): running beside other Python of the main thread,
 they take the GIL from it in 5 ms slices. A caller with more Python on the critical path after
 its planners' calls (the `auto` arbiter pricing every proposal) opens `searches_deferred()`: the
-searches submitted inside start when it ends.
+searches submitted inside start when it ends, in an order the caller may choose (`auto` puts first
+those it will price at its next call).
 """
 
 from __future__ import annotations
@@ -38,15 +39,16 @@ def planning_pool() -> ThreadPoolExecutor:
 
 
 @contextmanager
-def searches_deferred() -> Iterator[None]:
-    """Searches submitted inside the block start when it ends (module docstring); nests."""
+def searches_deferred() -> Iterator[list]:
+    """Searches submitted inside the block start when it ends (module docstring), in the order of
+    the list it yields (the `PlanAhead`s submitted; the caller may reorder it in place); nests."""
     outer = getattr(_LOCAL, "deferred", None)
     if outer is not None:
-        yield
+        yield outer
         return
     _LOCAL.deferred = []
     try:
-        yield
+        yield _LOCAL.deferred
     finally:
         pending, _LOCAL.deferred = _LOCAL.deferred, None
         for plan in pending:

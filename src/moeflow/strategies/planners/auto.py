@@ -37,6 +37,16 @@ are then priced with the factors (backward as 2× compute and the other half of 
 Error. `model_error()` is out of sample: each forward's corrected prediction, made before it ran
 (the factors as they were), against what it then measured.
 
+Pricing less. Pricing a proposal (its terms, and its block under every schedule with
+`schedule="auto"`) is on the layer's critical path, about 1–7 ms per distinct placement at 8–16
+devices. A candidate whose price came out more than `rest_margin` above the winner's rests: it is
+not priced (nor run) for the next 1, 2, 4, ... calls (doubling each time it loses again, at most
+`max_rest`), then priced again; a candidate within the margin or winning is priced every call. Its
+planner is still called every iteration (its history stays whole). Plain EP, the guard's reference,
+is always priced. Every rank rests the same candidates: the prices are global numbers. The
+planning thread runs the searches of the candidates priced at the next call first, so the
+planned-ahead choice (`next_placement()`) does not wait for the resting ones.
+
 `AutoDecision` (`planner.last`) records each candidate's corrected price, the choice and the
 model's current error; `MoEStats.strategy` names the planner chosen, per layer and step.
 
@@ -74,6 +84,10 @@ class AutoOptions:
     """Forwards the online correction fits over."""
     min_observations: int = 4
     """Forwards measured before the correction is used (s = 1 before)."""
+    rest_margin: float = 0.1
+    """A candidate priced more than this fraction above the winner rests (module docstring)."""
+    max_rest: int = 8
+    """Most calls a losing candidate rests before it is priced again (0: price every candidate every call)."""
 
     def __post_init__(self) -> None:
         names = self.names()
@@ -85,6 +99,9 @@ class AutoOptions:
             raise ValueError(f"min_gain={self.min_gain!r}: expected a fraction in [0, 1)")
         positive_int("window", self.window)
         positive_int("min_observations", self.min_observations)
+        finite_number("rest_margin", self.rest_margin, 0.0)
+        if int(self.max_rest) != self.max_rest or self.max_rest < 0:
+            raise ValueError(f"max_rest={self.max_rest!r}: expected an integer >= 0")
 
     def names(self) -> list[str]:
         return [n.strip() for n in self.candidates.split(",") if n.strip()]
@@ -95,13 +112,15 @@ class AutoDecision:
     """One iteration's arbitration."""
 
     prices_s: dict[str, float]
-    """Each candidate's corrected predicted time (forward + backward), plain EP included."""
+    """Each priced candidate's corrected predicted time (forward + backward), plain EP included."""
     chosen: str
     """The planner whose placement ran."""
     scales: tuple[float, float, float, float]
     """(s_comp, s_comm, s_copy, c) of the correction in use."""
     predicted_s: list[float] = field(default_factory=list)
     """[EP's price, the chosen one's]: for the bench's predicted speedup."""
+    resting: list[str] = field(default_factory=list)
+    """Candidates not priced this call (they lost by more than `rest_margin` recently)."""
 
     @property
     def best_s(self) -> float:
@@ -181,6 +200,7 @@ class AutoPlanner:
         self.hidden_share = 0.0  # share of the prefetch windows that hid copies; 0 until measured
         self._planned: tuple[str, Placement] | None = None
         self._plan_after: tuple[Placement, object] | None = None  # the call to plan ahead from, not yet done
+        self.rest: dict[str, list[int]] = {}  # name -> [calls it rests now, calls it rests after its next loss]
         self.block_prices: Callable[[np.ndarray], dict[str, float]] | None = None
         """Set by the layer when its schedule is chosen too (`schedule="auto"`): the corrected block
         time of a dispatch plan under each schedule, so placement and schedule are chosen jointly."""
@@ -272,7 +292,11 @@ class AutoPlanner:
         for planner in self._ahead():  # what the prefetch measured reaches the planners too
             planner.nonmoe_forward_s, planner.hidden_share = self.nonmoe_forward_s, self.hidden_share
         predicted = np.mean(np.stack(self.history), axis=0)
-        options = {n: p.next_placement() for n, p in self.planners.items() if getattr(p, "plans_ahead", False)}
+        options = {
+            n: p.next_placement()
+            for n, p in self.planners.items()
+            if getattr(p, "plans_ahead", False) and self.rest.get(n, [0, 0])[0] == 0  # resting: not priced next call
+        }
         options = {n: p for n, p in options.items() if p is not None and not p.is_owners_only()}
         if not options:
             return
@@ -290,9 +314,11 @@ class AutoPlanner:
         planned = (
             self._planned if self._planned and np.array_equal(self._planned[1].owner_E, placement.owner_E) else None
         )
-        with searches_deferred():  # the planners' next searches wait until this one is priced
+        with searches_deferred() as searches:  # the planners' next searches wait until this one is priced
             proposals = {name: planner(flow_WE, placement, cost_model) for name, planner in self.planners.items()}
             proposals.setdefault("ep", Placement.owners_only(placement.owner_E, placement.world_size))
+            resting = [n for n in proposals if n != "ep" and self.rest.get(n, [0, 0])[0] > 0]
+            proposals = {n: p for n, p in proposals.items() if n not in resting}
             priced = self._priced(flow_WE, proposals, cost_model)
             if planned is not None:  # sent ahead: its copies hidden as far as the prefetch hides them
                 name = f"{planned[0]}+prefetch"
@@ -303,6 +329,10 @@ class AutoPlanner:
             best = min(prices, key=lambda name: (prices[name], name != "ep"))
             if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
                 best = "ep"
+            self._update_rest(prices, resting, [n for n, p in proposals.items() if p.is_owners_only()])
+            # First the searches whose plans the next call prices: `next_placement()` waits for those only.
+            rests = {id(getattr(self.planners[n], "next_plan", None)) for n, (left, _) in self.rest.items() if left > 0}
+            searches.sort(key=lambda plan: id(plan) in rests)
         chosen = terms[best]
         # Forward share: one expert compute of three; the dispatch and combine (half the exchanges),
         # the copies out (about half the copies' traffic).
@@ -310,10 +340,32 @@ class AutoPlanner:
         fitted = len(self.observations) >= self.options.min_observations
         self._pending = PendingForward(*shares, self._fitted(*shares) if fitted else None)
         self.chosen = best
-        self.last = AutoDecision(prices, best, self.scales, [prices["ep"], prices[best]])
+        self.last = AutoDecision(prices, best, self.scales, [prices["ep"], prices[best]], resting)
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
         self._planned, self._plan_after = None, (placement, cost_model)
         return proposals[best]
+
+    def _update_rest(self, prices: dict[str, float], resting: list[str], as_ep: list[str]) -> None:
+        """Count down the resting candidates; rest those priced above the winner by more than
+        `rest_margin` (1, 2, 4, ... calls, at most `max_rest`); a candidate within the margin is
+        priced every call again (module docstring). Not rested for it: those that proposed plain EP's
+        placement (`as_ep`: free to price, and a planner without history yet proposes that)."""
+        for name in resting:
+            self.rest[name][0] -= 1
+        if self.options.max_rest == 0:
+            return
+        limit = (1.0 + self.options.rest_margin) * min(prices.values())
+        best_of: dict[str, float] = {}  # a planner's best price: its proposal, or its prefetched plan
+        for name, price in prices.items():
+            base = name.removesuffix("+prefetch")
+            if base in self.planners and name not in as_ep:
+                best_of[base] = min(price, best_of.get(base, price))
+        for name, price in best_of.items():
+            state = self.rest.setdefault(name, [0, 1])
+            if price > limit:
+                state[0], state[1] = state[1], min(2 * state[1], self.options.max_rest)
+            else:
+                state[:] = [0, 1]
 
     def model_error(self) -> float | None:
         """Mean relative error of the corrected forward predictions, each made before its forward ran,

@@ -50,6 +50,9 @@ class ExchangeBlock:
     plan_SED: np.ndarray | None = None
     """The layer's global dispatch plan: rows source s sends destination d for expert e (identical
     on every rank; `schedule="auto"` prices the candidates on it)."""
+    esp_group: Any = None
+    """The layer's expert-sharding group (None: none): its members compute every chunk of a
+    pipelined block together, each with its own expert-parallel group's flow."""
 
     @property
     def send_splits(self) -> list[int]:

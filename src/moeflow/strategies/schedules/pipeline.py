@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from moeflow.perf.pipeline_degree import PassModel, candidate_degrees, find_degree, priced_time
+from moeflow.perf.pipeline_inputs import chunk_cost_ms
 from moeflow.strategies.schedules.base import ExchangeBlock, PredictedBlock, Schedule, StepLoad
 from moeflow.strategies.schedules.sync import SyncSchedule
 
@@ -323,7 +324,11 @@ def pass_models(step: StepLoad, cost_model: Any, dispatcher: Any) -> tuple[PassM
     all-to-all α from the dispatcher's price of one byte per exchanging pair and its volume from the
     price of the whole exchange; the experts' α from a fitted GEMM (one launch per GEMM of the
     slowest rank's experts with tokens, else 0) and their volume from the slowest rank's compute;
-    backward doubles the experts (§4.4). No ESP: all-gather and reduce-scatter cost 0."""
+    backward doubles the experts (§4.4). The measured cost of one more chunk (``chunk_*`` fits of
+    ``moeflow profile``, ``perf.chunk_profile``; it includes an ESP layer's per-chunk collectives
+    when profiled with that layout) is added to the experts' α of its pass. All-gather and
+    reduce-scatter cost 0: under ESP they run inside each chunk's compute (``_intra_node``), their
+    volume the same for every degree, their per-chunk start-up in the chunk fit."""
     send = np.asarray(step.send_tokens_WW, dtype=np.float64)
     W = send.shape[-1]
     off_WW = send * (1.0 - np.eye(W))
@@ -337,13 +342,31 @@ def pass_models(step: StepLoad, cost_model: Any, dispatcher: Any) -> tuple[PassM
         exp_alpha = np.minimum(cost_model.fits["gemm"].alpha_s * step.shape.gemms * experts, exp)
     zero = np.zeros_like(a2a)
 
-    def model(scale: float) -> PassModel:
+    def model(scale: float, chunk_ms: float) -> PassModel:
         return PassModel(
-            (1e3 * a2a_alpha, zero, zero, 1e3 * scale * exp_alpha),
+            (1e3 * a2a_alpha, zero, zero, 1e3 * scale * exp_alpha + chunk_ms),
             (1e3 * (a2a - a2a_alpha), zero, zero, 1e3 * scale * (exp - exp_alpha)),
         )
 
-    return model(1.0), model(2.0)
+    chunk_f, chunk_b = chunk_cost_ms(cost_model)
+    return model(1.0, chunk_f), model(2.0, chunk_b)
+
+
+def _agree_over_esp(choices: list[Any], esp_group: Any) -> list[int]:
+    """One degree per pass for the whole ESP group. Its members run every chunk's all-gather and
+    reduction together, so they must cut the block into the same number of chunks; each priced its
+    own expert-parallel group's flow, which differs. The block runs in lockstep, as slow as its
+    slowest group: the choice of the member whose predicted pass is slowest is taken (ties: the lower
+    rank). One all-gather of 4 numbers, once (the degrees are chosen at the first forward)."""
+    degrees = [c.degree for c in choices]
+    if esp_group is None or dist.get_world_size(esp_group) == 1:
+        return degrees
+    mine = torch.tensor([[c.time_ms, c.degree] for c in choices], dtype=torch.float64)  # [pass, (time, r)]
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(esp_group))]
+    dist.all_gather(gathered, mine, group=esp_group)
+    all_M2 = torch.stack(gathered)  # [member, pass, (time, r)]
+    slowest = torch.argmax(all_M2[:, :, 0], dim=0)  # first maximum per pass
+    return [int(all_M2[m, p, 1]) for p, m in enumerate(slowest.tolist())]
 
 
 def _scalar_model(model: PassModel) -> PassModel:
@@ -383,29 +406,29 @@ class PipelineSchedule(Schedule):
 
     def choose(self, block: ExchangeBlock) -> tuple[int, int]:
         """The forward and backward degrees; ``auto``: Algorithm 1 (``find_degree``) on this block's
-        global load, so every rank chooses the same."""
+        global load, so every rank of the expert-parallel group chooses the same; under expert
+        sharding the ESP group agrees (`_agree_over_esp`)."""
         fwd, bwd = self.options.forward, self.options.backward
-        if "auto" in (fwd, bwd):
-            from moeflow.strategies.schedules.auto import step_load
+        if "auto" not in (fwd, bwd):
+            return int(fwd), int(bwd)
+        from moeflow.strategies.schedules.auto import step_load
 
-            W, devices = len(block.send_WW), self.cost_model.topology.num_devices
-            if devices != W:
-                raise ValueError(
-                    f"schedule='pipeline' degree='auto': the cost model {self.cost_model.name!r} describes {devices} "
-                    f"devices but the expert-parallel group has {W}; give a cost model of this group "
-                    "(moeflow profile) or a fixed degree"
-                )
-
-            if block.plan_SED is not None:
-                step = step_load(block.plan_SED, self.expert, block.node_of)
-            else:  # one expert column per rank: rows each rank receives
-                step = StepLoad(block.send_WW, block.send_WW.sum(0)[:, None], self.expert, block.node_of)
-            models = pass_models(step, self.cost_model, block.dispatcher)
-            cands = self.candidates(block.send_WW)
-            picked = [find_degree(_scalar_model(m), 0.0, cands).degree for m in models]
-            fwd = picked[0] if fwd == "auto" else fwd
-            bwd = picked[1] if bwd == "auto" else bwd
-        return int(fwd), int(bwd)
+        W, devices = len(block.send_WW), self.cost_model.topology.num_devices
+        if devices != W:
+            raise ValueError(
+                f"schedule='pipeline' degree='auto': the cost model {self.cost_model.name!r} describes {devices} "
+                f"devices but the expert-parallel group has {W}; give a cost model of this group "
+                "(moeflow profile) or a fixed degree"
+            )
+        if block.plan_SED is not None:
+            step = step_load(block.plan_SED, self.expert, block.node_of)
+        else:  # one expert column per rank: rows each rank receives
+            step = StepLoad(block.send_WW, block.send_WW.sum(0)[:, None], self.expert, block.node_of)
+        models = pass_models(step, self.cost_model, block.dispatcher)
+        cands = self.candidates(block.send_WW)
+        picked = [find_degree(_scalar_model(m), 0.0, cands) for m in models]
+        picked = _agree_over_esp(picked, block.esp_group)
+        return int(picked[0] if fwd == "auto" else fwd), int(picked[1] if bwd == "auto" else bwd)
 
     def execute(self, block: ExchangeBlock) -> torch.Tensor:
         if block.group is None:  # one process: nothing to overlap

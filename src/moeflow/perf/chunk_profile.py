@@ -1,0 +1,114 @@
+"""The cost of one more chunk of FSMoE's pipelined block, measured on the live backend
+(``moeflow profile``, op kinds ``chunk_forward`` and ``chunk_backward``).
+
+FSMoE Eq. 1 prices one of r chunks as ``α_x + (n_x/r)·β_x`` per operation, with α fitted from
+each collective alone on an idle device. What a chunk really adds is more than that where the
+transfers share the computing cores (CPU ranks on gloo: every chunk posts two more all-to-alls
+whose threads and the kernel's TCP stack run beside the expert GEMMs; under expert sharding also
+an all-gather of counts and rows and an all-reduce of outputs, synchronous inside the chunk's
+compute), plus the chunk's own Python and autograd work. On the 2 × 2 network testbed one more
+chunk measured 3.5–4.5 ms per block and pass without ESP and 5.5–8 ms with it, where the
+collectives' fitted α are ≤ 5 µs (docs/benchmarks.md, "FSMoE, part 2").
+
+So it is measured as the pipeline pays it: one `MoELayer` (``ProfileConfig.chunk_layer``: tokens
+per rank, d_model, d_hidden; 2 experts per expert-parallel rank, top-2, ffn) with
+``schedule="pipeline"`` at each degree of ``chunk_degrees``, expert parallelism over the world,
+or with ``chunk_esp_size`` > 1 FSMoE's layout (ESP groups of consecutive ranks inside a node,
+expert parallelism across them). Timed: the forward without autograd and the forward + backward
+(backward = step − forward). Fitted over the degrees: ``t(r) = a + b/r + c·r`` by non-negative
+least squares (`chunk_fit`) — the shape of FSMoE's Case 2, ``2·t_a2a,r + r·t_exp,r``, where b/r
+is the exchange the chunks overlap and c what every chunk adds; a line in r alone would net the
+overlap gained against the chunks' cost and understate c. Kept: c as β (seconds per chunk) of
+``chunk_forward`` / ``chunk_backward``, a as α; b is not kept (the cost model prices the exchange
+from its own all-to-all fit).
+`moeflow.strategies.schedules.pipeline.pass_models` and `moeflow tune` add β to the per-chunk
+start-up of the experts' term (it runs on the computing cores, r times in FSMoE's Case 2).
+
+Shape suffixes: T tokens of this rank, D d_model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from scipy import optimize
+
+from moeflow.core.expert_sharding import to_expert_sharding
+from moeflow.core.layer import MoELayer
+from moeflow.core.parallel import ParallelLayout
+from moeflow.perf.alpha_beta import CHUNK_KINDS, AlphaBeta
+
+
+def check_chunk_layout(world: int, node_of: list[int], esp_size: int) -> int:
+    """The expert-parallel size of the measured layout; raises where ``chunk_esp_size`` does not fit."""
+    if world % esp_size:
+        raise ValueError(f"chunk_esp_size={esp_size} does not divide the {world} ranks")
+    for g in range(world // esp_size):
+        members = node_of[g * esp_size : (g + 1) * esp_size]
+        if len(set(members)) != 1:
+            raise ValueError(
+                f"chunk_esp_size={esp_size}: ranks {g * esp_size}..{(g + 1) * esp_size - 1} span nodes "
+                f"{sorted(set(members))}; an ESP group must lie inside one node (FSMoE §3)"
+            )
+    return world // esp_size
+
+
+def chunk_fit(degrees: Any, times_s: Any, source: str = "moeflow profile") -> AlphaBeta:
+    """``t(r) = a + b/r + c·r`` with a, b, c ≥ 0 (``scipy.optimize.lsq_linear``) -> α = a, β = c
+    per chunk (module docstring); r² of that fit."""
+    r, y = np.asarray(degrees, dtype=np.float64), np.asarray(times_s, dtype=np.float64)
+    if r.shape != y.shape or np.unique(r).size < 3:
+        raise ValueError(f"chunk_fit: need >= 3 distinct degrees with one time each, got degrees={r.tolist()}")
+    A = np.stack([np.ones_like(r), 1.0 / r, r], axis=1)
+    res = optimize.lsq_linear(A, y, bounds=(0.0, np.inf))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((y - A @ res.x) ** 2)) / ss_tot if ss_tot > 0 else 1.0
+    return AlphaBeta(float(res.x[0]), float(res.x[2]), "chunk", r2, source)
+
+
+def _layers(config: Any, layout: ParallelLayout, degrees: list[int]) -> list[MoELayer]:
+    """One layer per degree, identical weights (same seed) and so identical routing."""
+    tokens, d_model, d_hidden = config.chunk_layer
+    layers = []
+    for r in degrees:
+        torch.manual_seed(0)
+        layer = MoELayer(
+            d_model, d_hidden, 2 * layout.ep_size, top_k=2, schedule="pipeline", schedule_options={"degree": r}
+        )
+        layer.to_expert_parallel(layout.ep_group)
+        to_expert_sharding(layer, layout.esp_group)
+        layers.append(layer)
+    return layers
+
+
+def measure_chunks(sweep: Any) -> None:
+    """Record ``chunk_forward`` / ``chunk_backward`` in `sweep` (module docstring); nothing when the
+    expert-parallel group has one rank (no chunked exchange to measure)."""
+    config = sweep.config
+    if not any(sweep.wants(k) for k in CHUNK_KINDS):
+        return
+    ep_size = check_chunk_layout(sweep.world, sweep.node_of, config.chunk_esp_size)
+    if ep_size < 2:
+        return
+    layout = ParallelLayout(ep_size=ep_size, esp_size=config.chunk_esp_size, d_hidden=config.chunk_layer[2])
+    degrees = list(config.chunk_degrees)
+    generator = torch.Generator().manual_seed(1 + sweep.rank)
+    x_TD = torch.randn(config.chunk_layer[0], config.chunk_layer[1], generator=generator, device=sweep.device)
+    forward, backward = [], []
+    for layer in _layers(config, layout, degrees):
+        layer.to(sweep.device)
+
+        def run_forward(layer: MoELayer = layer) -> None:
+            with torch.no_grad():
+                layer(x_TD)
+
+        def run_step(layer: MoELayer = layer) -> None:
+            layer(x_TD).sum().backward()
+
+        fwd, step = sweep.time(run_forward), sweep.time(run_step)
+        forward.append(fwd)
+        backward.append(step - np.median(fwd))
+    sweep.record("chunk_forward", degrees, forward, "chunk")
+    sweep.record("chunk_backward", degrees, backward, "chunk")
