@@ -18,8 +18,9 @@ profile's link and collectives with the link's bandwidth halved (the two EP grou
 link), the 2 x 2 profile's GEMM rate (4 ranks on 2 cores), and the cost of one more pipeline chunk
 measured on the 2 x 2 testbed with this very layout (`moeflow profile --ops chunk_forward,chunk_backward
 --chunk-esp-size 2`, results/profile-testbed-chunks-esp2.json; `moeflow.perf.chunk_profile`: a layer
-of this shape, 512 tokens per rank, d_model 128, d_hidden 1024, at degrees 1, 2, 4, 8). Written next
-to the result. `--esp-size 1` prices with the 2 x 2 profile itself (its chunk fit is plain EP).
+of this shape, 512 tokens per rank, d_model 128, d_hidden 1024, at degrees 1, 2, 4, 8), with the
+share of the pipeline's overlap the testbed realises (`pipeline_overlap`, η). Written next to the
+result. `--esp-size 1` prices with the 2 x 2 profile itself (its chunk fit is plain EP).
 
 Prediction per variant: the schedules' own `predict` (FSMoE Eq. 1 and the §4.2 case formulas for the
 pipeline) of one MoE block under the measured routing's average (uniform) load, times the MoE layers;
@@ -73,9 +74,11 @@ SHAPE = [
 def derived_cost_model(p2x1: Path, p2x2: Path, chunks: Path, out: Path) -> Path:
     """The EP group's 2-device model (module docstring)."""
     a, b = json.loads(p2x1.read_text()), json.loads(p2x2.read_text())
-    for kind, fit in json.loads(chunks.read_text())["fits"].items():
+    chunk_profile = json.loads(chunks.read_text())
+    for kind, fit in chunk_profile["fits"].items():
         if kind.startswith("chunk_"):
             a["fits"][kind] = fit
+    a["pipeline_overlap"] = chunk_profile.get("pipeline_overlap", [1.0, 1.0])
     a["name"] = "fsmoe-testbed-ep-group"
     a["topology"]["level_bandwidth_bytes_per_s"] = [0.5 * x for x in a["topology"]["level_bandwidth_bytes_per_s"]]
     for op in ("a2a", "p2p_inter"):
@@ -86,7 +89,7 @@ def derived_cost_model(p2x1: Path, p2x2: Path, chunks: Path, out: Path) -> Path:
     a["derived_from"] = {
         "link_and_collectives": str(p2x1),
         "gemm": str(p2x2),
-        "chunk_forward, chunk_backward": str(chunks),
+        "chunk_forward, chunk_backward, pipeline_overlap": str(chunks),
         "note": "link bandwidth halved: both EP groups cross each node's link at once",
     }
     out.write_text(json.dumps(a, indent=2) + "\n")

@@ -62,12 +62,16 @@ def test_profile_two_gloo_ranks(tmp_path, capsys):
     assert set(data["fits"]) == expected
     assert data["measurements"]["chunk_forward"]["sizes"] == [1, 2, 4, 8]  # the pipeline degrees
     assert data["fits"]["chunk_forward"]["unit"] == data["fits"]["chunk_backward"]["unit"] == "chunk"
+    assert len(data["pipeline_overlap"]) == 2 and all(0.0 <= eta <= 1.0 for eta in data["pipeline_overlap"])
+    assert data["chunk_exchange_s"] > 0
     for kind, fit in data["fits"].items():
         m = data["measurements"][kind]
-        assert len(m["sizes"]) == len(m["median_s"]) >= 3 and all(t > 0 for t in m["median_s"])
+        assert len(m["sizes"]) == len(m["median_s"]) >= 3
+        assert all(t > 0 or (kind == "chunk_backward" and t == 0) for t in m["median_s"])  # a difference
         assert fit["alpha_s"] >= 0 and fit["beta_s_per_unit"] >= 0 and fit["r2"] <= 1.0
         assert np.isfinite(m["noise_cv"])
     model = CostModel.load(out)  # a profile is a complete cost model
+    assert model.pipeline_overlap == tuple(data["pipeline_overlap"])
     assert model.topology.num_devices == 2 and model.topology.node_of == [0, 0]
     assert float(model.a2a_time(np.full((2, 2), 32768.0))) == pytest.approx(
         data["fits"]["a2a"]["alpha_s"] + data["fits"]["a2a"]["beta_s_per_unit"] * 65536
@@ -92,9 +96,9 @@ def test_profile_argument_errors(capsys):
 
 
 def test_chunk_fit_and_layout():
-    """`perf.chunk_profile`: t(r) = a + b/r + c·r recovered exactly (c = cost of one more chunk);
-    an ESP group must lie inside one node."""
-    from moeflow.perf.chunk_profile import check_chunk_layout, chunk_fit
+    """`perf.chunk_profile`: t(r) = a + b/r + c·r recovered exactly (c = cost of one more chunk),
+    the realised overlap η from it; an ESP group must lie inside one node."""
+    from moeflow.perf.chunk_profile import check_chunk_layout, chunk_fit, overlap_share
 
     r = np.array([1, 2, 4, 8])
     fit = chunk_fit(r, 0.010 + 0.006 / r + 0.002 * r)
@@ -104,6 +108,12 @@ def test_chunk_fit_and_layout():
     assert chunk_fit(r, 0.01 + 0.006 / r).beta_s_per_unit == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(ValueError, match="3 distinct degrees"):
         chunk_fit([1, 2], [0.1, 0.2])
+    # η = b / H: exchange 0.010 s, the rest of the block 0.030 s, 40% of the exchange hidden
+    exchange, rest, eta, c = 0.010, 0.030, 0.4, 0.002
+    t = exchange + rest - eta * exchange * (1 - 1 / r) + c * (r - 1)
+    assert overlap_share(r, t, exchange) == pytest.approx(eta)
+    assert overlap_share(r, exchange + rest + c * (r - 1), exchange) == pytest.approx(0.0, abs=1e-6)  # none hidden
+    assert overlap_share(r, t, 0.05) == 0.0  # the exchange is the whole block: nothing to hide it behind
     assert check_chunk_layout(4, [0, 0, 1, 1], 2) == 2 and check_chunk_layout(4, [0, 0, 1, 1], 1) == 4
     with pytest.raises(ValueError, match="chunk_esp_size=2: ranks 0..1 span nodes"):
         check_chunk_layout(4, [0, 1, 0, 1], 2)

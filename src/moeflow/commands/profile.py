@@ -100,6 +100,9 @@ def run(args) -> int:
             rate = inv * (1e-9 if fit["unit"] == "flop" else 1e-6)
             unit = "GFLOP/s" if fit["unit"] == "flop" else "MB/s"
         print(f"{kind:<16}{1e6 * fit['alpha_s']:>12.1f}{rate:>10.1f} {unit:<6}{fit['r2']:>9.4f}{noise:>10.3f}")
+    if "pipeline_overlap" in profile:
+        eta_f, eta_b = profile["pipeline_overlap"]
+        print(f"pipeline overlap realised (eta): forward {eta_f:.2f}, backward {eta_b:.2f}")
     if args.out:
         print(f"wrote {args.out}")
     return 0

@@ -117,6 +117,7 @@ def run(args) -> int:
                 "alpha_ms": fits.alpha_ms,
                 "beta_ms": fits.beta_ms,
                 "chunk_ms": {"forward": fits.chunk_ms[0], "backward": fits.chunk_ms[1]},
+                "overlap": {"forward": fits.overlap[0], "backward": fits.overlap[1]},
             },
             "fits_source": fits.source,
             "gradient_partition": partition.to_dict(),
@@ -130,6 +131,8 @@ def run(args) -> int:
     )
     if any(fits.chunk_ms):
         print(f"measured cost of one more chunk: forward {fits.chunk_ms[0]:.2f} ms, backward {fits.chunk_ms[1]:.2f} ms")
+    if fits.overlap != (1.0, 1.0):
+        print(f"overlap the machine realises (eta): forward {fits.overlap[0]:.2f}, backward {fits.overlap[1]:.2f}")
     shown = plan.candidates[:16]
     if len(plan.candidates) > len(shown):
         print(f"(times at the first {len(shown)} of {len(plan.candidates)} degrees; all of them in --json)")

@@ -70,6 +70,10 @@ class CostModel(CopiesPricing):
     backend: str = "nccl"
     """The collectives' backend the priced runs use (``moeflow profile`` records its own): it decides
     how copies of shadowed experts travel (``copies_time``)."""
+    pipeline_overlap: tuple[float, float] = (1.0, 1.0)
+    """η, forward and backward: the share of what FSMoE's pipelined block overlaps that this machine
+    hides (``moeflow profile``'s chunk sweep, ``perf.chunk_profile.overlap_share``; 1: the paper's
+    assumption, and the default)."""
 
     def __post_init__(self) -> None:
         if not (self.gemm_flops_per_s > 0 and math.isfinite(self.gemm_flops_per_s)):
@@ -78,6 +82,10 @@ class CostModel(CopiesPricing):
             raise ValueError(f"host_cores={self.host_cores!r}: must be a positive int or None")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r}: expected 'gloo' or 'nccl'")
+        overlap = tuple(float(v) for v in self.pipeline_overlap)
+        if len(overlap) != 2 or not all(0.0 <= v <= 1.0 for v in overlap):
+            raise ValueError(f"pipeline_overlap={self.pipeline_overlap!r}: expected two shares in [0, 1]")
+        self.pipeline_overlap = overlap
         if self.bytes_per_element not in (1, 2, 4, 8):
             raise ValueError(f"bytes_per_element={self.bytes_per_element!r}: expected 1, 2, 4 or 8")
         unknown = set(self.fits) - set(OP_KINDS)
@@ -371,6 +379,7 @@ class CostModel(CopiesPricing):
             "a2a_calibration": self.a2a_calibration,
             "host_cores": self.host_cores,
             "backend": self.backend,
+            "pipeline_overlap": list(self.pipeline_overlap),
             "fits": {k: f.to_dict() for k, f in self.fits.items()},
         }
 
@@ -390,6 +399,7 @@ class CostModel(CopiesPricing):
             data.get("host_cores"),
             bool(data.get("a2a_calibration", True)),
             data.get("backend", "nccl"),
+            tuple(data.get("pipeline_overlap") or (1.0, 1.0)),
         )
 
     def save(self, path: str | Path) -> None:

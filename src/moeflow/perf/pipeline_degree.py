@@ -30,6 +30,14 @@ Deviations, recorded:
   ``perf.chunk_profile``) is added to α_exp of its pass: where the chunks' collectives share the
   computing cores (CPU ranks on gloo) one more chunk costs milliseconds, not the ops' µs α, and that
   cost lands on the experts' critical path r times (Case 2). 0 for FSMoE's constants.
+* Overlap realised (``PassModel.overlap``, η): the case formulas assume that what the chunks
+  overlap is hidden. Where the machine hides only a share η of it (CPU ranks on gloo: the
+  transfers run on the computing cores; ``perf.chunk_profile`` measures η), an integer r is priced
+  ``η·case formula + (1 − η)·serial``, serial = ``r·(2·t_a2a,r + t_ag,r + t_rs,r + t_exp,r) + t_gar``
+  (every stage of every chunk one after another), and every candidate degree is priced (the SLSQP
+  optima are those of η = 1). η = 1 (FSMoE's constants, GPUs): the paper's model unchanged.
+  Measured on the 2 × 2 CPU testbed: without η the model priced r = 1 and 2 within 2%, r = 2 ran
+  11% slower (docs/benchmarks.md, "FSMoE, part 2").
 * Not reproduced: the tool's shortcuts (forward degree 1 when one unchunked all-to-all takes
   < 1 ms, backward degree 1 whenever the forward one is 1).
 """
@@ -71,6 +79,12 @@ class PassModel:
 
     alpha_ms: tuple[float, float, float, float]
     volume_ms: tuple[float, float, float, float]
+    overlap: float = 1.0
+    """η: the share of the overlap the case formulas assume that the machine realises (module
+    docstring; 1: FSMoE's model)."""
+
+    def __post_init__(self) -> None:
+        finite_number("overlap", self.overlap, 0.0, 1.0)
 
     def chunk_times(self, r: Any) -> np.ndarray:
         """``[4, ...]``: t_a2a,r, t_ag,r, t_rs,r, t_exp,r (Eq. 1)."""
@@ -90,7 +104,7 @@ def pass_model(
     ops = ("a2a", "ag", "rs", "gemm")
     alphas = tuple(fits.alpha(op) for op in ops[:3]) + (alpha_exp,)
     volumes = tuple(workload.elements(op) * fits.beta(op) * (scale if op == "gemm" else 1.0) for op in ops)
-    return PassModel(alphas, volumes)
+    return PassModel(alphas, volumes, fits.overlap[1 if backward else 0])
 
 
 def _stack(rows: list[Any]) -> np.ndarray:
@@ -142,9 +156,16 @@ def case_at(model: PassModel, r: Any, t_gar_ms: Any) -> np.ndarray:
 
 
 def priced_time(model: PassModel, r: Any, t_gar_ms: Any) -> np.ndarray:
-    """Time at degree r: the formula of the case that holds there (module docstring)."""
+    """Time at degree r: the formula of the case that holds there (module docstring); with an
+    overlap η < 1, ``η·that + (1 − η)·serial``."""
     times = case_times(model, r, t_gar_ms)
-    return np.take_along_axis(times, (case_at(model, r, t_gar_ms) - 1)[None], axis=0)[0]
+    overlapped = np.take_along_axis(times, (case_at(model, r, t_gar_ms) - 1)[None], axis=0)[0]
+    if model.overlap == 1.0:
+        return overlapped
+    r = np.asarray(r, dtype=np.float64)
+    a2a, ag, rs, exp = model.chunk_times(r)
+    serial = r * (2 * a2a + ag + rs + exp) + t_gar_ms
+    return model.overlap * overlapped + (1.0 - model.overlap) * serial
 
 
 def best_candidate_time_ms(model: PassModel, t_gar_ms: Any, candidates: tuple[int, ...]) -> np.ndarray:
@@ -261,7 +282,7 @@ def find_degree(
     near: set[float] = set()
     for r in degrees[np.isfinite(degrees)]:
         near.update(cands[cands <= r + 1e-9][-1:].tolist() + cands[cands >= r - 1e-9][:1].tolist())
-    if not near:  # no case solved (SLSQP failed everywhere): price every candidate
+    if not near or model.overlap < 1.0:  # no case solved (SLSQP failed everywhere), or η < 1: price all
         near = set(cands.tolist())
     near_r = np.array(sorted(near))
     near_t = priced_time(model, near_r, t_gar_ms)

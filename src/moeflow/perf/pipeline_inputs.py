@@ -102,6 +102,9 @@ class PipelineFits:
     chunk_ms: tuple[float, float] = (0.0, 0.0)
     """What one more chunk costs beyond the ops' α (forward, backward), in ms: the ``chunk_*`` fits
     of ``moeflow profile`` (`chunk_cost_ms`); 0 for FSMoE's own constants, which have no such term."""
+    overlap: tuple[float, float] = (1.0, 1.0)
+    """η, forward and backward: the share of the pipeline's overlap the machine realises
+    (``CostModel.pipeline_overlap``, measured by ``moeflow profile``; 1: FSMoE's model)."""
 
     def __post_init__(self) -> None:
         for name in ("alpha_ms", "beta_ms"):
@@ -114,6 +117,8 @@ class PipelineFits:
         positive_int("bytes_per_element", self.bytes_per_element)
         for name, v in zip(("chunk_ms[forward]", "chunk_ms[backward]"), self.chunk_ms):
             finite_number(name, v, 0.0)
+        for name, v in zip(("overlap[forward]", "overlap[backward]"), self.overlap):
+            finite_number(name, v, 0.0, 1.0)
 
     def alpha(self, op: str) -> float:
         return self.alpha_ms[FIT_ORDER.index(op)]
@@ -154,7 +159,14 @@ class PipelineFits:
                 alpha_s = max(float(t_s[1]) - beta_s * units, 0.0)
             alphas.append(1e3 * alpha_s)
             betas.append(1e3 * beta_s * per_unit)
-        return cls(tuple(alphas), tuple(betas), bpe, f"cost model {cost_model.name}", chunk_cost_ms(cost_model))
+        return cls(
+            tuple(alphas),
+            tuple(betas),
+            bpe,
+            f"cost model {cost_model.name}",
+            chunk_cost_ms(cost_model),
+            tuple(getattr(cost_model, "pipeline_overlap", (1.0, 1.0))),
+        )
 
 
 def chunk_cost_ms(cost_model: Any) -> tuple[float, float]:

@@ -9,7 +9,7 @@ over sizes; ``send``/``recv`` between two ranks of one node and two ranks of dif
 (when the job spans both); across nodes on gloo, the shadow ``copies`` of
 ``moeflow.core.sparse_collectives`` (every rank owning one message, forward and backward); the cost
 of one more chunk of the pipelined MoE block (``chunk_forward``, ``chunk_backward``:
-``perf.chunk_profile``). CPU ranks
+``perf.chunk_profile``) and the share of its overlap the machine realises (``pipeline_overlap``). CPU ranks
 that all run on one machine record ``host_cores`` (the cores they share; ``CostModel.host_cores``).
 
 Nodes are discovered, not configured: ranks that share a host name *and* a network namespace
@@ -143,6 +143,8 @@ class _Sweep:
     world: int
     node_of: list[int]
     measurements: dict[str, Any] = field(default_factory=dict)
+    scalars: dict[str, Any] = field(default_factory=dict)
+    """Derived numbers the profile reports beside the fits (``pipeline_overlap``)."""
 
     def time(self, fn: Any) -> np.ndarray:
         return _timed(fn, self.device, self.config.warmup, self.config.repeats)
@@ -300,6 +302,7 @@ def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
         "gemm_flops_per_s": flops,
         "bytes_per_element": 4,
         "host_cores": host_cores,
+        **sweep.scalars,  # pipeline_overlap (CostModel.pipeline_overlap), chunk_exchange_s
         "topology": topology_from_fits(nodes, fits),
         "fits": fits,
         "measurements": sweep.measurements,

@@ -326,7 +326,8 @@ def pass_models(step: StepLoad, cost_model: Any, dispatcher: Any) -> tuple[PassM
     slowest rank's experts with tokens, else 0) and their volume from the slowest rank's compute;
     backward doubles the experts (§4.4). The measured cost of one more chunk (``chunk_*`` fits of
     ``moeflow profile``, ``perf.chunk_profile``; it includes an ESP layer's per-chunk collectives
-    when profiled with that layout) is added to the experts' α of its pass. All-gather and
+    when profiled with that layout) is added to the experts' α of its pass, and the overlap the
+    machine realises (``CostModel.pipeline_overlap``, η) goes with each pass. All-gather and
     reduce-scatter cost 0: under ESP they run inside each chunk's compute (``_intra_node``), their
     volume the same for every degree, their per-chunk start-up in the chunk fit."""
     send = np.asarray(step.send_tokens_WW, dtype=np.float64)
@@ -342,14 +343,15 @@ def pass_models(step: StepLoad, cost_model: Any, dispatcher: Any) -> tuple[PassM
         exp_alpha = np.minimum(cost_model.fits["gemm"].alpha_s * step.shape.gemms * experts, exp)
     zero = np.zeros_like(a2a)
 
-    def model(scale: float, chunk_ms: float) -> PassModel:
+    def model(scale: float, chunk_ms: float, overlap: float) -> PassModel:
         return PassModel(
             (1e3 * a2a_alpha, zero, zero, 1e3 * scale * exp_alpha + chunk_ms),
             (1e3 * (a2a - a2a_alpha), zero, zero, 1e3 * scale * (exp - exp_alpha)),
+            overlap,
         )
 
-    chunk_f, chunk_b = chunk_cost_ms(cost_model)
-    return model(1.0, chunk_f), model(2.0, chunk_b)
+    (chunk_f, chunk_b), (overlap_f, overlap_b) = chunk_cost_ms(cost_model), cost_model.pipeline_overlap
+    return model(1.0, chunk_f, overlap_f), model(2.0, chunk_b, overlap_b)
 
 
 def _agree_over_esp(choices: list[Any], esp_group: Any) -> list[int]:
@@ -373,6 +375,7 @@ def _scalar_model(model: PassModel) -> PassModel:
     return PassModel(
         tuple(float(np.asarray(a).reshape(-1)[0]) for a in model.alpha_ms),
         tuple(float(np.asarray(v).reshape(-1)[0]) for v in model.volume_ms),
+        model.overlap,
     )
 
 
