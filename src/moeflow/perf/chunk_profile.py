@@ -19,8 +19,8 @@ expert parallelism across them). Timed: the forward without autograd and the for
 least squares (`chunk_fit`) — the shape of FSMoE's Case 2, ``2·t_a2a,r + r·t_exp,r``, where b/r
 is the exchange the chunks overlap and c what every chunk adds; a line in r alone would net the
 overlap gained against the chunks' cost and understate c. Kept: c as β (seconds per chunk) of
-``chunk_forward`` / ``chunk_backward``, a as α; b is not kept (the cost model prices the exchange
-from its own all-to-all fit).
+``chunk_forward`` / ``chunk_backward``, a as α; b goes into η (below; the cost model prices the
+exchange itself from its own all-to-all fit).
 `moeflow.strategies.schedules.pipeline.pass_models` and `moeflow tune` add β to the per-chunk
 start-up of the experts' term (it runs on the computing cores, r times in FSMoE's Case 2).
 
@@ -28,7 +28,7 @@ Overlap realised (η, `overlap_share`): FSMoE's case formulas assume the overlap
 Priced ``η·overlapped + (1 − η)·serial`` (`perf.pipeline_degree`), the layer's time is
 ``t(r) = const + η·H/r + c·r`` with H the hideable time at r → ∞, the smaller of the exchange
 (dispatch + combine) and the rest of the block: so η = b / H. The exchange is timed alone
-(two all-to-alls of the layer's rows over the expert-parallel group, `chunk_exchange`) and the rest
+(two all-to-alls of the layer's rows over the expert-parallel group, ``chunk_exchange_s``) and the rest
 is t(1) minus it; η is clipped to [0, 1] per pass (the backward's exchanges move as many rows). The
 profile writes η as ``pipeline_overlap`` (``CostModel.pipeline_overlap``); 1 where nothing was
 measured. On GPUs η should come out near 1 (FSMoE's design point); on the 2 × 2 CPU testbed it is

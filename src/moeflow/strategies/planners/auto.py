@@ -38,14 +38,15 @@ Error. `model_error()` is out of sample: each forward's corrected prediction, ma
 (the factors as they were), against what it then measured.
 
 Pricing less. Pricing a proposal (its terms, and its block under every schedule with
-`schedule="auto"`) is on the layer's critical path, about 1–7 ms per distinct placement at 8–16
-devices. A candidate whose price came out more than `rest_margin` above the winner's rests: it is
-not priced (nor run) for the next 1, 2, 4, ... calls (doubling each time it loses again, at most
-`max_rest`), then priced again; a candidate within the margin or winning is priced every call. Its
-planner is still called every iteration (its history stays whole). Plain EP, the guard's reference,
-is always priced. Every rank rests the same candidates: the prices are global numbers. The
-planning thread runs the searches of the candidates priced at the next call first, so the
-planned-ahead choice (`next_placement()`) does not wait for the resting ones.
+`schedule="auto"`) is on the layer's critical path: about 2 ms per distinct placement at 16 devices
+(a profile of `benchmarks/planner_overhead.py`, FasterMoE's johnny cluster). A candidate whose price
+came out more than `rest_margin` above the winner's rests: it is not priced (nor run) for the next
+1, 2, 4, ... calls (doubling each time it loses again, at most `max_rest`), then priced again; a
+candidate within the margin or winning is priced every call. Its planner is still called every
+iteration (its history stays whole). Plain EP, the guard's reference, is always priced. Every rank
+rests the same candidates: the prices are global numbers. The planning thread runs the searches of
+the candidates priced at the next call first, so the planned-ahead choice (`next_placement()`) does
+not wait for the resting ones.
 
 `AutoDecision` (`planner.last`) records each candidate's corrected price, the choice and the
 model's current error; `MoEStats.strategy` names the planner chosen, per layer and step.
