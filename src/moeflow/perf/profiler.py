@@ -160,7 +160,7 @@ class _Sweep:
             "median_s": [float(np.median(t)) for t in times],
             "mean_s": mean.tolist(),
             "std_s": std.tolist(),
-            "noise_cv": float(np.mean(std / mean)),
+            "noise_cv": float(np.mean(np.divide(std, mean, out=np.zeros_like(std), where=mean > 0))),
         }
 
     def wants(self, kind: str) -> bool:
