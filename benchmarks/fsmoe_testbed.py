@@ -108,7 +108,8 @@ def predictions(cost_model_path: Path, counts_LE: np.ndarray | None = None, esp:
     from moeflow.strategies.dispatchers import A2ADispatcher
     from moeflow.strategies.schedules.base import StepLoad
     from moeflow.strategies.schedules.pairwise import PairwiseSchedule
-    from moeflow.strategies.schedules.pipeline import PipelineOptions, PipelineSchedule, _scalar_model, pass_models
+    from moeflow.strategies.schedules.pipeline import PipelineOptions, PipelineSchedule
+    from moeflow.strategies.schedules.pipeline_pricing import pass_models, scalar_model
     from moeflow.strategies.schedules.sync import SyncSchedule
 
     cm = CostModel.load(cost_model_path)
@@ -140,7 +141,7 @@ def predictions(cost_model_path: Path, counts_LE: np.ndarray | None = None, esp:
         for w in range(W):
             computed[w, w * per : (w + 1) * per] = counts[w * per : (w + 1) * per]
         step = StepLoad(send, computed, ExpertShape(D_MODEL, D_HIDDEN, "ffn"), node_of)
-        fwd, bwd = (_scalar_model(m) for m in pass_models(step, cm, disp))
+        fwd, bwd = (scalar_model(m) for m in pass_models(step, cm, disp))
         auto = [find_degree(m, 0.0, (1, 2, 4, 8)) for m in (fwd, bwd)]
         degrees = {
             "pipeline_r1": (1, 1),

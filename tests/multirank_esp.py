@@ -17,7 +17,7 @@ from moeflow.core.expert_sharding import to_expert_sharding
 from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
-from moeflow.strategies.schedules.pipeline import _agree_over_esp
+from moeflow.strategies.schedules.pipeline_pricing import agree_over_esp
 
 from .equivalence import TOL, D, H
 
@@ -98,8 +98,8 @@ def check_esp_members_agree_on_the_degree(ep_size: int) -> None:
     layout = ParallelLayout(ep_size=ep_size, esp_size=2, d_hidden=H)
     m = layout.esp_rank
     mine = [SimpleNamespace(degree=1 + 3 * m, time_ms=10.0 + m), SimpleNamespace(degree=8 - 6 * m, time_ms=5.0 - m)]
-    assert _agree_over_esp(mine, layout.esp_group) == [4, 8]
-    assert _agree_over_esp(mine, None) == [mine[0].degree, mine[1].degree]
+    assert agree_over_esp(mine, layout.esp_group) == [4, 8]
+    assert agree_over_esp(mine, None) == [mine[0].degree, mine[1].degree]
 
 
 def check_bad_input(rank: int, world: int) -> None:

@@ -13,14 +13,8 @@ from moeflow.perf.pipeline_degree import candidate_degrees, find_degree, priced_
 from moeflow.perf.topology import Topology
 from moeflow.strategies import DISPATCHERS, SCHEDULES
 from moeflow.strategies.schedules.base import StepLoad
-from moeflow.strategies.schedules.pipeline import (
-    PipelineOptions,
-    PipelineSchedule,
-    _scalar_model,
-    chunk_bounds,
-    chunk_counts,
-    pass_models,
-)
+from moeflow.strategies.schedules.pipeline import PipelineOptions, PipelineSchedule, chunk_bounds, chunk_counts
+from moeflow.strategies.schedules.pipeline_pricing import pass_models, scalar_model
 
 from .multirank import run_ranks
 from .multirank_pipeline import check_pipeline_equals_sync
@@ -119,8 +113,8 @@ def test_measured_chunk_cost_is_priced_per_chunk_and_moves_auto_to_fewer_chunks(
     one = PipelineSchedule(PipelineOptions(degree=1)).predict(step, cm, a2a)
     np.testing.assert_allclose(one.total_s, sync.total_s + 7e-3, rtol=1e-9)
     cands = candidate_degrees("powers")
-    free = [find_degree(_scalar_model(m), 0.0, cands).degree for m in (f0, b0)]
-    costly = [find_degree(_scalar_model(m), 0.0, cands).degree for m in (f1, b1)]
+    free = [find_degree(scalar_model(m), 0.0, cands).degree for m in (f0, b0)]
+    costly = [find_degree(scalar_model(m), 0.0, cands).degree for m in (f1, b1)]
     assert costly[0] < free[0] and costly[1] < free[1], (free, costly)
 
 
@@ -130,17 +124,17 @@ def test_overlap_share_prices_between_fsmoe_and_serial_and_moves_auto_to_one_chu
     base = CostModel(Topology.homogeneous(4, 1e7), gemm_flops_per_s=1e9)
     step, a2a = _step(), DISPATCHERS.build("a2a", _ctx(base))
     r = np.array([1.0, 2.0, 4.0, 8.0])
-    f1 = _scalar_model(pass_models(step, base, a2a)[0])
+    f1 = scalar_model(pass_models(step, base, a2a)[0])
     assert f1.overlap == 1.0
     serial = r * f1.chunk_times(r)[[0, 0, 1, 2, 3]].sum(0)  # dispatch, combine, ag, rs, experts per chunk
     for eta in (0.0, 0.3):
         cm = CostModel(base.topology, gemm_flops_per_s=1e9, pipeline_overlap=(eta, 1.0))
-        fwd, bwd = (_scalar_model(m) for m in pass_models(step, cm, a2a))
+        fwd, bwd = (scalar_model(m) for m in pass_models(step, cm, a2a))
         assert (fwd.overlap, bwd.overlap) == (eta, 1.0)
         np.testing.assert_allclose(priced_time(fwd, r, 0.0), eta * priced_time(f1, r, 0.0) + (1 - eta) * serial)
     assert find_degree(f1, 0.0, (1, 2, 4, 8)).degree > 1  # FSMoE's model: chunking pays here
     none = CostModel(base.topology, gemm_flops_per_s=1e9, pipeline_overlap=(0.0, 0.0))
-    assert [find_degree(_scalar_model(m), 0.0, (1, 2, 4, 8)).degree for m in pass_models(step, none, a2a)] == [1, 1]
+    assert [find_degree(scalar_model(m), 0.0, (1, 2, 4, 8)).degree for m in pass_models(step, none, a2a)] == [1, 1]
     assert CostModel.from_dict(none.to_dict()).pipeline_overlap == (0.0, 0.0)
     with pytest.raises(ValueError, match="pipeline_overlap="):
         CostModel(base.topology, gemm_flops_per_s=1e9, pipeline_overlap=(1.5, 1.0))

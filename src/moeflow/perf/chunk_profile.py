@@ -21,7 +21,7 @@ is the exchange the chunks overlap and c what every chunk adds; a line in r alon
 overlap gained against the chunks' cost and understate c. Kept: c as β (seconds per chunk) of
 ``chunk_forward`` / ``chunk_backward``, a as α; b goes into η (below; the cost model prices the
 exchange itself from its own all-to-all fit).
-`moeflow.strategies.schedules.pipeline.pass_models` and `moeflow tune` add β to the per-chunk
+`moeflow.strategies.schedules.pipeline_pricing.pass_models` and `moeflow tune` add β to the per-chunk
 start-up of the experts' term (it runs on the computing cores, r times in FSMoE's Case 2).
 
 Overlap realised (η, `overlap_share`): FSMoE's case formulas assume the overlapped stages hidden.
