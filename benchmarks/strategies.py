@@ -160,6 +160,32 @@ def summarize(speedups: dict[str, dict[str, float]], labels: list[str]) -> dict:
     }
 
 
+def auto_vs_best_interval(rows: list[dict], label, summary: dict) -> dict[str, list[float]]:
+    """Per workload, a 90% interval of `auto`'s speedup over the best single strategy (median over
+    median, `schedule=auto`): the timed iterations resampled together (they ran interleaved, so an
+    iteration's noise hits every variant alike; `scipy.stats.bootstrap`, paired, percentile)."""
+    from scipy.stats import bootstrap
+
+    out = {}
+    for workload, best in summary["per_workload"].items():
+        times = {label(r): r["times_s"] for r in rows if r["routing"] == workload}
+        auto = times.get("auto+prefetch:auto")
+        if auto is None or len(auto) < 3:
+            continue
+        ci = bootstrap(
+            (np.asarray(times[best["best_single"]]), np.asarray(auto)),
+            lambda b, a, axis: np.median(b, axis=axis) / np.median(a, axis=axis),
+            paired=True,
+            vectorized=True,
+            confidence_level=0.9,
+            n_resamples=2000,
+            method="percentile",
+            random_state=0,
+        ).confidence_interval
+        out[workload] = [float(ci.low), float(ci.high)]
+    return out
+
+
 def testbed_part(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from testbed_run import ensure_profile, on_testbed
@@ -183,6 +209,7 @@ def testbed_part(args) -> dict:
     speedups = {w: {label(r): r["speedup_vs_ep"] for r in rows if r["routing"] == w} for w in workloads_}
     labels = list(dict.fromkeys(label(r) for r in rows if not r.get("ceiling")))
     errors = [r["auto_model_error"] for r in rows if "auto_model_error" in r]
+    spreads = [r["forward_spread"] for r in rows if r["routing"].startswith("zipf") and r["strategy"] != "auto"]
     result = {
         "bandwidth_mbit": args.bandwidth_mbit,
         "nodes_x_ranks": [2, rpn],
@@ -193,10 +220,14 @@ def testbed_part(args) -> dict:
             {w: {k: v for k, v in row.items() if k != "ceiling"} for w, row in speedups.items()}, labels
         ),
         "auto_model_mape": float(np.mean(errors)) if errors else None,
+        # The MAPE's noise floor: the single strategies' forwards around their own median on the
+        # stationary (Zipf) loads, where a layer's time changes with noise only.
+        "forward_spread_single_zipf": float(np.mean(spreads)) if spreads else None,
         "chosen": {
             f"{r['routing']} {label(r)}": [r["chosen"], r["chosen_schedule"]] for r in rows if r["strategy"] == "auto"
         },
     }
+    result["auto_vs_best_90ci"] = auto_vs_best_interval(rows, label, result["summary"])
     plot(
         {k: [speedups[w][k] for w in workloads_] for k in [*labels, "ceiling"]},
         workloads_,
@@ -249,6 +280,7 @@ def main() -> int:
             {k: round(v, 2) for k, v in result["testbed"]["summary"]["geomean_speedup_over_ep"].items()},
         )
         print("testbed auto model MAPE:", result["testbed"]["auto_model_mape"])
+        print("testbed forwards' spread (single strategies, Zipf):", result["testbed"]["forward_spread_single_zipf"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

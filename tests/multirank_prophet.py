@@ -132,7 +132,10 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     assert chosen - {"ep"}, chosen
     assert {"sync", "pairwise"} <= schedules, schedules  # both ran, each equal to EP-sync
     assert all(t.factor is not None for t in models["autos"].moe1.schedule.timings.values())
-    assert len(models["auto"].moe1.planner.observations) == ITERATIONS - 1
+    assert len(models["auto"].moe1.planner.correction.observations) == ITERATIONS - 1
+    # Each forward's copies timed apart, and the schedule that ran it named (`auto_correction`).
+    observed = models["autos"].moe1.planner.correction.observations
+    assert all(o.measured_copies >= 0.0 for o in observed) and {o.schedule for o in observed} == schedules
     assert prefetch.steps == ITERATIONS and 0.0 < prefetch.split_forward[0] < 1.0, prefetch.split_forward
     # What the prefetch measured to hide reached layer 2's planner (the same on every rank).
     share = torch.tensor([models["pf"].moe2.planner.hidden_share], dtype=torch.float64)

@@ -260,6 +260,16 @@ class _Run:
     """The schedule each layer ran, every timed iteration (`schedule="auto"` chooses)."""
     reshards: list[tuple[int, float]] = field(default_factory=list)
     """(experts moved, seconds) of every re-sharding (FSSDP, `core.resharding`)."""
+    forwards: list[list[float]] = field(default_factory=list)
+    """Each layer's forward time (the slowest rank's), every timed iteration."""
+
+    def start_timing(self) -> None:
+        """The timed iterations begin: `auto`'s model error is reported over their forwards (and the
+        last warm-up one, whose time the first timed forward brings); its forecasts of the warm-up,
+        made while `schedule="auto"` still tried its candidates, are dropped."""
+        for layer in self.model.moe:
+            if hasattr(layer.planner, "correction"):
+                layer.planner.correction.forecasts.clear()
 
     def record(self, elapsed_s: float) -> None:
         """One timed iteration (collective: every rank calls it). Per layer, averaged over the blocks:
@@ -267,6 +277,9 @@ class _Run:
         predicted speedup for the placement it chose; summed over the blocks, the cost model's time
         for the flows and placements the layers ran (its error against the measured time)."""
         self.times.append(_max_over_ranks(elapsed_s))
+        forward_L = torch.tensor([layer.forward_s for layer in self.model.moe], dtype=torch.float64)
+        dist.all_reduce(forward_L, op=dist.ReduceOp.MAX)
+        self.forwards.append(forward_L.tolist())
         if self.variant.schedule == "sync":
             self.phases.append({k: _max_over_ranks(v) for k, v in self.timer.phases().items()})
         layers = list(self.model.moe)
@@ -315,8 +328,20 @@ class _Run:
         errors = [layer.planner.model_error() for layer in self.model.moe if hasattr(layer.planner, "model_error")]
         if errors and None not in errors:  # `auto`: its corrected model's error on the forwards it timed
             row["auto_model_error"] = float(np.mean(errors))
+            # Per layer, each forward's (corrected forecast, measured) seconds, in order, and the
+            # correction's window: (compute, exchange, copies, prefetched, schedule, measured, copies measured).
+            corrections = [layer.planner.correction for layer in self.model.moe]
+            row["auto_forecasts"] = [[list(map(float, f)) for f in c.forecasts] for c in corrections]
+            row["auto_observations"] = [
+                [[*map(float, o.predicted), o.schedule, o.measured, o.measured_copies] for o in c.observations]
+                for c in corrections
+            ]
         if self.model.prefetch is not None:  # what the prefetch measured its windows to hide (layers > 0)
             row["prefetch_hidden_share"] = [float(h) for h in self.model.prefetch.hidden_share[1:]]
+        # The forwards' spread around their median, per layer: the error of a predictor that knew each
+        # layer's typical time exactly (the noise floor of a per-forward model error).
+        forward_IL = np.asarray(self.forwards)
+        row["forward_spread"] = float(np.mean(np.abs(forward_IL - np.median(forward_IL, axis=0)) / forward_IL))
         if self.phases:
             row["forward_a2a_s"] = float(np.median([p["a2a_s"] for p in self.phases]))
             row["forward_compute_s"] = float(np.median([p["compute_s"] for p in self.phases]))
@@ -368,6 +393,8 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
         heap = HeapTrim()
         for it in range(cfg.warmup + cfg.iterations):
             for run in balanced_order(runs, it):
+                if it == cfg.warmup:
+                    run.start_timing()
                 if probs_IBWE.shape[0] > 1:
                     run.model.set_popularity(probs_IBWE[it], rank)
                 dist.barrier()

@@ -160,6 +160,7 @@ class MoELayer(nn.Module):
         self._held: dict[str, torch.Tensor] | None = None  # this forward's held weights (copies)
         self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
         self.forward_s = 0.0  # wall time of the last forward on this rank (strategy="auto" learns from it)
+        self.copies_s = 0.0  # of which: waiting for its held copies (the sparse all-gather, or the prefetch)
         self.group: dist.ProcessGroup | None = None
         self.esp_group: dist.ProcessGroup | None = None  # expert sharding (core.expert_sharding)
         self._bind(Placement.expert_parallel(num_experts, 1))
@@ -271,12 +272,14 @@ class MoELayer(nn.Module):
         may_drop = self.capacity_factor is not None
         counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
         timed = getattr(self.planner, "observes_time", False) and not self.cluster_mismatch
-        if timed:  # the last forward's time in microseconds, to every rank with the counts (auto)
-            counts.append(torch.full((self.num_experts,), int(1e6 * self.forward_s), device=expert_A.device))
+        if timed:  # the last forward's time and its copies' share, in microseconds, with the counts (auto)
+            for seconds in (self.forward_s, self.copies_s):
+                counts.append(torch.full((self.num_experts,), int(1e6 * seconds), device=expert_A.device))
         rows = dispatch.exchange_counts(counts, self.group)
         flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
         if timed:
-            self.planner.observe_time(rows[-1][:, 0] / 1e6)
+            last_schedule = self.stats.schedule if self.stats is not None else None  # what ran that forward
+            self.planner.observe_time(rows[-2][:, 0] / 1e6, rows[-1][:, 0] / 1e6, last_schedule)
         placement = self._plan(flow_WE)
         plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
 
@@ -320,7 +323,9 @@ class MoELayer(nn.Module):
         """`compute(x_RD, counts_SJ)` for the schedule: the experts this rank holds (owned, or
         materialized by the planner's copies) on rows received source-major."""
         held_J = np.flatnonzero(placement.holders_EW[:, me])
+        started = time.perf_counter()
         weights_J = self._held_weights(placement, held_J)
+        self.copies_s = time.perf_counter() - started if self.training else 0.0
         self._held = weights_J
 
         def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:

@@ -19,31 +19,21 @@ when the prefetch first asks for it (or at the next call): by then the planners'
 for their next placements have run on the planning thread (`planners.ahead`), off the layer's
 critical path.
 
-Online correction. A planner's cost model misprices a machine systematically (on the 2 × 1 testbed
-the shadow planner needed a 5% margin for it). The layer times its own forward on every rank and
-sends that time with the next count exchange (one more row of the all-gather it runs anyway, no
-extra synchronisation), so every rank sees every rank's time and corrects identically. The
-arbiter pairs the slowest rank's forward time with what it had predicted for that forward —
-compute `fec`, exchanges `a2a/2` (two of the four) and copies `trans` (the copies out) — and fits
-measured ≈ s_comp·compute + s_comm·exchanges + s_copy·copies + c (non-negative least squares,
-`scipy.optimize.nnls`, over the last `window` forwards; c: the layer's fixed cost, gate and sort).
-The copies get their own factor: they run on other collectives than the exchanges (point-to-point,
-broadcasts), and a fit that lumped them with the exchanges learnt, from a placement whose copies
-cost 3× the model, that EP's exchanges cost 3× too — and kept choosing the copies. A term that no
-forward of the window exercised (no copies since EP alone ran) keeps its last factor. Candidates
-are then priced with the factors (backward as 2× compute and the other half of the traffic). Until
-`min_observations` forwards are in, every factor is 1.
-
-Error. `model_error()` is out of sample: each forward's corrected prediction, made before it ran
-(the factors as they were), against what it then measured.
+Online correction (`planners.auto_correction`). The layer times its forwards, and within them the
+wait for the copies, and sends both with the next count exchange; the factors fitted on them (the
+copies sent now and the copies sent ahead apart from the rest) correct every price: backward as 2×
+compute and the other half of the traffic. A current proposal equal to the placement the prefetch
+sent ahead runs on those copies, and is priced as sent ahead.
 
 Pricing less. Pricing a proposal (its terms, and its block under every schedule with
 `schedule="auto"`) is on the layer's critical path: about 2 ms per distinct placement at 16 devices
 (a profile of `benchmarks/planner_overhead.py`, FasterMoE's johnny cluster). A candidate whose price
 came out more than `rest_margin` above the winner's rests: it is not priced (nor run) for the next
 1, 2, 4, ... calls (doubling each time it loses again, at most `max_rest`), then priced again; a
-candidate within the margin or winning is priced every call. Its planner is still called every
-iteration (its history stays whole). Plain EP, the guard's reference, is always priced. Every rank
+candidate within the margin or winning is priced every call. While it rests its planner is not
+asked for a placement, except at the call before it is priced again (a planner that plans ahead
+runs its search then); one that plans ahead records every flow meanwhile (`observe`: its history
+stays whole). Plain EP, the guard's reference, is always priced. Every rank
 rests the same candidates: the prices are global numbers. The planning thread runs the searches of
 the candidates priced at the next call first, so the planned-ahead choice (`next_placement()`) does
 not wait for the resting ones.
@@ -56,18 +46,19 @@ Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-from scipy.optimize import nnls
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.strategies.planners.ahead import searches_deferred
+from moeflow.strategies.planners.auto_correction import Correction, Forward, OnlineCorrection
 from moeflow.strategies.planners.prophet_model import overlapped_copies, placement_times
 
 CANDIDATES = ("ep", "shadow", "prophet", "eplb", "fssdp")
@@ -116,8 +107,8 @@ class AutoDecision:
     """Each priced candidate's corrected predicted time (forward + backward), plain EP included."""
     chosen: str
     """The planner whose placement ran."""
-    scales: tuple[float, float, float, float]
-    """(s_comp, s_comm, s_copy, c) of the correction in use."""
+    correction: Correction
+    """The factors the prices were corrected with."""
     predicted_s: list[float] = field(default_factory=list)
     """[EP's price, the chosen one's]: for the bench's predicted speedup."""
     resting: list[str] = field(default_factory=list)
@@ -139,6 +130,13 @@ class LayerTerms(NamedTuple):
     """The copies out and back (as far as the prefetch does not hide them)."""
     plan_SED: np.ndarray
     """The dispatch plan the terms were priced on."""
+    prefetched: bool = False
+    """The copies are sent ahead by the block-wise prefetch."""
+
+    def forward(self) -> Forward:
+        """The forward's share: one expert compute of three; the dispatch and combine (half the
+        exchanges), the copies out (about half the copies' traffic)."""
+        return Forward(self.compute / 3.0, self.exchange / 2.0, self.copies / 2.0, self.prefetched)
 
 
 def layer_terms(
@@ -149,33 +147,7 @@ def layer_terms(
     plan_SED = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
     t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape, hidden is not None)
     copies = t["trans"] + t["agg"] if hidden is None else overlapped_copies(t["trans"], t["agg"], t["fec"], *hidden)
-    return LayerTerms(3.0 * t["fec"], float(t["a2a"]), float(copies), plan_SED)
-
-
-class PendingForward(NamedTuple):
-    """What was predicted for the forward about to run, to pair with its measured time."""
-
-    compute: float
-    """Its share of the expert compute (one of three), uncorrected."""
-    exchange: float
-    """Its share of the exchanges (half), uncorrected."""
-    copies: float
-    """Its share of the copies (the copies out: half), uncorrected."""
-    forecast: float | None
-    """Its corrected forward time (None: fewer than `min_observations` forwards seen)."""
-
-
-def fit_correction(observations, previous=(1.0, 1.0, 1.0)) -> tuple[float, float, float, float]:
-    """(s_comp, s_comm, s_copy, c) ≥ 0 with measured ≈ s_comp·compute + s_comm·exchange +
-    s_copy·copies + c, least squares over the (compute, exchange, copies, measured) forwards; a term
-    that is zero in every forward keeps its `previous` factor (module docstring)."""
-    obs = np.asarray(list(observations), dtype=np.float64)
-    terms, measured = obs[:, :3], obs[:, 3]
-    seen = np.flatnonzero(np.any(terms != 0.0, axis=0))
-    coef, _ = nnls(np.column_stack([terms[:, seen], np.ones(len(obs))]), measured)
-    factors = np.asarray(previous, dtype=np.float64).copy()
-    factors[seen] = coef[:-1]
-    return (*map(float, factors), float(coef[-1]))
+    return LayerTerms(3.0 * t["fec"], float(t["a2a"]), float(copies), plan_SED, hidden is not None)
 
 
 class AutoPlanner:
@@ -189,12 +161,10 @@ class AutoPlanner:
         self.shape = shape
         self.options = options or AutoOptions()
         self.planners = planners
-        self.observations: deque[tuple[float, float, float, float]] = deque(maxlen=self.options.window)
-        self.scales = (1.0, 1.0, 1.0, 0.0)
+        self.correction = OnlineCorrection(self.options.window, self.options.min_observations)
         self.last: AutoDecision | None = None
         self.chosen: str | None = None
-        self._pending: PendingForward | None = None
-        self.forecasts: deque[tuple[float, float]] = deque(maxlen=self.options.window)  # (forecast, measured)
+        self._pending: Forward | None = None  # what was predicted for the forward about to run
         self.history: deque[np.ndarray] = deque(maxlen=3)  # flows seen: the predicted flow's window
         self._prefetched = False
         self.nonmoe_forward_s = 0.0  # measured by the prefetch
@@ -212,30 +182,29 @@ class AutoPlanner:
         self._resolve_planned()
         return {k: v for k, v in self.__dict__.items() if k != "block_prices"}
 
-    def observe_time(self, forward_s_W: np.ndarray) -> None:
-        """The previous forward's time on every rank (from the count exchange): one observation."""
+    def observe_time(
+        self, forward_s_W: np.ndarray, copies_s_W: np.ndarray | None = None, schedule: str | None = None
+    ) -> None:
+        """The previous forward's time on every rank (from the count exchange), of it the wait for its
+        copies where timed, and the schedule that ran it: one observation (`auto_correction`). The
+        slowest rank's forward; the copies' time of the rank that waited least for them — the others'
+        extra wait is the group's skew (a rank reaching the gather late), which stays in the rest."""
         slowest = float(np.max(forward_s_W))
         pending, self._pending = self._pending, None
         if pending is None or slowest <= 0:  # nothing predicted, or not timed (evaluation)
             return
-        self.observations.append((*pending[:3], slowest))
-        if pending.forecast is not None:
-            self.forecasts.append((pending.forecast, slowest))
-        if len(self.observations) >= self.options.min_observations:
-            self.scales = fit_correction(self.observations, self.scales[:3])
-
-    def _fitted(self, compute: float, exchange: float, copies: float) -> float:
-        s_comp, s_comm, s_copy, c = self.scales
-        return s_comp * compute + s_comm * exchange + s_copy * copies + c
+        copies = float(np.min(copies_s_W)) if copies_s_W is not None else math.nan
+        self.correction.observe(pending, slowest, copies, schedule)
 
     def price(self, terms: LayerTerms) -> float:
         """Corrected forward + backward time of a placement. With `block_prices` (the layer runs
         `schedule="auto"`): the cheapest schedule's corrected block time, plus the copies."""
-        s_comp, s_comm, s_copy, _ = self.scales
+        c = self.correction.pooled
+        copies = (c.ahead if terms.prefetched else c.copy) * terms.copies
         block_prices = getattr(self, "block_prices", None)  # absent on a planner unpickled on its own
         if block_prices is not None:
-            return min(block_prices(terms.plan_SED).values()) + s_copy * terms.copies
-        return s_comp * terms.compute + s_comm * terms.exchange + s_copy * terms.copies
+            return min(block_prices(terms.plan_SED).values()) + copies
+        return c.comp * terms.compute + c.comm * terms.exchange + copies
 
     def _priced(
         self, flow_WE: np.ndarray, placements: dict[str, Placement], cost_model, hidden=None
@@ -316,15 +285,20 @@ class AutoPlanner:
             self._planned if self._planned and np.array_equal(self._planned[1].owner_E, placement.owner_E) else None
         )
         with searches_deferred() as searches:  # the planners' next searches wait until this one is priced
-            proposals = {name: planner(flow_WE, placement, cost_model) for name, planner in self.planners.items()}
-            proposals.setdefault("ep", Placement.owners_only(placement.owner_E, placement.world_size))
-            resting = [n for n in proposals if n != "ep" and self.rest.get(n, [0, 0])[0] > 0]
+            proposals = self._proposals(flow_WE, placement, cost_model)
+            resting = [n for n in self.planners if self.rest.get(n, [0, 0])[0] > 0]
             proposals = {n: p for n, p in proposals.items() if n not in resting}
-            priced = self._priced(flow_WE, proposals, cost_model)
+            proposals.setdefault("ep", Placement.owners_only(placement.owner_E, placement.world_size))
+            priced = {}
             if planned is not None:  # sent ahead: its copies hidden as far as the prefetch hides them
                 name = f"{planned[0]}+prefetch"
-                proposals[name] = planned[1]
-                priced |= self._priced(flow_WE, {name: planned[1]}, cost_model, self._hidden())
+                priced = self._priced(flow_WE, {name: planned[1]}, cost_model, self._hidden())
+                # A current proposal equal to it runs on the copies sent ahead (the layer takes them):
+                # the same price, and the tie goes to the name that says so (first).
+                priced |= {n: priced[name] for n, p in proposals.items() if p == planned[1]}
+                proposals = {name: planned[1], **proposals}
+            priced |= self._priced(flow_WE, {n: p for n, p in proposals.items() if n not in priced}, cost_model)
+            priced = {n: priced[n] for n in proposals}
             terms = {name: t for name, (t, _) in priced.items()}
             prices = {name: price for name, (_, price) in priced.items()}
             best = min(prices, key=lambda name: (prices[name], name != "ep"))
@@ -334,17 +308,26 @@ class AutoPlanner:
             # First the searches whose plans the next call prices: `next_placement()` waits for those only.
             rests = {id(getattr(self.planners[n], "next_plan", None)) for n, (left, _) in self.rest.items() if left > 0}
             searches.sort(key=lambda plan: id(plan) in rests)
-        chosen = terms[best]
-        # Forward share: one expert compute of three; the dispatch and combine (half the exchanges),
-        # the copies out (about half the copies' traffic).
-        shares = (chosen.compute / 3.0, chosen.exchange / 2.0, chosen.copies / 2.0)
-        fitted = len(self.observations) >= self.options.min_observations
-        self._pending = PendingForward(*shares, self._fitted(*shares) if fitted else None)
+        self._pending = terms[best].forward()
         self.chosen = best
-        self.last = AutoDecision(prices, best, self.scales, [prices["ep"], prices[best]], resting)
+        self.last = AutoDecision(prices, best, self.correction.pooled, [prices["ep"], prices[best]], resting)
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
         self._planned, self._plan_after = None, (placement, cost_model)
         return proposals[best]
+
+    def _proposals(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> dict[str, Placement]:
+        """Each planner's placement for `flow_WE`. A planner that rests past the next call too is not
+        asked: one that plans ahead only records the flow (`observe`: its history stays whole, no
+        search — the call before it is priced again runs that), one that decides on the current flow
+        alone (shadowing) is skipped."""
+        out = {}
+        for name, planner in self.planners.items():
+            if self.rest.get(name, [0, 0])[0] > 1:
+                if getattr(planner, "plans_ahead", False):
+                    planner.observe(flow_WE)
+                continue
+            out[name] = planner(flow_WE, placement, cost_model)
+        return out
 
     def _update_rest(self, prices: dict[str, float], resting: list[str], as_ep: list[str]) -> None:
         """Count down the resting candidates; rest those priced above the winner by more than
@@ -369,9 +352,6 @@ class AutoPlanner:
                 state[:] = [0, 1]
 
     def model_error(self) -> float | None:
-        """Mean relative error of the corrected forward predictions, each made before its forward ran,
-        over the window (None: fewer than `min_observations`)."""
-        if len(self.forecasts) < self.options.min_observations:
-            return None
-        forecast, measured = np.asarray(self.forecasts).T
-        return float(np.mean(np.abs(forecast - measured) / measured))
+        """Mean relative error of the corrected forward forecasts, each made before its forward was
+        measured, over the window (None: fewer than `min_observations`)."""
+        return self.correction.model_error()

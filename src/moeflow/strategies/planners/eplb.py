@@ -169,6 +169,11 @@ class EPLBPlanner:
         placement, self.predicted_s = plan
         return placement
 
+    def observe(self, flow_WE: np.ndarray) -> None:
+        """Record the flow of a call whose placement is not wanted (`strategy="auto"` rests this
+        planner): the history stays whole, no search runs."""
+        self.history.append(np.asarray(flow_WE, dtype=np.float64))
+
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
         if cost_model is None:
             raise ValueError("strategy='eplb' needs cost_model= (a moeflow.perf.costmodel.CostModel)")

@@ -234,6 +234,12 @@ class ProphetPlanner:
         nonmoe = self.options.nonmoe_forward_s or self.nonmoe_forward_s
         return replace(self.options, overlap=True, nonmoe_forward_s=nonmoe, hidden_share=self.hidden_share)
 
+    def observe(self, flow_WE: np.ndarray) -> None:
+        """Record the flow of a call whose placement is not wanted (`strategy="auto"` rests this
+        planner): the history stays whole, no search runs."""
+        self.history.append(np.asarray(flow_WE, dtype=np.float64))
+        self.calls += 1
+
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
         if cost_model is None:
             raise ValueError("strategy='prophet' needs cost_model= (a moeflow.perf.costmodel.CostModel)")

@@ -1,0 +1,42 @@
+"""benchmarks/strategies.py's summaries on hand-built rows: the best single strategy per workload and
+the interval of `auto`'s distance to it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .test_fsmoe_benchmarks import _load
+
+
+def _rows(times: dict[str, list[float]]) -> list[dict]:
+    out = []
+    for label, t in times.items():
+        strategy, schedule = label.split(":")
+        prefetch = strategy.endswith("+prefetch")
+        out.append({"routing": "w", "strategy": strategy.removesuffix("+prefetch"), "schedule": schedule,
+                    "prefetch": prefetch, "times_s": t, "median_s": float(np.median(t))})  # fmt: skip
+    return out
+
+
+def _label(r: dict) -> str:
+    return r["strategy"] + ("+prefetch" if r["prefetch"] else "") + ":" + r["schedule"]
+
+
+def test_auto_vs_best_interval_resamples_the_iterations_together():
+    bench = _load("strategies")
+    rng = np.random.default_rng(0)
+    noise = rng.uniform(0.8, 1.2, 10)  # one machine-wide factor per interleaved iteration
+    times = {"ep:sync": list(1.0 * noise), "shadow:sync": list(0.5 * noise), "auto+prefetch:auto": list(0.55 * noise)}
+    rows = _rows(times)
+    speedups = {"w": {_label(r): times["ep:sync"][0] / r["times_s"][0] for r in rows}}
+    summary = bench.summarize(speedups, list(times))
+    assert summary["per_workload"]["w"]["best_single"] == "shadow:sync"
+    assert summary["per_workload"]["w"]["auto+prefetch:auto_vs_best"] == pytest.approx(0.5 / 0.55)
+    # Paired: the shared noise cancels, the interval is the ratio itself.
+    assert bench.auto_vs_best_interval(rows, _label, summary)["w"] == pytest.approx([0.5 / 0.55] * 2)
+    # Unpaired noise widens it around the point estimate.
+    times["auto+prefetch:auto"] = list(0.55 * rng.uniform(0.8, 1.2, 10))
+    low, high = bench.auto_vs_best_interval(_rows(times), _label, summary)["w"]
+    point = np.median(times["shadow:sync"]) / np.median(times["auto+prefetch:auto"])
+    assert low < point < high and high - low > 0.05
