@@ -1,5 +1,6 @@
 """`schedule="auto"` as numbers: the block's load from the dispatch plan, the round robin of the
-trials, the cheapest corrected price after them, and the simulator's price (the cheapest candidate).
+trials, the preferred corrected price after them (a later candidate only for `min_gain`), and the
+simulator's price (the same rule).
 Equality with `sync` on gloo ranks is checked in `multirank_prophet` (model `autos`)."""
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.strategies import SCHEDULES
 from moeflow.strategies.dispatchers import A2ADispatcher
-from moeflow.strategies.schedules.auto import AutoSchedule, AutoScheduleOptions, step_load
+from moeflow.strategies.schedules.auto import AutoSchedule, AutoScheduleOptions, preferred, step_load
 from moeflow.strategies.schedules.pairwise import PairwiseSchedule
 from moeflow.strategies.schedules.sync import SyncSchedule
 
 SHAPE = ExpertShape(8, 16)
 
 
-def _arbiter(trials=2) -> AutoSchedule:
+def _arbiter(trials=2, min_gain=0.03) -> AutoSchedule:
     cm = CostModel(Topology.homogeneous(4, 1e9), gemm_flops_per_s=1e9)
-    return AutoSchedule(
-        {"sync": SyncSchedule(), "pairwise": PairwiseSchedule()}, SHAPE, cm, AutoScheduleOptions(trials=trials)
-    )
+    options = AutoScheduleOptions(trials=trials, min_gain=min_gain)
+    return AutoSchedule({"sync": SyncSchedule(), "pairwise": PairwiseSchedule()}, SHAPE, cm, options)
 
 
 def test_step_load_from_the_dispatch_plan():
@@ -51,6 +51,20 @@ def test_trials_round_robin_then_the_cheapest_corrected_price():
     auto.timings["sync"].factor, auto.timings["pairwise"].factor = 1.0, 3.0
     decision = auto.choose(predicted)
     assert decision.chosen == "sync" and decision.prices == {"sync": 1.0, "pairwise": 1.5}
+
+
+def test_a_later_candidate_replaces_an_earlier_one_only_for_min_gain():
+    assert preferred({"sync": 1.0, "pairwise": 0.98, "pipeline": 0.96}, 0.03) == "pipeline"  # 4% below sync
+    assert preferred({"sync": 1.0, "pairwise": 0.90, "pipeline": 0.89}, 0.03) == "pairwise"  # 1% below pairwise
+    assert preferred({"sync": 1.0, "pairwise": 0.90, "pipeline": 0.89}, 0.0) == "pipeline"
+    assert preferred({"sync": 1.0, "pairwise": 1.0}, 0.0) == "sync"  # ties: the first
+    auto = _arbiter(trials=1)
+    auto.calls = 2  # past the trials
+    assert auto.choose({"sync": 1.0, "pairwise": 0.98}).chosen == "sync"
+    assert auto.choose({"sync": 1.0, "pairwise": 0.96}).chosen == "pairwise"
+    eager = _arbiter(trials=1, min_gain=0.0)
+    eager.calls = 2
+    assert eager.choose({"sync": 1.0, "pairwise": 0.98}).chosen == "pairwise"
 
 
 def test_agreement_points_after_the_trials_then_powers_of_two():
@@ -94,12 +108,12 @@ def test_placement_and_schedule_priced_jointly():
     arbiter.cost_model = cm
     arbiter.shape = shape
     arbiter.timings["pairwise"].factor = 0.01  # measured: pairwise hides almost everything
-    auto.block_prices = lambda plan: arbiter.block_prices(plan, [0, 1, 2, 3], A2ADispatcher())
+    auto.block_price = lambda plan: arbiter.block_price(plan, [0, 1, 2, 3], A2ADispatcher())
     joint = {n: auto.price(layer_terms(flow, p, cm, shape)) for n, p in (("ep", owners), ("copy", copied))}
     terms = layer_terms(flow, copied, cm, shape)
     assert joint["copy"] == pytest.approx(
         min(arbiter.block_prices(terms.plan_SED, None, A2ADispatcher()).values()) + terms.copies
-    )
+    )  # pairwise, far below sync's price
     assert plain["copy"] < plain["ep"] and joint["ep"] < joint["copy"]
 
 
@@ -114,14 +128,18 @@ def test_simulator_price_is_the_cheapest_candidate_per_iteration():
     step = StepLoad(send, computed, SHAPE, [0, 1, 2, 3])
     dispatcher = A2ADispatcher()
     best = auto.predict(step, cm, dispatcher)
-    each = [s.predict(step, cm, dispatcher).total_s for s in auto.candidates.values()]
-    np.testing.assert_allclose(best.total_s, np.minimum(*each))
+    sync, pairwise = (s.predict(step, cm, dispatcher).total_s for s in auto.candidates.values())
+    np.testing.assert_allclose(best.total_s, np.where(pairwise < 0.97 * sync, pairwise, sync))
+    eager = _arbiter(min_gain=0.0)
+    np.testing.assert_allclose(eager.predict(step, cm, dispatcher).total_s, np.minimum(sync, pairwise))
 
 
 def test_options_and_registry_errors():
     cm = CostModel(Topology.homogeneous(2, 1e9), gemm_flops_per_s=1e9)
     with pytest.raises(ValueError, match="candidates='sync,sync'"):
         AutoScheduleOptions(candidates="sync,sync")
+    with pytest.raises(ValueError, match="min_gain=1.5"):
+        AutoScheduleOptions(min_gain=1.5)
     with pytest.raises(ValueError, match="trials"):
         AutoScheduleOptions(trials=0)
     with pytest.raises(ValueError, match=r"unknown \['fast'\]"):

@@ -336,6 +336,11 @@ class _Run:
                 [[*map(float, o.predicted), o.schedule, o.measured, o.measured_copies] for o in c.observations]
                 for c in corrections
             ]
+        arbiters = [layer.schedule for layer in self.model.moe if hasattr(layer.schedule, "timings")]
+        if arbiters:  # `schedule="auto"`: per layer, each candidate's (measured, predicted) medians and factor
+            row["schedule_timings"] = [
+                {n: [*t.medians(), t.factor] for n, t in a.timings.items() if t.measured_s} for a in arbiters
+            ]
         if self.model.prefetch is not None:  # what the prefetch measured its windows to hide (layers > 0)
             row["prefetch_hidden_share"] = [float(h) for h in self.model.prefetch.hidden_share[1:]]
         # The forwards' spread around their median, per layer: the error of a predictor that knew each

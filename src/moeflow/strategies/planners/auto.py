@@ -172,15 +172,15 @@ class AutoPlanner:
         self._planned: tuple[str, Placement] | None = None
         self._plan_after: tuple[Placement, object] | None = None  # the call to plan ahead from, not yet done
         self.rest: dict[str, list[int]] = {}  # name -> [calls it rests now, calls it rests after its next loss]
-        self.block_prices: Callable[[np.ndarray], dict[str, float]] | None = None
+        self.block_price: Callable[[np.ndarray], float] | None = None
         """Set by the layer when its schedule is chosen too (`schedule="auto"`): the corrected block
         time of a dispatch plan under each schedule, so placement and schedule are chosen jointly."""
 
     def __getstate__(self) -> dict:
-        """Checkpointed without the layer's `block_prices` link (the resumed layer sets its own), its
+        """Checkpointed without the layer's `block_price` link (the resumed layer sets its own), its
         planned-ahead choice made."""
         self._resolve_planned()
-        return {k: v for k, v in self.__dict__.items() if k != "block_prices"}
+        return {k: v for k, v in self.__dict__.items() if k != "block_price"}
 
     def observe_time(
         self, forward_s_W: np.ndarray, copies_s_W: np.ndarray | None = None, schedule: str | None = None
@@ -197,13 +197,13 @@ class AutoPlanner:
         self.correction.observe(pending, slowest, copies, schedule)
 
     def price(self, terms: LayerTerms) -> float:
-        """Corrected forward + backward time of a placement. With `block_prices` (the layer runs
-        `schedule="auto"`): the cheapest schedule's corrected block time, plus the copies."""
+        """Corrected forward + backward time of a placement. With `block_price` (the layer runs
+        `schedule="auto"`): the corrected block time under the schedule it would run, plus the copies."""
         c = self.correction.pooled
         copies = (c.ahead if terms.prefetched else c.copy) * terms.copies
-        block_prices = getattr(self, "block_prices", None)  # absent on a planner unpickled on its own
-        if block_prices is not None:
-            return min(block_prices(terms.plan_SED).values()) + copies
+        block_price = getattr(self, "block_price", None)  # absent on a planner unpickled on its own
+        if block_price is not None:
+            return block_price(terms.plan_SED) + copies
         return c.comp * terms.compute + c.comm * terms.exchange + copies
 
     def _priced(

@@ -16,8 +16,18 @@ points — when the trials end, then every `2^k`-th forward — the ranks take t
 timings over the group (one all-reduce of C numbers: the block ends with its slowest rank) and set
 each candidate's factor `s_c = median measured / median predicted`. Candidates are then priced
 `s_c · predict_c` (`block_prices`), in seconds of forward + backward, the unit `strategy="auto"`
-prices placements in: with both arbiters on, the planner prices each placement's block with these
-corrected prices (placement and schedule chosen jointly).
+prices placements in: with both arbiters on, the planner prices each placement's block with the
+corrected price of the schedule that would run it (`block_price`: placement and schedule chosen
+jointly).
+
+Margin. The candidates are listed from the simplest (`sync`, `pairwise`, then `pipeline`), and one
+replaces the choice before it only when priced `min_gain` (3%) below it (`preferred`) — as the
+placement arbiter leaves plain EP only for a 3% gain. Its factors come from a few timed forwards
+each (2 after the warm-up) under the per-forward noise of a real machine (±10% on the 2 × 1
+testbed), and without the margin a 1–2% difference between two corrected prices decided: on the
+testbed `pairwise` measured 3–12% faster than `pipeline` (r = 2) per iteration, and `auto` took
+`pipeline` in 12–16 of 20 forwards of the suite where it lost 6–16% to `pairwise`
+(docs/benchmarks.md, "All strategies on one suite"). The simulator's price applies the same rule.
 
 Every rank computes the same choice: predictions come from global numbers and factors change only
 at agreement points, after the all-reduce. `chosen` names the schedule that ran (per layer, in
@@ -36,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.core.checks import positive_int
+from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.hooks import Mark
 from moeflow.strategies.schedules.base import ExchangeBlock, PredictedBlock, Schedule, StepLoad
@@ -52,12 +62,18 @@ class AutoScheduleOptions:
     the layer's dispatcher are left out."""
     trials: int = 3
     """Forwards each candidate is timed before the correction decides (the first is a warm-up)."""
+    min_gain: float = 0.03
+    """A candidate replaces one listed before it (simpler: `sync`, `pairwise`, then `pipeline`) only
+    when its corrected price is at least this fraction lower (module docstring)."""
 
     def __post_init__(self) -> None:
         names = self.names()
         if "auto" in names or len(set(names)) != len(names):
             raise ValueError(f"candidates={self.candidates!r}: expected a comma list of distinct schedule names")
         positive_int("trials", self.trials)
+        finite_number("min_gain", self.min_gain, 0.0, 1.0)
+        if self.min_gain >= 1.0:
+            raise ValueError(f"min_gain={self.min_gain!r}: expected a fraction in [0, 1)")
 
     def names(self) -> list[str]:
         return [n.strip() for n in self.candidates.split(",") if n.strip()]
@@ -70,6 +86,18 @@ class ScheduleDecision:
     prices: dict[str, float]
     chosen: str
     exploring: bool
+
+
+def preferred(prices: dict[str, float], min_gain: float) -> str:
+    """The candidate to run: in the candidates' order, each one replaces the choice so far only when
+    priced at least `min_gain` below it (module docstring); `min_gain=0`: the cheapest, ties to the
+    first."""
+    names = list(prices)
+    best = names[0]
+    for name in names[1:]:
+        if prices[name] < (1.0 - min_gain) * prices[best]:
+            best = name
+    return best
 
 
 def step_load(plan_SED: np.ndarray, shape: ExpertShape, node_of) -> StepLoad:
@@ -134,17 +162,22 @@ class AutoSchedule(Schedule):
         return {n: float(s.predict(step, self.cost_model, dispatcher).total_s) for n, s in self.candidates.items()}
 
     def block_prices(self, plan_SED: np.ndarray, node_of, dispatcher) -> dict[str, float]:
-        """Corrected prices of the block of `plan_SED` under every candidate (for `strategy="auto"`)."""
+        """Corrected prices of the block of `plan_SED` under every candidate."""
         return self.prices(self.predicted(plan_SED, node_of, dispatcher))
 
+    def block_price(self, plan_SED: np.ndarray, node_of, dispatcher) -> float:
+        """Corrected price of the block of `plan_SED` under the candidate that would run it (for
+        `strategy="auto"`, which prices placements with it)."""
+        prices = self.block_prices(plan_SED, node_of, dispatcher)
+        return prices[preferred(prices, self.options.min_gain)]
+
     def choose(self, predicted: dict[str, float]) -> ScheduleDecision:
-        """Pure given the state: round robin during the trials, else the cheapest corrected price
-        (ties: the candidates' order, sync first)."""
+        """Pure given the state: round robin during the trials, else the `preferred` corrected price."""
         names = list(self.candidates)
         prices = self.prices(predicted)
         if self.calls < self.options.trials * len(names):
             return ScheduleDecision(prices, names[self.calls % len(names)], True)
-        return ScheduleDecision(prices, min(names, key=lambda n: prices[n]), False)
+        return ScheduleDecision(prices, preferred(prices, self.options.min_gain), False)
 
     def execute(self, block: ExchangeBlock) -> torch.Tensor:
         if block.group is None or len(self.candidates) == 1:
@@ -189,11 +222,16 @@ class AutoSchedule(Schedule):
                 self.timings[name].factor = measured / predicted
 
     def predict(self, step: StepLoad, cost_model, dispatcher) -> PredictedBlock:
-        """The simulator's price: the cheapest candidate per iteration and layer, as the model sees it
-        (no measurement to correct it there)."""
+        """The simulator's price: the `preferred` candidate per iteration and layer, as the model sees
+        it (no measurement to correct it there)."""
         preds = [s.predict(step, cost_model, dispatcher) for s in self.candidates.values() if s.runs_with(dispatcher)]
         shape = np.broadcast_shapes(*(np.shape(p.total_s) for p in preds))
-        best = np.argmin(np.stack([np.broadcast_to(p.total_s, shape) for p in preds]), axis=0)
+        total_C = np.stack([np.broadcast_to(p.total_s, shape) for p in preds])
+        best = np.zeros(shape, dtype=np.int64)  # `preferred`, elementwise
+        for c in range(1, len(preds)):
+            best = np.where(
+                total_C[c] < (1.0 - self.options.min_gain) * np.take_along_axis(total_C, best[None], 0)[0], c, best
+            )
 
         def pick(attr: str) -> np.ndarray:
             values_C = np.stack([np.broadcast_to(np.asarray(getattr(p, attr), np.float64), shape) for p in preds])
