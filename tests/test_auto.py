@@ -203,3 +203,19 @@ def test_planned_ahead_choice_is_offered_to_the_prefetch_and_wins_when_hidden():
     assert auto.last.prices_s["shadow"] == auto.last.prices_s[auto.chosen]
     assert auto._pending.prefetched  # and the forward is observed as one with its copies sent ahead
     assert all(p.prefetched and p.hidden_share == 1.0 for p in auto._ahead())  # measurements passed on
+
+
+def test_a_checkpoint_without_the_correction_object_resumes_and_learns_again():
+    """A planner pickled before the correction had its own object (its factors lived on the
+    planner): it resumes with a fresh correction instead of failing."""
+    import pickle
+
+    auto, cm = _auto(1e12)
+    auto(_skewed(), OWNERS, cm)
+    state = auto.__getstate__()
+    del state["correction"]
+    resumed = pickle.loads(pickle.dumps(auto))
+    resumed.__dict__.clear()
+    resumed.__setstate__(state)
+    assert resumed(_skewed(), OWNERS, cm) == auto(_skewed(), OWNERS, cm)
+    assert resumed.correction.pooled == type(resumed.correction.pooled)()  # every factor 1 again

@@ -182,6 +182,11 @@ class AutoPlanner:
         self._resolve_planned()
         return {k: v for k, v in self.__dict__.items() if k != "block_price"}
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "correction" not in state:  # checkpointed before the correction had its own object: learn again
+            self.correction = OnlineCorrection(self.options.window, self.options.min_observations)
+
     def observe_time(
         self, forward_s_W: np.ndarray, copies_s_W: np.ndarray | None = None, schedule: str | None = None
     ) -> None:

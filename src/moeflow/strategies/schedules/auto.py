@@ -22,12 +22,12 @@ jointly).
 
 Margin. The candidates are listed from the simplest (`sync`, `pairwise`, then `pipeline`), and one
 replaces the choice before it only when priced `min_gain` (3%) below it (`preferred`) — as the
-placement arbiter leaves plain EP only for a 3% gain. Its factors come from a few timed forwards
+placement arbiter leaves plain EP only for a 3% gain. The factors come from a few timed forwards
 each (2 after the warm-up) under the per-forward noise of a real machine (±10% on the 2 × 1
-testbed), and without the margin a 1–2% difference between two corrected prices decided: on the
-testbed `pairwise` measured 3–12% faster than `pipeline` (r = 2) per iteration, and `auto` took
-`pipeline` in 12–16 of 20 forwards of the suite where it lost 6–16% to `pairwise`
-(docs/benchmarks.md, "All strategies on one suite"). The simulator's price applies the same rule.
+testbed), so a difference of 1–2% between two corrected prices is no evidence for the less simple
+one. The simulator's price applies the same rule. (The margin does not settle what the testbed
+shows: there the block timings themselves put `pipeline` 9–34% under `pairwise` where whole
+iterations measured it 3–12% slower — docs/benchmarks.md, "All strategies on one suite".)
 
 Every rank computes the same choice: predictions come from global numbers and factors change only
 at agreement points, after the all-reduce. `chosen` names the schedule that ran (per layer, in
@@ -227,11 +227,9 @@ class AutoSchedule(Schedule):
         preds = [s.predict(step, cost_model, dispatcher) for s in self.candidates.values() if s.runs_with(dispatcher)]
         shape = np.broadcast_shapes(*(np.shape(p.total_s) for p in preds))
         total_C = np.stack([np.broadcast_to(p.total_s, shape) for p in preds])
-        best = np.zeros(shape, dtype=np.int64)  # `preferred`, elementwise
-        for c in range(1, len(preds)):
-            best = np.where(
-                total_C[c] < (1.0 - self.options.min_gain) * np.take_along_axis(total_C, best[None], 0)[0], c, best
-            )
+        best = np.zeros(shape, dtype=np.int64)
+        for index in np.ndindex(shape):  # `preferred` per iteration and layer
+            best[index] = preferred(dict(enumerate(total_C[(slice(None), *index)].tolist())), self.options.min_gain)
 
         def pick(attr: str) -> np.ndarray:
             values_C = np.stack([np.broadcast_to(np.asarray(getattr(p, attr), np.float64), shape) for p in preds])
