@@ -40,3 +40,25 @@ def test_auto_vs_best_interval_resamples_the_iterations_together():
     low, high = bench.auto_vs_best_interval(_rows(times), _label, summary)["w"]
     point = np.median(times["shadow:sync"]) / np.median(times["auto+prefetch:auto"])
     assert low < point < high and high - low > 0.05
+
+
+def test_the_arbiters_fields_and_the_forwards_spread():
+    from types import SimpleNamespace
+
+    from moeflow.bench.arbiters import arbiter_fields, forget_forecasts, forward_spread
+    from moeflow.strategies.planners.auto_correction import Forward, OnlineCorrection
+
+    correction = OnlineCorrection(window=8, min_observations=2)
+    for i in range(4):
+        correction.observe(Forward(0.01 * (i + 1), 0.002, 0.0, False), 0.012 * (i + 1), 0.0, "sync")
+    planner = SimpleNamespace(correction=correction, model_error=correction.model_error)
+    layers = [SimpleNamespace(planner=planner, schedule=object())] * 2
+    fields = arbiter_fields(layers)
+    assert set(fields) == {"auto_model_error", "auto_forecasts", "auto_observations"}
+    assert len(fields["auto_forecasts"][0]) == 2 and fields["auto_observations"][0][0][4] == "sync"
+    forget_forecasts(layers)
+    assert arbiter_fields(layers) == {}  # no forecasts since the timed iterations began
+    assert arbiter_fields([SimpleNamespace(planner=object(), schedule=object())]) == {}
+    # Two layers, the second always twice the first: no spread; one forward 50% off its median: 1/6 of it.
+    assert forward_spread([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]) == 0.0
+    assert forward_spread([[1.0, 2.0], [1.0, 2.0], [2.0, 2.0]]) == pytest.approx((1.0 / 2.0) / 6)

@@ -201,3 +201,4 @@ def test_suite_blocks_prefetch_trace_replay_drift_and_ceiling_on_two_ranks(tmp_p
     auto = [r for r in rows if (r["strategy"], r["schedule"]) == ("auto", "auto")]
     assert all(sum(r["chosen_schedule"].values()) == 2 * 3 for r in auto)  # two layers, three iterations
     assert all(set(r["chosen_schedule"]) <= {"sync", "pairwise", "pipeline"} for r in auto)
+    assert all(len(r["schedule_timings"]) == 2 and r["schedule_timings"][0] for r in auto)  # per layer, what ran

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeflow.bench.arbiters import arbiter_fields, forget_forecasts, forward_spread
 from moeflow.bench.blocks import BenchBlocks
 from moeflow.bench.interleave import balanced_order
 from moeflow.core.expert_shape import ExpertShape
@@ -263,14 +264,6 @@ class _Run:
     forwards: list[list[float]] = field(default_factory=list)
     """Each layer's forward time (the slowest rank's), every timed iteration."""
 
-    def start_timing(self) -> None:
-        """The timed iterations begin: `auto`'s model error is reported over their forwards (and the
-        last warm-up one, whose time the first timed forward brings); its forecasts of the warm-up,
-        made while `schedule="auto"` still tried its candidates, are dropped."""
-        for layer in self.model.moe:
-            if hasattr(layer.planner, "correction"):
-                layer.planner.correction.forecasts.clear()
-
     def record(self, elapsed_s: float) -> None:
         """One timed iteration (collective: every rank calls it). Per layer, averaged over the blocks:
         copies beyond the owners, the balance metric (Pro-Prophet Fig. 12), and the planner's own
@@ -325,28 +318,10 @@ class _Run:
         }
         if self.even:
             row["ceiling"] = True
-        errors = [layer.planner.model_error() for layer in self.model.moe if hasattr(layer.planner, "model_error")]
-        if errors and None not in errors:  # `auto`: its corrected model's error on the forwards it timed
-            row["auto_model_error"] = float(np.mean(errors))
-            # Per layer, each forward's (corrected forecast, measured) seconds, in order, and the
-            # correction's window: (compute, exchange, copies, prefetched, schedule, measured, copies measured).
-            corrections = [layer.planner.correction for layer in self.model.moe]
-            row["auto_forecasts"] = [[list(map(float, f)) for f in c.forecasts] for c in corrections]
-            row["auto_observations"] = [
-                [[*map(float, o.predicted), o.schedule, o.measured, o.measured_copies] for o in c.observations]
-                for c in corrections
-            ]
-        arbiters = [layer.schedule for layer in self.model.moe if hasattr(layer.schedule, "timings")]
-        if arbiters:  # `schedule="auto"`: per layer, each candidate's (measured, predicted) medians and factor
-            row["schedule_timings"] = [
-                {n: [*t.medians(), t.factor] for n, t in a.timings.items() if t.measured_s} for a in arbiters
-            ]
+        row.update(arbiter_fields(list(self.model.moe)))
         if self.model.prefetch is not None:  # what the prefetch measured its windows to hide (layers > 0)
             row["prefetch_hidden_share"] = [float(h) for h in self.model.prefetch.hidden_share[1:]]
-        # The forwards' spread around their median, per layer: the error of a predictor that knew each
-        # layer's typical time exactly (the noise floor of a per-forward model error).
-        forward_IL = np.asarray(self.forwards)
-        row["forward_spread"] = float(np.mean(np.abs(forward_IL - np.median(forward_IL, axis=0)) / forward_IL))
+        row["forward_spread"] = forward_spread(self.forwards)
         if self.phases:
             row["forward_a2a_s"] = float(np.median([p["a2a_s"] for p in self.phases]))
             row["forward_compute_s"] = float(np.median([p["compute_s"] for p in self.phases]))
@@ -399,7 +374,7 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
         for it in range(cfg.warmup + cfg.iterations):
             for run in balanced_order(runs, it):
                 if it == cfg.warmup:
-                    run.start_timing()
+                    forget_forecasts(run.model.moe)
                 if probs_IBWE.shape[0] > 1:
                     run.model.set_popularity(probs_IBWE[it], rank)
                 dist.barrier()
