@@ -270,7 +270,7 @@ class _Run:
         predicted speedup for the placement it chose; summed over the blocks, the cost model's time
         for the flows and placements the layers ran (its error against the measured time)."""
         self.times.append(_max_over_ranks(elapsed_s))
-        forward_L = torch.tensor([layer.forward_s for layer in self.model.moe], dtype=torch.float64)
+        forward_L = torch.tensor([layer.times.forward_s for layer in self.model.moe], dtype=torch.float64)
         dist.all_reduce(forward_L, op=dist.ReduceOp.MAX)
         self.forwards.append(forward_L.tolist())
         if self.variant.schedule == "sync":

@@ -33,6 +33,7 @@ from moeflow.core.checks import check_layer_input, finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.expert_sharding import sharded_compute
 from moeflow.core.experts import GroupedExperts
+from moeflow.core.forward_times import ForwardTimes
 from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.core.prefetch import BlockPrefetch
@@ -159,8 +160,7 @@ class MoELayer(nn.Module):
         self.stats: MoEStats | None = None
         self._held: dict[str, torch.Tensor] | None = None  # this forward's held weights (copies)
         self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
-        self.forward_s = 0.0  # wall time of the last forward on this rank (strategy="auto" learns from it)
-        self.copies_s = 0.0  # of which: waiting for its held copies (the sparse all-gather, or the prefetch)
+        self.times = ForwardTimes()  # of its last training forward (strategy="auto" learns from them)
         self.group: dist.ProcessGroup | None = None
         self.esp_group: dist.ProcessGroup | None = None  # expert sharding (core.expert_sharding)
         self._bind(Placement.expert_parallel(num_experts, 1))
@@ -272,14 +272,12 @@ class MoELayer(nn.Module):
         may_drop = self.capacity_factor is not None
         counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
         timed = getattr(self.planner, "observes_time", False) and not self.cluster_mismatch
-        if timed:  # the last forward's time and its copies' share, in microseconds, with the counts (auto)
-            for seconds in (self.forward_s, self.copies_s):
-                counts.append(torch.full((self.num_experts,), int(1e6 * seconds), device=expert_A.device))
+        if timed:  # the last forward's times, with the counts (`core.forward_times`)
+            counts += self.times.rows(self.num_experts, expert_A.device)
         rows = dispatch.exchange_counts(counts, self.group)
         flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
         if timed:
-            last_schedule = self.stats.schedule if self.stats is not None else None  # what ran that forward
-            self.planner.observe_time(rows[-2][:, 0] / 1e6, rows[-1][:, 0] / 1e6, last_schedule)
+            self.times.report(self.planner, *rows[-2:], self.stats.schedule if self.stats is not None else None)
         placement = self._plan(flow_WE)
         plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
 
@@ -310,7 +308,7 @@ class MoELayer(nn.Module):
         y_TD = self._release_copies(y_TD, placement, me)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
         self._record(block, flow_WE, choices_WE, plan_SED, placement, dropped, routing.redirected, me)
-        self.forward_s = time.perf_counter() - started if self.training else 0.0  # 0: nothing to learn from
+        self.times.forward_s = time.perf_counter() - started if self.training else 0.0  # 0: nothing to learn from
         return y_TD.reshape(x.shape)
 
     def _plan(self, flow_WE: np.ndarray) -> Placement:
@@ -325,7 +323,7 @@ class MoELayer(nn.Module):
         held_J = np.flatnonzero(placement.holders_EW[:, me])
         started = time.perf_counter()
         weights_J = self._held_weights(placement, held_J)
-        self.copies_s = time.perf_counter() - started if self.training else 0.0
+        self.times.copies_s = time.perf_counter() - started if self.training else 0.0
         self._held = weights_J
 
         def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
