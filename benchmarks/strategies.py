@@ -251,8 +251,8 @@ def main() -> int:
     parser.add_argument(
         "--testbed-warmup",
         type=int,
-        default=10,
-        help="testbed: untimed iterations per variant (covers schedule=auto's trials: 3 x 3 candidates)",
+        default=16,
+        help="testbed: untimed iterations per variant (covers schedule=auto's trials: 5 x 3 candidates)",
     )
     parser.add_argument("--bandwidth-mbit", type=float, default=800.0, help="testbed: inter-node link")
     parser.add_argument(

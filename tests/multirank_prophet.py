@@ -16,6 +16,7 @@ from moeflow.core.placement import dispatch_counts
 from moeflow.core.prefetch import BlockPrefetch
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
+from moeflow.strategies.schedules.auto import share_schedule_choice
 
 from .equivalence import TOL, D, H
 
@@ -87,6 +88,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     models["autopf"] = TwoBlocks(world, "auto", cost_model)
     # The schedule arbiter: each candidate tried once, then the cheapest corrected price per forward.
     models["autos"] = TwoBlocks(world, "auto", cost_model, schedule="auto", schedule_options={"trials": 1})
+    assert share_schedule_choice([models["autos"].moe1, models["autos"].moe2]) is not None  # one schedule
     BlockPrefetch([models["autopf"].moe1, models["autopf"].moe2])  # auto plans ahead too
     prefetch = BlockPrefetch([models["pf"].moe1, models["pf"].moe2])
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
@@ -122,6 +124,8 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
         prefetched += int(not models["pf"].moe2.stats.placement.is_owners_only())
         chosen |= {m.stats.strategy for m in (models["auto"].moe1, models["auto"].moe2, models["autopf"].moe2)}
         schedules |= {m.stats.schedule for m in (models["autos"].moe1, models["autos"].moe2)}
+        if it >= 2:  # past the trials (1 forward of each of 2 candidates): both layers run the board's choice
+            assert models["autos"].moe1.stats.schedule == models["autos"].moe2.stats.schedule, it
         eplb_copies += sum(
             int(m.stats.placement.materialized_EW().sum()) for m in (models["eplb"].moe1, models["eplb"].moe2)
         )
@@ -143,3 +147,10 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     agreed = share.clone()
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     assert float(agreed) == float(share)
+    # A first layer fed by data (rows needing no gradient) still times its backward: to the end of
+    # the backward pass (the autograd engine's callback), not never.
+    x, g = _batch(rank, world, 0)
+    (models["autos"](x) * g).sum().backward()
+    first = models["autos"].moe1
+    forward_s, backward_s = first.schedule.timings[first.stats.schedule].measured_s[-1]
+    assert backward_s is not None and backward_s > 0.0, (forward_s, backward_s)

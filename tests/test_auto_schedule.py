@@ -14,7 +14,13 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.strategies import SCHEDULES
 from moeflow.strategies.dispatchers import A2ADispatcher
-from moeflow.strategies.schedules.auto import AutoSchedule, AutoScheduleOptions, preferred, step_load
+from moeflow.strategies.schedules.auto import (
+    AutoSchedule,
+    AutoScheduleOptions,
+    preferred,
+    share_schedule_choice,
+    step_load,
+)
 from moeflow.strategies.schedules.pairwise import PairwiseSchedule
 from moeflow.strategies.schedules.sync import SyncSchedule
 
@@ -44,7 +50,7 @@ def test_trials_round_robin_then_the_cheapest_corrected_price():
         assert decision.exploring
         chosen.append(decision.chosen)
         auto.calls += 1
-    assert chosen == ["sync", "pairwise", "sync", "pairwise"]
+    assert chosen == ["sync", "pairwise", "pairwise", "sync"]  # rounds alternate direction
     # Before any measurement: the model's prices decide.
     assert auto.choose(predicted).chosen == "pairwise" and not auto.choose(predicted).exploring
     # Measured: pairwise's overlap is not there on this machine (3x its prediction) → sync.
@@ -65,6 +71,32 @@ def test_a_later_candidate_replaces_an_earlier_one_only_for_min_gain():
     eager = _arbiter(trials=1, min_gain=0.0)
     eager.calls = 2
     assert eager.choose({"sync": 1.0, "pairwise": 0.98}).chosen == "pairwise"
+
+
+def test_layers_sharing_a_board_run_the_schedule_cheapest_over_the_model():
+    """Layer 0 alone would keep sync (pairwise 1% cheaper there), layer 1 alone pairwise (20%): on one
+    board both run pairwise, cheapest over the two (2.0 vs 1.79), and price under it."""
+    first, second = _arbiter(trials=1), _arbiter(trials=1)
+    first.calls = second.calls = 2  # past the trials
+
+    class _Layer:
+        def __init__(self, schedule):
+            self.schedule = schedule
+
+    assert share_schedule_choice([_Layer(first)]) is None  # one arbiter: nothing to share
+    assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "sync"
+    board = share_schedule_choice([_Layer(first), _Layer(SyncSchedule()), _Layer(second)])
+    assert first.board is board and second.board is board
+    assert second.choose({"sync": 1.0, "pairwise": 0.8}).chosen == "pairwise"
+    assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "pairwise"
+    assert board.total(id(first), {"sync": 1.0, "pairwise": 0.99}) == pytest.approx({"sync": 2.0, "pairwise": 1.79})
+    # What strategy="auto" prices a placement with: this layer's price under the board's choice,
+    # posting nothing (a dearer pairwise here turns the whole model to sync).
+    assert board.price(id(first), {"sync": 1.0, "pairwise": 1.5}) == 1.0
+    assert board.prices[id(first)] == {"sync": 1.0, "pairwise": 0.99}
+    other = AutoSchedule({"sync": SyncSchedule()}, SHAPE, first.cost_model)
+    with pytest.raises(ValueError, match="different candidates"):
+        share_schedule_choice([_Layer(first), _Layer(other)])
 
 
 def test_agreement_points_after_the_trials_then_powers_of_two():
@@ -132,6 +164,14 @@ def test_simulator_price_is_the_cheapest_candidate_per_iteration():
     np.testing.assert_allclose(best.total_s, np.where(pairwise < 0.97 * sync, pairwise, sync))
     eager = _arbiter(min_gain=0.0)
     np.testing.assert_allclose(eager.predict(step, cm, dispatcher).total_s, np.minimum(sync, pairwise))
+    # Over (iterations, layers): one schedule per iteration for every layer, on the sum over layers.
+    send_IL = np.stack([send, send[::-1] * 0.2])  # [2 iterations, 3 layers, W, W]
+    step_IL = StepLoad(send_IL, np.stack([computed, computed]), SHAPE, [0, 1, 2, 3])
+    sync, pairwise = (s.predict(step_IL, cm, dispatcher).total_s for s in auto.candidates.values())
+    take_I = pairwise.sum(1) < 0.97 * sync.sum(1)
+    np.testing.assert_allclose(auto.predict(step_IL, cm, dispatcher).total_s, np.where(take_I[:, None], pairwise, sync))
+    alone_IL = pairwise < 0.97 * sync
+    assert (alone_IL.any(1) & ~alone_IL.all(1)).all()  # not vacuous: alone, the layers would disagree
 
 
 def test_options_and_registry_errors():

@@ -14,6 +14,7 @@ from torch import nn
 
 from moeflow.core.layer import MoELayer
 from moeflow.core.prefetch import BlockPrefetch
+from moeflow.strategies.schedules.auto import share_schedule_choice
 
 
 class BenchBlocks(nn.Module):
@@ -30,6 +31,7 @@ class BenchBlocks(nn.Module):
                 linear.weight.copy_(torch.randn(d, d, generator=gen) / d**0.5)
                 linear.bias.zero_()
         self.prefetch = BlockPrefetch(layers) if prefetch else None
+        share_schedule_choice(layers)  # schedule="auto": one schedule for every layer
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if len(self.moe) == 1:

@@ -84,7 +84,7 @@ def add_arguments(parser) -> None:
         type=int,
         default=3,
         help="untimed iterations first (strategy benchmark; schedule=auto tries its candidates in them, "
-        "3 forwards each)",
+        "5 forwards each)",
     )
     parser.add_argument("--out", default=None, help="also write the result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")

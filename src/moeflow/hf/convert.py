@@ -18,6 +18,7 @@ from moeflow.hf.archs import SUPPORTED, BlockSpec, find_blocks
 from moeflow.hf.block import MoEBlock
 from moeflow.hf.router import HFRouterGate, check_semantics
 from moeflow.hf.weights import swiglu_from_fused
+from moeflow.strategies.schedules.auto import share_schedule_choice
 
 FROM_THE_BLOCK = ("d_model", "d_hidden", "num_experts", "top_k", "gate", "expert")
 """`MoELayer` arguments each block determines (its shapes, its router, its SwiGLU experts)."""
@@ -108,6 +109,8 @@ def convert_moe_blocks(model: nn.Module, **layer_kwargs) -> int:
         )
     for name, _, _, block in blocks:
         _check_block(name, block, world)
-    for name, parent, attr, block in blocks:
-        setattr(parent, attr, _build(name, block, SUPPORTED[type(block).__name__], group, layer_kwargs))
+    built = [_build(name, block, SUPPORTED[type(block).__name__], group, layer_kwargs) for name, _, _, block in blocks]
+    for (_, parent, attr, _), moe_block in zip(blocks, built):
+        setattr(parent, attr, moe_block)
+    share_schedule_choice([moe_block.moe for moe_block in built])  # schedule="auto": one for all layers
     return len(blocks)

@@ -8,30 +8,36 @@ simulator prices, so each candidate's `predict(step, cost_model, dispatcher)` is
 forward + backward time of this very block.
 
 Correction. A schedule's overlap is what a cost model gets most wrong on a given machine (on CPUs the
-transfers and the GEMMs share the cores: the model's overlap is not there). The first
-`trials` forwards of each candidate are run in turn (round robin, the same order on every rank) and
-timed — the block's forward wall time, and its backward between two identity marks (the gradient
-reaching the block's outputs, leaving its sent rows): cheap, no synchronisation. At agreement
-points — when the trials end, then every `2^k`-th forward — the ranks take the maximum of their
-timings over the group (one all-reduce of C numbers: the block ends with its slowest rank) and set
-each candidate's factor `s_c = median measured / median predicted`. Candidates are then priced
-`s_c · predict_c` (`block_prices`), in seconds of forward + backward, the unit `strategy="auto"`
-prices placements in: with both arbiters on, the planner prices each placement's block with the
-corrected price of the schedule that would run it (`block_price`: placement and schedule chosen
-jointly).
+transfers and the GEMMs share the cores: the model's overlap is not there). The first `trials`
+forwards of each candidate are run in turn (round robin, the same order on every rank, each round
+in the opposite direction of the one before, so that a drift of the machine's speed over the trials
+— the first iterations run slower — favours no candidate) and timed: the block's forward wall time,
+and its backward from the gradient reaching the block's outputs to the gradient leaving its sent
+rows (an identity mark on each), or, when nothing before the block needs a gradient (a first layer
+fed by data), to the end of the backward pass (an autograd engine callback): cheap, no
+synchronisation. (A first layer's backward used to go untimed: its factors were forward-only, and
+put `pipeline` 9–34% under `pairwise` there while whole iterations measured it slower.) At
+agreement points — when the trials end, then every `2^k`-th forward — the ranks take the maximum
+of their timings over the group (one all-reduce of C numbers: the block ends with its slowest rank)
+and set each candidate's factor `s_c = median measured / median predicted`. Candidates are then
+priced `s_c · predict_c` (`block_prices`), in seconds of forward + backward, the unit
+`strategy="auto"` prices placements in: with both arbiters on, the planner prices each placement's
+block with the corrected price of the schedule that would run it (`block_price`: placement and
+schedule chosen jointly). Trials are 5 forwards per candidate (4 after the warm-up): on the 2 × 1
+testbed a forward's time scatters ±10%, and with 2 the choice followed the noise.
 
-Margin. The candidates are listed from the simplest (`sync`, `pairwise`, then `pipeline`), and one
-replaces the choice before it only when priced `min_gain` (3%) below it (`preferred`) — as the
-placement arbiter leaves plain EP only for a 3% gain. The factors come from a few timed forwards
-each (2 after the warm-up) under the per-forward noise of a real machine (±10% on the 2 × 1
-testbed), so a difference of 1–2% between two corrected prices is no evidence for the less simple
-one. The simulator's price applies the same rule. (The margin does not settle what the testbed
-shows: there the block timings themselves put `pipeline` 9–34% under `pairwise` where whole
-iterations measured it 3–12% slower — docs/benchmarks.md, "All strategies on one suite".)
+One schedule per model (`share_schedule_choice`). The trials time configurations where every layer
+runs the same candidate (they run in lock-step: each layer is called once per iteration); a layer
+choosing on its own would pick mixes that were never measured, and mixes measured slower than
+either pure schedule (2 blocks, Zipf 0.8, 2 local gloo ranks: `sync` in layer 0 + `pairwise` in layer 1
+0.499 s against 0.461 s for `pairwise` in both, although the blocks' own timings put the mix within 2%).
+Layers linked by one `ScheduleBoard` choose together: each posts its corrected prices and runs the
+`preferred` candidate of the sum over the layers (the other layers' prices from their last forward).
 
-Every rank computes the same choice: predictions come from global numbers and factors change only
-at agreement points, after the all-reduce. `chosen` names the schedule that ran (per layer, in
-`MoEStats.schedule`); `last` records each candidate's corrected price.
+Every rank computes the same choice: predictions come from global numbers, factors change only
+at agreement points, after the all-reduce, and the layers post to the board in the same order.
+`chosen` names the schedule that ran (per layer, in `MoEStats.schedule`); `last` records each
+candidate's corrected price.
 
 Shape suffixes: S source ranks, E experts, D destination ranks, W ranks, C candidates.
 """
@@ -60,7 +66,7 @@ class AutoScheduleOptions:
     """Comma list of schedules to choose among, each with its default options (names registered in
     `moeflow.strategies.SCHEDULES`); empty: every registered schedule. Those that do not run with
     the layer's dispatcher are left out."""
-    trials: int = 3
+    trials: int = 5
     """Forwards each candidate is timed before the correction decides (the first is a warm-up)."""
     min_gain: float = 0.03
     """A candidate replaces one listed before it (simpler: `sync`, `pairwise`, then `pipeline`) only
@@ -98,6 +104,50 @@ def preferred(prices: dict[str, float], min_gain: float) -> str:
         if prices[name] < (1.0 - min_gain) * prices[best]:
             best = name
     return best
+
+
+class ScheduleBoard:
+    """The shared choice of the `AutoSchedule`s of one model (module docstring): each posts its
+    corrected prices (seconds, one per candidate) and runs the `preferred` candidate of their sum."""
+
+    def __init__(self, min_gain: float) -> None:
+        self.min_gain = min_gain
+        self.prices: dict[int, dict[str, float]] = {}
+        """The latest corrected prices of each member (by id)."""
+
+    def total(self, member: int, prices: dict[str, float]) -> dict[str, float]:
+        """Each candidate's price summed over the members, `member`'s replaced by `prices`."""
+        rows = {**self.prices, member: prices}.values()
+        return {name: sum(row[name] for row in rows) for name in prices}
+
+    def post(self, member: int, prices: dict[str, float]) -> None:
+        self.prices[member] = prices
+
+    def choose(self, member: int, prices: dict[str, float]) -> str:
+        """Post `member`'s prices; the candidate every member runs."""
+        self.post(member, prices)
+        return preferred(self.total(member, prices), self.min_gain)
+
+    def price(self, member: int, prices: dict[str, float]) -> float:
+        """`member`'s price under the candidate the board would choose were these its prices (what
+        `strategy="auto"` prices a placement with); posts nothing."""
+        return prices[preferred(self.total(member, prices), self.min_gain)]
+
+
+def share_schedule_choice(layers) -> ScheduleBoard | None:
+    """Link the `schedule="auto"` arbiters of `layers` (one model's MoE layers) to one board: every
+    layer then runs the same schedule. None if fewer than two arbitrate. Called where a model is
+    built (`training.model`, `bench.blocks`); a model built otherwise can call it the same way."""
+    arbiters = [layer.schedule for layer in layers if isinstance(layer.schedule, AutoSchedule)]
+    if len(arbiters) < 2:
+        return None
+    names = [list(a.candidates) for a in arbiters]
+    if any(n != names[0] for n in names):
+        raise ValueError(f"schedule='auto' layers with different candidates {names}: one choice needs the same ones")
+    board = ScheduleBoard(arbiters[0].options.min_gain)
+    for arbiter in arbiters:
+        arbiter.board = board
+    return board
 
 
 def step_load(plan_SED: np.ndarray, shape: ExpertShape, node_of) -> StepLoad:
@@ -140,6 +190,8 @@ class AutoSchedule(Schedule):
         self.calls = 0
         self.chosen: str | None = None
         self.last: ScheduleDecision | None = None
+        self.board: ScheduleBoard | None = None
+        """Shared with the model's other layers (`share_schedule_choice`); None: this layer chooses alone."""
 
     def runs_with(self, dispatcher) -> bool:
         return any(s.runs_with(dispatcher) for s in self.candidates.values())
@@ -169,14 +221,22 @@ class AutoSchedule(Schedule):
         """Corrected price of the block of `plan_SED` under the candidate that would run it (for
         `strategy="auto"`, which prices placements with it)."""
         prices = self.block_prices(plan_SED, node_of, dispatcher)
+        if self.board is not None:
+            return self.board.price(id(self), prices)
         return prices[preferred(prices, self.options.min_gain)]
 
     def choose(self, predicted: dict[str, float]) -> ScheduleDecision:
-        """Pure given the state: round robin during the trials, else the `preferred` corrected price."""
+        """Pure given the state: round robin during the trials, else the `preferred` corrected price
+        (of this layer, or summed over the board's layers)."""
         names = list(self.candidates)
         prices = self.prices(predicted)
         if self.calls < self.options.trials * len(names):
-            return ScheduleDecision(prices, names[self.calls % len(names)], True)
+            if self.board is not None:
+                self.board.post(id(self), prices)
+            turn, position = divmod(self.calls, len(names))  # rounds alternate direction: a drift cancels
+            return ScheduleDecision(prices, names[position if turn % 2 == 0 else -1 - position], True)
+        if self.board is not None:
+            return ScheduleDecision(prices, self.board.choose(id(self), prices), False)
         return ScheduleDecision(prices, preferred(prices, self.options.min_gain), False)
 
     def execute(self, block: ExchangeBlock) -> torch.Tensor:
@@ -191,20 +251,25 @@ class AutoSchedule(Schedule):
         timing.measured_s.append(entry)
         timing.predicted_s.append(predicted[self.chosen])
         backward_from = [0.0]
+        rows_need_grad = block.x_sent_AD.requires_grad
 
         def _backward_ends() -> None:
             entry[1] = time.perf_counter() - backward_from[0]
 
         def _backward_starts() -> None:
             backward_from[0] = time.perf_counter()
+            if not rows_need_grad:  # nothing before the block needs a gradient: it ends the backward pass
+                torch.autograd.Variable._execution_engine.queue_callback(_backward_ends)
 
         started = time.perf_counter()
-        x_sent_AD = Mark.apply(block.x_sent_AD, lambda: None, _backward_ends)
+        x_sent_AD = Mark.apply(block.x_sent_AD, lambda: None, _backward_ends) if rows_need_grad else block.x_sent_AD
         out = self.candidates[self.chosen].execute(replace(block, x_sent_AD=x_sent_AD))
         entry[0] = time.perf_counter() - started
         self.calls += 1
         if self._agreement_point():
             self._agree(block.group)
+            if self.board is not None:  # the layers before this one choose next with the new factors
+                self.board.post(id(self), self.prices(predicted))
         return Mark.apply(out, lambda: None, _backward_starts)
 
     def _agreement_point(self) -> bool:
@@ -222,14 +287,17 @@ class AutoSchedule(Schedule):
                 self.timings[name].factor = measured / predicted
 
     def predict(self, step: StepLoad, cost_model, dispatcher) -> PredictedBlock:
-        """The simulator's price: the `preferred` candidate per iteration and layer, as the model sees
-        it (no measurement to correct it there)."""
+        """The simulator's price: the `preferred` candidate as the model sees it (no measurement to
+        correct it there) — over `(iterations, layers)` one per iteration, on the sum over the layers
+        (one schedule per model, as `share_schedule_choice` runs it); else one per element."""
         preds = [s.predict(step, cost_model, dispatcher) for s in self.candidates.values() if s.runs_with(dispatcher)]
         shape = np.broadcast_shapes(*(np.shape(p.total_s) for p in preds))
         total_C = np.stack([np.broadcast_to(p.total_s, shape) for p in preds])
-        best = np.zeros(shape, dtype=np.int64)
-        for index in np.ndindex(shape):  # `preferred` per iteration and layer
-            best[index] = preferred(dict(enumerate(total_C[(slice(None), *index)].tolist())), self.options.min_gain)
+        decided_C = total_C.sum(-1, keepdims=True) if len(shape) >= 2 else total_C
+        best = np.zeros(decided_C.shape[1:], dtype=np.int64)
+        for index in np.ndindex(best.shape):
+            best[index] = preferred(dict(enumerate(decided_C[(slice(None), *index)].tolist())), self.options.min_gain)
+        best = np.broadcast_to(best, shape)
 
         def pick(attr: str) -> np.ndarray:
             values_C = np.stack([np.broadcast_to(np.asarray(getattr(p, attr), np.float64), shape) for p in preds])
