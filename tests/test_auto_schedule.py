@@ -75,25 +75,29 @@ def test_a_later_candidate_replaces_an_earlier_one_only_for_min_gain():
 
 def test_layers_sharing_a_board_run_the_schedule_cheapest_over_the_model():
     """Layer 0 alone would keep sync (pairwise 1% cheaper there), layer 1 alone pairwise (20%): on one
-    board both run pairwise, cheapest over the two (2.0 vs 1.79), and price under it."""
+    board the first layer of each forward picks for both, on the sum over the layers (2.0 vs 1.79
+    once both have posted), and a placement is priced under the forward's choice."""
     first, second = _arbiter(trials=1), _arbiter(trials=1)
-    first.calls = second.calls = 2  # past the trials
 
     class _Layer:
         def __init__(self, schedule):
             self.schedule = schedule
 
     assert share_schedule_choice([_Layer(first)]) is None  # one arbiter: nothing to share
-    assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "sync"
     board = share_schedule_choice([_Layer(first), _Layer(SyncSchedule()), _Layer(second)])
     assert first.board is board and second.board is board
-    assert second.choose({"sync": 1.0, "pairwise": 0.8}).chosen == "pairwise"
+    first.calls = second.calls = 2  # past the trials
+    assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "sync"  # only its own prices yet
+    assert second.choose({"sync": 1.0, "pairwise": 0.8}).chosen == "sync"  # this forward is decided
+    first.calls = second.calls = 3
+    assert board.price(id(second), {"sync": 1.0, "pairwise": 0.5}, 3) == 0.5  # undecided: what it would pick
     assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "pairwise"
     assert board.total(id(first), {"sync": 1.0, "pairwise": 0.99}) == pytest.approx({"sync": 2.0, "pairwise": 1.79})
-    # What strategy="auto" prices a placement with: this layer's price under the board's choice,
-    # posting nothing (a dearer pairwise here turns the whole model to sync).
-    assert board.price(id(first), {"sync": 1.0, "pairwise": 1.5}) == 1.0
-    assert board.prices[id(first)] == {"sync": 1.0, "pairwise": 0.99}
+    assert board.price(id(second), {"sync": 1.0, "pairwise": 1.5}, 3) == 1.5  # decided: pairwise, dear or not
+    assert second.choose({"sync": 1.0, "pairwise": 1.5}).chosen == "pairwise"
+    # The next forward: a dearer pairwise in layer 1 turns the whole model to sync (2.0 vs 2.49).
+    assert board.price(id(first), {"sync": 1.0, "pairwise": 0.99}, 4) == 1.0
+    assert board.prices[id(first)] == {"sync": 1.0, "pairwise": 0.99}  # price() posts nothing
     other = AutoSchedule({"sync": SyncSchedule()}, SHAPE, first.cost_model)
     with pytest.raises(ValueError, match="different candidates"):
         share_schedule_choice([_Layer(first), _Layer(other)])

@@ -14,7 +14,8 @@ in the opposite direction of the one before, so that a drift of the machine's sp
 — the first iterations run slower — favours no candidate) and timed: the block's forward wall time,
 and its backward from the gradient reaching the block's outputs to the gradient leaving its sent
 rows (an identity mark on each), or, when nothing before the block needs a gradient (a first layer
-fed by data), to the end of the backward pass (an autograd engine callback): cheap, no
+fed by data), to the end of the backward pass (an autograd engine callback; what runs after the
+block's own nodes — the copies' gradient sums, the gate — is then timed with it): cheap, no
 synchronisation. (A first layer's backward used to go untimed: its factors were forward-only, and
 put `pipeline` 9–34% under `pairwise` there while whole iterations measured it slower.) At
 agreement points — when the trials end, then every `2^k`-th forward — the ranks take the maximum
@@ -31,8 +32,9 @@ runs the same candidate (they run in lock-step: each layer is called once per it
 choosing on its own would pick mixes that were never measured, and mixes measured slower than
 either pure schedule (2 blocks, Zipf 0.8, 2 local gloo ranks: `sync` in layer 0 + `pairwise` in layer 1
 0.499 s against 0.461 s for `pairwise` in both, although the blocks' own timings put the mix within 2%).
-Layers linked by one `ScheduleBoard` choose together: each posts its corrected prices and runs the
-`preferred` candidate of the sum over the layers (the other layers' prices from their last forward).
+Layers linked by one `ScheduleBoard` choose together: each posts its corrected prices, and the
+first layer of each forward picks for all the `preferred` candidate of the sum over the layers (the
+other layers' prices from their last forward).
 
 Every rank computes the same choice: predictions come from global numbers, factors change only
 at agreement points, after the all-reduce, and the layers post to the board in the same order.
@@ -107,13 +109,17 @@ def preferred(prices: dict[str, float], min_gain: float) -> str:
 
 
 class ScheduleBoard:
-    """The shared choice of the `AutoSchedule`s of one model (module docstring): each posts its
-    corrected prices (seconds, one per candidate) and runs the `preferred` candidate of their sum."""
+    """The shared choice of the `AutoSchedule`s of one model (module docstring). Each forward (the
+    layers' common call count) the first layer to choose decides for all: the `preferred` candidate
+    of the corrected prices summed over the layers — its own on this forward's flow, the others'
+    from their last forward; the later layers run that choice and post their prices for the next."""
 
     def __init__(self, min_gain: float) -> None:
         self.min_gain = min_gain
         self.prices: dict[int, dict[str, float]] = {}
         """The latest corrected prices of each member (by id)."""
+        self.decided: tuple[int, str] | None = None
+        """(call, candidate): the choice of the forward with that call count."""
 
     def total(self, member: int, prices: dict[str, float]) -> dict[str, float]:
         """Each candidate's price summed over the members, `member`'s replaced by `prices`."""
@@ -123,14 +129,19 @@ class ScheduleBoard:
     def post(self, member: int, prices: dict[str, float]) -> None:
         self.prices[member] = prices
 
-    def choose(self, member: int, prices: dict[str, float]) -> str:
-        """Post `member`'s prices; the candidate every member runs."""
+    def choose(self, member: int, prices: dict[str, float], call: int) -> str:
+        """Post `member`'s prices; the candidate every member runs in forward `call`."""
         self.post(member, prices)
-        return preferred(self.total(member, prices), self.min_gain)
+        if self.decided is None or self.decided[0] != call:
+            self.decided = (call, preferred(self.total(member, prices), self.min_gain))
+        return self.decided[1]
 
-    def price(self, member: int, prices: dict[str, float]) -> float:
-        """`member`'s price under the candidate the board would choose were these its prices (what
-        `strategy="auto"` prices a placement with); posts nothing."""
+    def price(self, member: int, prices: dict[str, float], call: int) -> float:
+        """`member`'s price in forward `call` under the candidate it would run were these its prices
+        (what `strategy="auto"` prices a placement with): the choice made for that forward, else the
+        one these prices would make; posts nothing."""
+        if self.decided is not None and self.decided[0] == call:
+            return prices[self.decided[1]]
         return prices[preferred(self.total(member, prices), self.min_gain)]
 
 
@@ -222,7 +233,7 @@ class AutoSchedule(Schedule):
         `strategy="auto"`, which prices placements with it)."""
         prices = self.block_prices(plan_SED, node_of, dispatcher)
         if self.board is not None:
-            return self.board.price(id(self), prices)
+            return self.board.price(id(self), prices, self.calls)
         return prices[preferred(prices, self.options.min_gain)]
 
     def choose(self, predicted: dict[str, float]) -> ScheduleDecision:
@@ -236,7 +247,7 @@ class AutoSchedule(Schedule):
             turn, position = divmod(self.calls, len(names))  # rounds alternate direction: a drift cancels
             return ScheduleDecision(prices, names[position if turn % 2 == 0 else -1 - position], True)
         if self.board is not None:
-            return ScheduleDecision(prices, self.board.choose(id(self), prices), False)
+            return ScheduleDecision(prices, self.board.choose(id(self), prices, self.calls), False)
         return ScheduleDecision(prices, preferred(prices, self.options.min_gain), False)
 
     def execute(self, block: ExchangeBlock) -> torch.Tensor:
