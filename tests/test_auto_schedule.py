@@ -1,7 +1,8 @@
 """`schedule="auto"` as numbers: the block's load from the dispatch plan, the round robin of the
-trials, the preferred corrected price after them (a later candidate only for `min_gain`), and the
-simulator's price (the same rule).
-Equality with `sync` on gloo ranks is checked in `multirank_prophet` (model `autos`)."""
+trials, the preferred corrected price after them (a later candidate only for `min_gain`), the board
+that gives a model's layers one schedule per forward, and the simulator's price (the same rules).
+Equality with `sync` on gloo ranks, one schedule for both layers in every forward and a data-fed
+first layer's backward timing are checked in `multirank_prophet` (model `autos`)."""
 
 from __future__ import annotations
 
