@@ -104,6 +104,21 @@ def test_layers_sharing_a_board_run_the_schedule_cheapest_over_the_model():
         share_schedule_choice([_Layer(first), _Layer(other)])
 
 
+def test_the_plan_priced_for_the_placement_is_not_predicted_again():
+    """`block_price` predicts the plan the block then runs: the block reuses that prediction."""
+    auto = _arbiter()
+    calls = []
+    sync = auto.candidates["sync"]
+    original = sync.predict
+    sync.predict = lambda *a: calls.append(1) or original(*a)
+    plan_SED, dispatcher = np.ones((4, 8, 4)), A2ADispatcher()
+    first = auto.block_prices(plan_SED, [0, 1, 2, 3], dispatcher)
+    assert auto.predicted(plan_SED, [0, 1, 2, 3], dispatcher) == first and len(calls) == 1
+    auto.predicted(plan_SED, [0, 1, 2, 3], A2ADispatcher())  # another dispatcher: predicted anew
+    other = auto.predicted(plan_SED * 3, [0, 1, 2, 3], dispatcher)
+    assert len(calls) == 3 and other["sync"] > first["sync"]
+
+
 def test_agreement_points_after_the_trials_then_powers_of_two():
     auto = _arbiter(trials=2)
     points = []

@@ -174,7 +174,8 @@ class AutoPlanner:
         self.rest: dict[str, list[int]] = {}  # name -> [calls it rests now, calls it rests after its next loss]
         self.block_price: Callable[[np.ndarray], float] | None = None
         """Set by the layer when its schedule is chosen too (`schedule="auto"`): the corrected block
-        time of a dispatch plan under each schedule, so placement and schedule are chosen jointly."""
+        time of a dispatch plan under the schedule that would run it, so placement and schedule are
+        chosen jointly."""
 
     def __getstate__(self) -> dict:
         """Checkpointed without the layer's `block_price` link (the resumed layer sets its own), its

@@ -170,8 +170,8 @@ class EPLBPlanner:
         return placement
 
     def observe(self, flow_WE: np.ndarray) -> None:
-        """Record the flow of a call whose placement is not wanted (`strategy="auto"` rests this
-        planner): the history stays whole, no search runs."""
+        """Record a call's flow (every call does; called alone when `strategy="auto"` rests this
+        planner: the history stays whole, no search runs)."""
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
@@ -180,7 +180,7 @@ class EPLBPlanner:
         planned = self.next_placement()
         if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
             planned = Placement.owners_only(placement.owner_E, placement.world_size)
-        self.history.append(np.asarray(flow_WE, dtype=np.float64))
+        self.observe(flow_WE)
         estimate = np.mean(np.stack(self.history), axis=0)
         self.next_plan.submit(eplb_plan, *self.plan_inputs(estimate, placement, cost_model))
         return planned

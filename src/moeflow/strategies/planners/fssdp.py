@@ -210,8 +210,8 @@ class FSSDPPlanner:
         return placement
 
     def observe(self, flow_WE: np.ndarray) -> None:
-        """Record the flow of a call whose placement is not wanted (`strategy="auto"` rests this
-        planner): the history stays whole, no search runs."""
+        """Record a call's flow (every call does; called alone when `strategy="auto"` rests this
+        planner: the history stays whole, no search runs)."""
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
@@ -222,7 +222,7 @@ class FSSDPPlanner:
             planned = Placement.owners_only(placement.owner_E, placement.world_size)  # first call, or re-sharded
         if self.options.calibrate:
             planned = self.calibrate(flow_WE, planned, cost_model)
-        self.history.append(np.asarray(flow_WE, dtype=np.float64))
+        self.observe(flow_WE)
         self.next_plan.submit(fssdp_plan, *self.plan_inputs(self.estimate(), placement, cost_model))
         return planned
 

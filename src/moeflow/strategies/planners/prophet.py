@@ -235,8 +235,8 @@ class ProphetPlanner:
         return replace(self.options, overlap=True, nonmoe_forward_s=nonmoe, hidden_share=self.hidden_share)
 
     def observe(self, flow_WE: np.ndarray) -> None:
-        """Record the flow of a call whose placement is not wanted (`strategy="auto"` rests this
-        planner): the history stays whole, no search runs."""
+        """Record a call's flow (every call does; called alone when `strategy="auto"` rests this
+        planner: the history stays whole, no search runs)."""
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
         self.calls += 1
 
@@ -246,8 +246,7 @@ class ProphetPlanner:
         planned = self.next_placement()
         if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
             planned = Placement.owners_only(placement.owner_E, placement.world_size)
-        self.history.append(np.asarray(flow_WE, dtype=np.float64))
-        self.calls += 1
+        self.observe(flow_WE)
         if (self.calls - 1) % self.options.plan_interval == 0:
             args = (self.predict(), placement, cost_model, self.shape, self.search_options())
             self.next_plan.submit(prophet_search, *args)

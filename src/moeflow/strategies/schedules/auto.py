@@ -203,6 +203,7 @@ class AutoSchedule(Schedule):
         self.last: ScheduleDecision | None = None
         self.board: ScheduleBoard | None = None
         """Shared with the model's other layers (`share_schedule_choice`); None: this layer chooses alone."""
+        self._predicted: dict[tuple, dict[str, float]] = {}  # `predicted`'s memo, cleared by `execute`
 
     def runs_with(self, dispatcher) -> bool:
         return any(s.runs_with(dispatcher) for s in self.candidates.values())
@@ -212,6 +213,7 @@ class AutoSchedule(Schedule):
         super().check_dispatcher(dispatcher)
         self.candidates = {n: s for n, s in self.candidates.items() if s.runs_with(dispatcher)}
         self.timings = {n: self.timings[n] for n in self.candidates}
+        self._predicted.clear()
 
     def prices(self, predicted: dict[str, float]) -> dict[str, float]:
         """Each candidate's predicted price times its measured factor (1 before the first agreement)."""
@@ -219,10 +221,17 @@ class AutoSchedule(Schedule):
 
     def predicted(self, plan_SED: np.ndarray, node_of, dispatcher) -> dict[str, float]:
         """Each candidate's model time (forward + backward) of the block of this dispatch plan
-        (`node_of` None: the cost model's)."""
-        node_of = node_of if node_of is not None else self.cost_model.topology.node_of
-        step = step_load(plan_SED, self.shape, node_of)
-        return {n: float(s.predict(step, self.cost_model, dispatcher).total_s) for n, s in self.candidates.items()}
+        (`node_of` None: the cost model's). Memoised until the next `execute`: the placement arbiter
+        prices the plan that then runs (`block_price`) just before the block predicts it again."""
+        plan = np.ascontiguousarray(plan_SED, dtype=np.float64)
+        key = (plan.tobytes(), plan.shape, None if node_of is None else tuple(node_of), dispatcher)
+        if key not in self._predicted:
+            node_of = node_of if node_of is not None else self.cost_model.topology.node_of
+            step = step_load(plan, self.shape, node_of)
+            self._predicted[key] = {
+                n: float(s.predict(step, self.cost_model, dispatcher).total_s) for n, s in self.candidates.items()
+            }
+        return self._predicted[key]
 
     def block_prices(self, plan_SED: np.ndarray, node_of, dispatcher) -> dict[str, float]:
         """Corrected prices of the block of `plan_SED` under every candidate."""
@@ -255,6 +264,7 @@ class AutoSchedule(Schedule):
             self.chosen = next(iter(self.candidates))
             return self.candidates[self.chosen].execute(block)
         predicted = self.predicted(block.plan_SED, block.node_of, block.dispatcher)
+        self._predicted.clear()
         self.last = self.choose(predicted)
         self.chosen = self.last.chosen
         timing = self.timings[self.chosen]
