@@ -17,9 +17,10 @@ Testbed: `moeflow bench --suite` on 2 nodes × 2 ranks (or × 1: `--testbed-rank
 behind an emulated 800 Mbit/s link (network namespaces and tc, `scripts/testbed.py`; needs root),
 with the testbed's own measured profile; every variant and the ceiling interleaved iteration by
 iteration, after `--testbed-warmup` untimed ones. Reported beside each workload: the best single
-strategy, `auto`'s distance to it, and `auto`'s corrected cost model's error on the forwards it
-timed (MAPE per layer, out of sample). Simulator: the same workloads at paper scale on a cluster preset (its cost
-model is exact there, so `auto` has nothing to correct). Each part writes its plot next to the JSON.
+strategy, `auto`'s distance to it, and `auto`'s corrected cost model's error on the layers it
+timed (forward + backward, MAPE per layer, out of sample). Simulator: the same workloads at paper
+scale on a cluster preset (its cost model is exact there, so `auto` has nothing to correct). Each
+part writes its plot next to the JSON.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def testbed_part(args) -> dict:
     speedups = {w: {label(r): r["speedup_vs_ep"] for r in rows if r["routing"] == w} for w in workloads_}
     labels = list(dict.fromkeys(label(r) for r in rows if not r.get("ceiling")))
     errors = [r["auto_model_error"] for r in rows if "auto_model_error" in r]
-    spreads = [r["forward_spread"] for r in rows if r["routing"].startswith("zipf") and r["strategy"] != "auto"]
+    spreads = [r["layer_spread"] for r in rows if r["routing"].startswith("zipf") and r["strategy"] != "auto"]
     result = {
         "bandwidth_mbit": args.bandwidth_mbit,
         "nodes_x_ranks": [2, rpn],
@@ -220,9 +221,9 @@ def testbed_part(args) -> dict:
             {w: {k: v for k, v in row.items() if k != "ceiling"} for w, row in speedups.items()}, labels
         ),
         "auto_model_mape": float(np.mean(errors)) if errors else None,
-        # The MAPE's noise floor: the single strategies' forwards around their own median on the
+        # The MAPE's noise floor: the single strategies' layers around their own median on the
         # stationary (Zipf) loads, where a layer's time changes with noise only.
-        "forward_spread_single_zipf": float(np.mean(spreads)) if spreads else None,
+        "layer_spread_single_zipf": float(np.mean(spreads)) if spreads else None,
         "chosen": {
             f"{r['routing']} {label(r)}": [r["chosen"], r["chosen_schedule"]] for r in rows if r["strategy"] == "auto"
         },
@@ -280,7 +281,7 @@ def main() -> int:
             {k: round(v, 2) for k, v in result["testbed"]["summary"]["geomean_speedup_over_ep"].items()},
         )
         print("testbed auto model MAPE:", result["testbed"]["auto_model_mape"])
-        print("testbed forwards' spread (single strategies, Zipf):", result["testbed"]["forward_spread_single_zipf"])
+        print("testbed layers' spread (single strategies, Zipf):", result["testbed"]["layer_spread_single_zipf"])
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -16,6 +16,7 @@ from moeflow.core.placement import dispatch_counts
 from moeflow.core.prefetch import BlockPrefetch
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
+from moeflow.strategies.planners.auto import share_correction
 from moeflow.strategies.schedules.auto import share_schedule_choice
 
 from .equivalence import TOL, D, H
@@ -89,6 +90,8 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     # The schedule arbiter: each candidate tried once, then the cheapest corrected price per forward.
     models["autos"] = TwoBlocks(world, "auto", cost_model, schedule="auto", schedule_options={"trials": 1})
     assert share_schedule_choice([models["autos"].moe1, models["autos"].moe2]) is not None  # one schedule
+    for name in ("auto", "autopf", "autos"):  # one machine correction over both layers
+        assert len(share_correction([models[name].moe1, models[name].moe2])) == 2
     BlockPrefetch([models["autopf"].moe1, models["autopf"].moe2])  # auto plans ahead too
     prefetch = BlockPrefetch([models["pf"].moe1, models["pf"].moe2])
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
@@ -140,6 +143,12 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     # Each forward's copies timed apart, and the schedule that ran it named (`auto_correction`).
     observed = models["autos"].moe1.planner.correction.observations
     assert all(o.measured_copies >= 0.0 for o in observed) and {o.schedule for o in observed} == schedules
+    # ... and its backward, of it the copies' gradient sums (`core.layer_times`).
+    layers = [layer for m in ("auto", "autos") for layer in (models[m].moe1, models[m].moe2)]
+    observed = [o for layer in layers for o in layer.planner.correction.observations]
+    assert all(o.measured_backward > 0.0 and o.measured_compute > 0.0 for o in observed)
+    sent_now = [o for o in observed if o.predicted.copies > 0.0 and not o.predicted.prefetched]
+    assert sent_now and all(o.measured_copies_backward > 0.0 for o in sent_now)
     assert prefetch.steps == ITERATIONS and 0.0 < prefetch.split_forward[0] < 1.0, prefetch.split_forward
     # What the prefetch measured to hide reached layer 2's planner (the same on every rank).
     share = torch.tensor([models["pf"].moe2.planner.hidden_share], dtype=torch.float64)
@@ -154,3 +163,4 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     first = models["autos"].moe1
     forward_s, backward_s = first.schedule.timings[first.stats.schedule].measured_s[-1]
     assert backward_s is not None and backward_s > 0.0, (forward_s, backward_s)
+    assert first.times.backward_s > 0.0  # the layer's own, for `strategy="auto"`

@@ -57,15 +57,22 @@ def test_break_even_few_tokens_stay_ep():
 
 def test_online_correction_learns_a_machine_twice_as_slow():
     auto, cm = _auto(1e12, min_observations=2)
-    for _ in range(4):  # every forward measured twice as slow as predicted, copies included
+    for _ in range(4):  # every forward and backward measured twice as slow as predicted, copies included
         auto(_skewed(), OWNERS, cm)
-        c, x, p, prefetched = auto._pending
-        assert p > 0 and not prefetched
-        auto.observe_time(np.array([2.0 * (c + x + p), 0.5 * (c + x + p)]), np.array([2.0 * p, 3.0 * p]))
+        t = auto._pending
+        assert t.copies > 0 and not t.prefetched
+        forward, backward = (2.0 * float(np.sum(half)) for half in t.halves())
+        auto.observe_time(
+            np.array([forward, 0.5 * forward]),
+            np.array([t.copies, 1.5 * t.copies]),  # the rank that waited least: 2× its half
+            backward_s_W=np.array([0.5 * backward, backward]),
+            copies_backward_s_W=np.array([t.copies, 2.0 * t.copies]),
+        )
     forecast, measured = auto.correction.forecasts[-1]  # out of sample; the one before came from two
-    assert forecast == pytest.approx(measured, rel=1e-6) and auto.model_error() < 0.01  # equal forwards
-    assert auto.correction.pooled.time(c, x, p, False) == pytest.approx(2.0 * (c + x + p))
-    assert auto.correction.pooled.copy == pytest.approx(2.0)  # the rank that waited least for its copies
+    assert forecast == pytest.approx(measured, rel=1e-6) and auto.model_error() < 0.01  # equal layers
+    assert measured == pytest.approx(2.0 * (t.compute + t.exchange + t.copies))  # forward + backward
+    assert auto.correction.pooled.time(t) == pytest.approx(2.0 * (t.compute + t.exchange + t.copies))
+    assert auto.correction.pooled.copy == pytest.approx(2.0) and auto.correction.pooled.copy_back == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("copies_factor, after", [(1.0, "shadow"), (3.0, "ep")])
@@ -80,21 +87,24 @@ def test_copies_dearer_than_modelled_are_learnt_apart_from_the_exchanges(copies_
 
     def run(flow) -> str:
         terms = layer_terms(flow, auto(flow, OWNERS, cm), cm, shape, node_of)
-        auto.observe_time(np.array([terms.compute / 3 + (terms.exchange + copies_factor * terms.copies) / 2]))
+        forward, backward = (float(np.dot(half, (1.0, 1.0, copies_factor))) for half in terms.terms().halves())
+        auto.observe_time(np.array([forward]), backward_s_W=np.array([backward]))
         return auto.chosen
 
     assert {run(rng.integers(5, 60, (4, 4))) for _ in range(6)} == {"ep"}  # mild loads: the fit learns EP
     skewed = np.full((4, 4), 2)
     skewed[:, 0] = 400
     assert [run(skewed) for _ in range(4)] == ["shadow"] + [after] * 3
-    assert auto.correction.pooled[:3] == pytest.approx((1.0, 1.0, copies_factor), rel=1e-6)
+    c = auto.correction.pooled
+    assert (c.comp, c.comm, c.copy, c.copy_back) == pytest.approx((1.0, 1.0, copies_factor, copies_factor), rel=1e-6)
 
 
 def test_copies_timed_apart_are_learnt_while_one_placement_keeps_running():
     """Only copies ran (no EP forward to learn the exchanges from), the rest of each forward jittered
     ±10% as a real machine's is: with the copies' wait timed apart the fit finds them 3× dearer and
-    the arbiter returns to EP; from the forward's total alone the same forwards cannot tell which term
-    was dear (the terms move together: the jitter lands on the copies' factor)."""
+    the arbiter returns to EP. From the forward's total alone the terms move together, and without
+    the prior the jitter landed on the copies' factor (s_comp 2.4, s_comm 0, s_copy 2.7); with the
+    compute and exchange held at the profile where the window cannot tell, the copies' is found too."""
     shape = ExpertShape(8, 1024)
     rng = np.random.default_rng(1)
     flows = []
@@ -118,8 +128,8 @@ def test_copies_timed_apart_are_learnt_while_one_placement_keeps_running():
     chosen, scales = run(timed=True)
     assert chosen[:4] == ["shadow"] * 4 and chosen[-1] == "ep"
     assert scales.copy == pytest.approx(3.0, rel=1e-9)
-    _, scales = run(timed=False)  # here: s_comp 2.4, s_comm 0, s_copy 2.7
-    assert np.max(np.abs(np.subtract(scales[:3], (1.0, 1.0, 3.0))) / (1.0, 1.0, 3.0)) > 0.5
+    chosen, scales = run(timed=False)
+    assert chosen[-1] == "ep" and scales[:3] == pytest.approx((1.0, 1.0, 3.0), rel=0.05)
 
 
 def test_a_candidate_that_keeps_losing_rests_longer_each_time_and_ep_is_always_priced():
@@ -205,15 +215,19 @@ def test_planned_ahead_choice_is_offered_to_the_prefetch_and_wins_when_hidden():
     assert all(p.prefetched and p.hidden_share == 1.0 for p in auto._ahead())  # measurements passed on
 
 
-def test_a_checkpoint_without_the_correction_object_resumes_and_learns_again():
+@pytest.mark.parametrize("old", ["no correction object", "forward-only correction"])
+def test_an_older_checkpoint_resumes_and_learns_again(old):
     """A planner pickled before the correction had its own object (its factors lived on the
-    planner): it resumes with a fresh correction instead of failing."""
+    planner), or before it timed backwards: it resumes with a fresh correction instead of failing."""
     import pickle
 
     auto, cm = _auto(1e12)
     auto(_skewed(), OWNERS, cm)
     state = auto.__getstate__()
-    del state["correction"]
+    if old == "no correction object":
+        del state["correction"]
+    else:
+        del state["correction"].prior_weight
     resumed = pickle.loads(pickle.dumps(auto))
     resumed.__dict__.clear()
     resumed.__setstate__(state)

@@ -1,6 +1,6 @@
-"""`strategy="auto"`'s online correction on hand-built forwards: it recovers known factors (the copies
-sent now and sent ahead apart), keeps the factor of a term nothing exercised, forecasts each
-schedule's forwards from that schedule's own fit, and reports its error out of sample."""
+"""`strategy="auto"`'s online correction on hand-built layers: it recovers known factors (the copies
+sent now and sent ahead apart, forward and backward), keeps the factor of a term nothing exercised,
+forecasts each schedule's layers from that schedule's own fit, and reports its error out of sample."""
 
 from __future__ import annotations
 
@@ -11,60 +11,128 @@ import pytest
 
 from moeflow.strategies.planners.auto_correction import (
     Correction,
-    Forward,
     Observation,
     OnlineCorrection,
+    Terms,
     fit_correction,
 )
 
-TRUE = Correction(comp=2.0, comm=0.5, copy=3.0, ahead=0.2, fixed=1e-3)
+TRUE = Correction(comp=2.0, comm=0.5, copy=3.0, ahead=0.2, fixed=1e-3, copy_back=4.0, fixed_back=2e-3)
 
 
-def _forwards(n: int, seed: int = 0) -> list[Forward]:
+def _terms(n: int, seed: int = 0) -> list[Terms]:
     rng = np.random.default_rng(seed)
-    return [Forward(*rng.uniform(1e-3, 1e-2, 3), bool(i % 2)) for i in range(n)]
+    return [Terms(*rng.uniform(1e-3, 1e-2, 3), bool(i % 2)) for i in range(n)]
+
+
+def _measured(t: Terms, c: Correction = TRUE, schedule=None, rest: float = 1.0) -> Observation:
+    """What a machine whose factors are `c` measures (the non-copy part scaled by `rest`); the
+    prefetched copies' gradient sums run outside the layer's own gather (not timed apart: 0)."""
+    copies = (c.ahead if t.prefetched else c.copy) * t.copies / 2
+    copies_back = (c.ahead if t.prefetched else c.copy_back) * t.copies / 2
+    forward = (c.forward(t) - copies) * rest + copies
+    backward = (c.backward(t) - copies_back) * rest + copies_back
+    return Observation(t, schedule, forward, copies, backward, 0.0 if t.prefetched else copies_back)
 
 
 def test_recovers_the_factors_with_and_without_the_copies_timed():
-    forwards = _forwards(20)
-    timed = [
-        Observation(f, None, TRUE.time(*f), (TRUE.ahead if f.prefetched else TRUE.copy) * f.copies) for f in forwards
-    ]
-    assert fit_correction(timed) == pytest.approx(TRUE, rel=1e-6)
-    untimed = [o._replace(measured_copies=math.nan) for o in timed]  # one joint fit, copies now / ahead apart
-    assert fit_correction(untimed) == pytest.approx(TRUE, rel=1e-6)
-    # A term no forward exercised (EP alone ran: no copies) keeps the factor it had.
-    no_copies = [Observation(f._replace(copies=0.0), None, TRUE.time(*f._replace(copies=0.0)), 0.0) for f in forwards]
-    kept = fit_correction(no_copies, Correction(copy=7.0, ahead=0.5))
-    assert kept == pytest.approx(TRUE._replace(copy=7.0, ahead=0.5), rel=1e-6)
+    """Exactly, without the prior (`prior_weight=0`)."""
+    timed = [_measured(t) for t in _terms(20)]
+    assert fit_correction(timed, prior_weight=0.0) == pytest.approx(TRUE, rel=1e-6)
+    # Not timed apart: one joint fit, the copies now / ahead / back as columns of their own.
+    untimed = [o._replace(measured_copies=math.nan, measured_copies_backward=math.nan) for o in timed]
+    assert fit_correction(untimed, prior_weight=0.0) == pytest.approx(TRUE, rel=1e-6)
+    # Forwards alone (no backward timed): the forward's factors; the backward's stay as they were.
+    forwards = [o._replace(measured_backward=math.nan, measured_copies_backward=math.nan) for o in timed]
+    expected = TRUE._replace(copy_back=math.nan, fixed_back=0.0)
+    assert fit_correction(forwards, prior_weight=0.0) == pytest.approx(expected, nan_ok=True)
+    # A term no layer exercised (EP alone ran: no copies) keeps the factor it had.
+    no_copies = [_measured(t._replace(copies=0.0)) for t in _terms(20)]
+    kept = fit_correction(no_copies, Correction(copy=7.0, ahead=0.5, copy_back=6.0), prior_weight=0.0)
+    assert kept == pytest.approx(TRUE._replace(copy=7.0, ahead=0.5, copy_back=6.0), rel=1e-6)
 
 
-def test_each_schedule_is_forecast_from_its_own_forwards():
-    """Pipelined forwards spend 0.8× the sync ones' time outside their copies at the same terms: the
-    pooled fit misses both; each schedule's own fit forecasts its forwards exactly (out of sample)."""
-    correction = OnlineCorrection(window=32, min_observations=4)
-    for i, f in enumerate(_forwards(24, seed=1)):
+def test_what_the_window_cannot_tell_from_the_fixed_cost_stays_at_the_profile():
+    """One balanced placement forward after forward: its compute barely changes, so compute and the
+    fixed cost are one column apart from noise. Without the prior the fit put the compute at 0 and
+    everything in the fixed cost (on the testbed: EP's imbalance then cost nothing and the arbiter
+    ran shadowing's copies); with it the compute stays at the profile's 1. Data that vary still
+    move the factors: 20 layers of widely varying terms give the true ones within 10%."""
+    rng = np.random.default_rng(4)
+    machine = Correction(fixed=0.03, fixed_back=0.05)
+    observations = []
+    for _ in range(16):  # measured as the profile predicts, ±10% of noise
+        t = Terms(0.28 * rng.uniform(0.99, 1.01), 0.0, 0.0, False)
+        o = _measured(t, machine)
+        observations.append(o._replace(measured=o.measured * rng.uniform(0.9, 1.1)))
+    assert fit_correction(observations, prior_weight=0.0).comp < 0.5  # noise decides
+    assert fit_correction(observations).comp == pytest.approx(1.0, abs=0.05)
+    # The layer times its expert computes too: their factor is then measured, not held (a machine
+    # computing at 0.7× the profile's time).
+    timed = [o._replace(measured_compute=0.7 * o.predicted.compute / 3) for o in observations]
+    assert fit_correction(timed).comp == pytest.approx(0.7)
+    fitted = fit_correction([_measured(t) for t in _terms(20)])
+    assert (fitted.comp, fitted.comm) == pytest.approx((TRUE.comp, TRUE.comm), rel=0.1)
+
+
+def test_dear_copy_gradients_are_priced_from_the_backward():
+    """Copies whose gradient sums cost 4× their model while their forward copies cost 1×: a forward-only
+    correction prices them at 1× both ways; with the backward timed their price is the measured one."""
+    machine = TRUE._replace(comp=1.0, comm=1.0, copy=1.0, copy_back=4.0)
+    observations = [_measured(t._replace(prefetched=False), machine) for t in _terms(12, seed=3)]
+    t = Terms(1e-2, 1e-2, 1e-2, False)
+    whole = fit_correction(observations)
+    assert whole.copies_price(t) == pytest.approx(2.5e-2) and whole.price(t) == pytest.approx(4.5e-2)
+    forward_only = fit_correction([o._replace(measured_backward=math.nan) for o in observations])
+    assert forward_only.copies_price(t) == pytest.approx(1e-2)
+
+
+def test_each_schedule_is_forecast_from_its_own_layers():
+    """Pipelined layers spend 0.8× the sync ones' time outside their copies at the same terms: the
+    pooled fit misses both; each schedule's own fit forecasts its layers exactly (out of sample)."""
+    correction = OnlineCorrection(window=32, min_observations=4, prior_weight=0.0)
+    for i, t in enumerate(_terms(24, seed=1)):
         schedule = ("sync", "pipeline")[i % 2]
-        copies = (TRUE.ahead if f.prefetched else TRUE.copy) * f.copies
-        measured = (TRUE.time(*f) - copies) * (0.8 if schedule == "pipeline" else 1.0) + copies
-        correction.observe(f, measured, copies, schedule)
+        correction.observe(_measured(t, schedule=schedule, rest=0.8 if schedule == "pipeline" else 1.0))
     assert correction.model_error() < 0.05  # the first forecasts used the pooled fit
     last = list(correction.forecasts)[-8:]
     assert [f / m for f, m in last] == pytest.approx([1.0] * 8, rel=1e-6)
-    pooled = [correction.pooled.time(*o.predicted) / o.measured for o in list(correction.observations)[-8:]]
-    assert max(abs(r - 1.0) for r in pooled) > 0.05
+    pooled = [o.forecast(correction.pooled) for o in list(correction.observations)[-8:]]
+    assert max(abs(f / m - 1.0) for f, m in pooled) > 0.05
 
 
 def test_the_error_is_out_of_sample():
-    """A machine that turns twice as slow: the forward after the change is forecast with the old factors."""
-    correction = OnlineCorrection(window=8, min_observations=4)
-    forwards = _forwards(7, seed=2)
-    for f in forwards[:6]:
-        correction.observe(f, TRUE.time(*f), TRUE.copy * f.copies if not f.prefetched else TRUE.ahead * f.copies)
+    """A machine that turns twice as slow: the layer after the change is forecast with the old factors."""
+    correction = OnlineCorrection(window=8, min_observations=4, prior_weight=0.0)
+    terms = _terms(7, seed=2)
+    for t in terms[:6]:
+        correction.observe(_measured(t))
     assert len(correction.forecasts) == 2 and correction.model_error() is None  # fewer than 4 forecasts
-    f = forwards[6]._replace(prefetched=False)
-    correction.observe(f, 2.0 * TRUE.time(*f), 2.0 * TRUE.copy * f.copies)
-    correction.observe(f, 2.0 * TRUE.time(*f), 2.0 * TRUE.copy * f.copies)
+    slower = TRUE._replace(**{k: 2 * v for k, v in TRUE._asdict().items()})
+    t = terms[6]._replace(prefetched=False)
+    correction.observe(_measured(t, slower))
+    correction.observe(_measured(t, slower))
     (first, measured), (second, _) = list(correction.forecasts)[-2:]
+    assert measured == pytest.approx(2.0 * TRUE.time(t))
     assert first == pytest.approx(measured / 2.0, rel=1e-6) and second != pytest.approx(first, rel=0.1)
     assert correction.model_error() == pytest.approx((0.5 + abs(second / measured - 1.0)) / 4, rel=1e-6)
+
+
+def test_layers_share_the_machine_and_keep_their_fixed_costs():
+    """Layer 0 only ever ran a placement with nothing to exchange (its exchange factor unseen); layer 1
+    ran EP and copies in turn. Linked (`share_correction`), layer 0 prices exchanges with the factor
+    layer 1's layers measured (0.5 here), and each keeps its own fixed costs."""
+    machine = TRUE._replace(comm=0.5)
+    first, second = (OnlineCorrection(window=32, min_observations=4, prior_weight=0.0) for _ in range(2))
+    for i, t in enumerate(_terms(12, seed=5)):
+        layer0 = _measured(t._replace(exchange=0.0), machine._replace(fixed=0.01, fixed_back=0.02))
+        layer1 = _measured(t if i % 2 else t._replace(copies=0.0), machine)
+        first.observe(layer0, [first, second])
+        second.observe(layer1, [first, second])
+    assert first.pooled.comm == pytest.approx(0.5, rel=1e-6) and second.pooled.comm == pytest.approx(0.5, rel=1e-6)
+    assert (first.pooled.fixed, first.pooled.fixed_back) == pytest.approx((0.01, 0.02), rel=1e-6)
+    assert (second.pooled.fixed, second.pooled.fixed_back) == pytest.approx((TRUE.fixed, TRUE.fixed_back), rel=1e-6)
+    alone = OnlineCorrection(window=32, min_observations=4, prior_weight=0.0)
+    for o in first.observations:
+        alone.observe(o)
+    assert alone.pooled.comm == 1.0  # never exercised: kept

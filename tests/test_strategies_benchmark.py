@@ -42,23 +42,29 @@ def test_auto_vs_best_interval_resamples_the_iterations_together():
     assert low < point < high and high - low > 0.05
 
 
-def test_the_arbiters_fields_and_the_forwards_spread():
+def test_the_arbiters_fields_and_the_layers_spread():
     from types import SimpleNamespace
 
-    from moeflow.bench.arbiters import arbiter_fields, forget_forecasts, forward_spread
-    from moeflow.strategies.planners.auto_correction import Forward, OnlineCorrection
+    from moeflow.bench.arbiters import arbiter_fields, forget_forecasts, layer_spread
+    from moeflow.strategies.planners.auto import AutoDecision
+    from moeflow.strategies.planners.auto_correction import Observation, OnlineCorrection, Terms
 
     correction = OnlineCorrection(window=8, min_observations=2)
     for i in range(4):
-        correction.observe(Forward(0.01 * (i + 1), 0.002, 0.0, False), 0.012 * (i + 1), 0.0, "sync")
-    planner = SimpleNamespace(correction=correction, model_error=correction.model_error)
+        t = Terms(0.03 * (i + 1), 0.004, 0.0, False)
+        correction.observe(Observation(t, "sync", 0.012 * (i + 1), 0.0, 0.024 * (i + 1), 0.0, 0.01 * (i + 1)))
+    last = AutoDecision({"ep": 1.0, "shadow": 0.9}, "shadow", correction.pooled, [1.0, 0.9])
+    planner = SimpleNamespace(correction=correction, model_error=correction.model_error, last=last)
     layers = [SimpleNamespace(planner=planner, schedule=object())] * 2
     fields = arbiter_fields(layers)
-    assert set(fields) == {"auto_model_error", "auto_forecasts", "auto_observations"}
-    assert len(fields["auto_forecasts"][0]) == 2 and fields["auto_observations"][0][0][4] == "sync"
+    recorded = {"auto_model_error", "auto_forecasts", "auto_observations", "auto_last_prices", "auto_factors"}
+    assert set(fields) == recorded
+    assert fields["auto_last_prices"][0] == {"ep": 1.0, "shadow": 0.9} and fields["auto_factors"][0]["comp"] > 0
+    assert len(fields["auto_forecasts"][0]) == 2
+    assert fields["auto_observations"][0][0][4:] == ["sync", 0.012, 0.0, 0.024, 0.0, 0.01]
     forget_forecasts(layers)
     assert arbiter_fields(layers) == {}  # no forecasts since the timed iterations began
     assert arbiter_fields([SimpleNamespace(planner=object(), schedule=object())]) == {}
     # Two layers, the second always twice the first: no spread; one forward 50% off its median: 1/6 of it.
-    assert forward_spread([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]) == 0.0
-    assert forward_spread([[1.0, 2.0], [1.0, 2.0], [2.0, 2.0]]) == pytest.approx((1.0 / 2.0) / 6)
+    assert layer_spread([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]) == 0.0
+    assert layer_spread([[1.0, 2.0], [1.0, 2.0], [2.0, 2.0]]) == pytest.approx((1.0 / 2.0) / 6)

@@ -186,7 +186,7 @@ def test_suite_blocks_prefetch_trace_replay_drift_and_ceiling_on_two_ranks(tmp_p
     assert len(rows) == 3 * per_case
     for r in rows:
         assert r["median_s"] > 0 and r["load_std_mean"] >= 0 and len(r["times_s"]) == 3
-        assert 0.0 <= r["forward_spread"] < float("inf")  # the layers' forwards timed (training mode)
+        assert 0.0 <= r["layer_spread"] < float("inf")  # the layers' forwards and backwards timed (training mode)
         if r["strategy"] == "prophet":
             assert r["copies_mean"] > 0 and r["prefetch"], r  # fast network, slow GEMMs
             assert all(0.0 <= h <= 1.0 for h in r["prefetch_hidden_share"])

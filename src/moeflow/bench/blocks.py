@@ -14,6 +14,7 @@ from torch import nn
 
 from moeflow.core.layer import MoELayer
 from moeflow.core.prefetch import BlockPrefetch
+from moeflow.strategies.planners.auto import share_correction
 from moeflow.strategies.schedules.auto import share_schedule_choice
 
 
@@ -32,6 +33,7 @@ class BenchBlocks(nn.Module):
                 linear.bias.zero_()
         self.prefetch = BlockPrefetch(layers) if prefetch else None
         share_schedule_choice(layers)  # schedule="auto": one schedule for every layer
+        share_correction(layers)  # strategy="auto": one machine correction
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if len(self.moe) == 1:

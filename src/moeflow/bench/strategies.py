@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.arbiters import arbiter_fields, forget_forecasts, forward_spread
+from moeflow.bench.arbiters import arbiter_fields, forget_forecasts, layer_spread
 from moeflow.bench.blocks import BenchBlocks
 from moeflow.bench.interleave import balanced_order
 from moeflow.core.expert_shape import ExpertShape
@@ -261,8 +261,8 @@ class _Run:
     """The schedule each layer ran, every timed iteration (`schedule="auto"` chooses)."""
     reshards: list[tuple[int, float]] = field(default_factory=list)
     """(experts moved, seconds) of every re-sharding (FSSDP, `core.resharding`)."""
-    forwards: list[list[float]] = field(default_factory=list)
-    """Each layer's forward time (the slowest rank's), every timed iteration."""
+    layer_times: list[list[float]] = field(default_factory=list)
+    """Each layer's forward + backward time (the slowest rank's), every timed iteration."""
 
     def record(self, elapsed_s: float) -> None:
         """One timed iteration (collective: every rank calls it). Per layer, averaged over the blocks:
@@ -270,9 +270,11 @@ class _Run:
         predicted speedup for the placement it chose; summed over the blocks, the cost model's time
         for the flows and placements the layers ran (its error against the measured time)."""
         self.times.append(_max_over_ranks(elapsed_s))
-        forward_L = torch.tensor([layer.times.forward_s for layer in self.model.moe], dtype=torch.float64)
-        dist.all_reduce(forward_L, op=dist.ReduceOp.MAX)
-        self.forwards.append(forward_L.tolist())
+        layer_L = torch.tensor(
+            [t.forward_s + t.backward_s for t in (m.times for m in self.model.moe)], dtype=torch.float64
+        )
+        dist.all_reduce(layer_L, op=dist.ReduceOp.MAX)
+        self.layer_times.append(layer_L.tolist())
         if self.variant.schedule == "sync":
             self.phases.append({k: _max_over_ranks(v) for k, v in self.timer.phases().items()})
         layers = list(self.model.moe)
@@ -321,7 +323,8 @@ class _Run:
         row.update(arbiter_fields(list(self.model.moe)))
         if self.model.prefetch is not None:  # what the prefetch measured its windows to hide (layers > 0)
             row["prefetch_hidden_share"] = [float(h) for h in self.model.prefetch.hidden_share[1:]]
-        row["forward_spread"] = forward_spread(self.forwards)
+        row["layer_spread"] = layer_spread(self.layer_times)
+        row["layer_median_s"] = np.median(self.layer_times, axis=0).tolist()  # per layer, forward + backward
         if self.phases:
             row["forward_a2a_s"] = float(np.median([p["a2a_s"] for p in self.phases]))
             row["forward_compute_s"] = float(np.median([p["compute_s"] for p in self.phases]))

@@ -33,8 +33,8 @@ from moeflow.core.checks import check_layer_input, finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.expert_sharding import sharded_compute
 from moeflow.core.experts import GroupedExperts
-from moeflow.core.forward_times import ForwardTimes
 from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
+from moeflow.core.layer_times import LayerTimes
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.core.prefetch import BlockPrefetch
 from moeflow.core.registry import LayerContext
@@ -160,7 +160,7 @@ class MoELayer(nn.Module):
         self.stats: MoEStats | None = None
         self._held: dict[str, torch.Tensor] | None = None  # this forward's held weights (copies)
         self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
-        self.times = ForwardTimes()  # of its last training forward (strategy="auto" learns from them)
+        self.times = LayerTimes()  # of its last training forward and backward (strategy="auto" learns from them)
         self.group: dist.ProcessGroup | None = None
         self.esp_group: dist.ProcessGroup | None = None  # expert sharding (core.expert_sharding)
         self._bind(Placement.expert_parallel(num_experts, 1))
@@ -261,6 +261,8 @@ class MoELayer(nn.Module):
         if self.cluster_mismatch:
             self._notice_mismatch()
         x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
+        if self.training:  # its backward timed too (`core.layer_times`)
+            x_TD, close_timed_span = self.times.time_backward(x_TD)
         me = dispatch.group_rank(self.group)
         routing = self._route(x_TD, me)
         choices_E = torch.bincount(routing.expert_A, minlength=self.num_experts)
@@ -272,12 +274,13 @@ class MoELayer(nn.Module):
         may_drop = self.capacity_factor is not None
         counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
         timed = getattr(self.planner, "observes_time", False) and not self.cluster_mismatch
-        if timed:  # the last forward's times, with the counts (`core.forward_times`)
-            counts += self.times.rows(self.num_experts, expert_A.device)
+        if timed:  # the last forward's and backward's times, with the counts (`core.layer_times`)
+            counts += self.times.take_rows(self.num_experts, expert_A.device)
         rows = dispatch.exchange_counts(counts, self.group)
         flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
         if timed:
-            self.times.report(self.planner, *rows[-2:], self.stats.schedule if self.stats is not None else None)
+            self.times.report(self.planner, rows[-5:], self.stats.schedule if self.stats is not None else None)
+        self.times.computes_from_here()
         placement = self._plan(flow_WE)
         plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
 
@@ -309,6 +312,8 @@ class MoELayer(nn.Module):
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
         self._record(block, flow_WE, choices_WE, plan_SED, placement, dropped, routing.redirected, me)
         self.times.forward_s = time.perf_counter() - started if self.training else 0.0  # 0: nothing to learn from
+        if self.training:
+            y_TD = close_timed_span(y_TD)
         return y_TD.reshape(x.shape)
 
     def _plan(self, flow_WE: np.ndarray) -> Placement:
@@ -327,6 +332,9 @@ class MoELayer(nn.Module):
         self._held = weights_J
 
         def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
+            return self.times.timed_compute(expert_compute, x_recv_RD, counts_SJ)
+
+        def expert_compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
             if held_J.size == 0:  # a rank that owns none of this layer's experts (Hecate §4.3)
                 return torch.zeros_like(x_recv_RD)
             # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
@@ -385,9 +393,11 @@ class MoELayer(nn.Module):
         y_TD, self.held_bytes = release_held(y_TD, weights, rematerialize, refill)
         return y_TD
 
-    def _gather(self, placement: Placement, held_J: np.ndarray) -> dict[str, torch.Tensor]:
-        """The sparse all-gather of `placement`'s held weights (owned rows and copies, `held_J` order)."""
-        return materialize(self.experts.weights(), placement, self.group, self.experts.expert_ids, held_J, self.node_of)
+    def _gather(self, placement: Placement, held_J: np.ndarray, timed=None) -> dict[str, torch.Tensor]:
+        """The sparse all-gather of `placement`'s held weights (owned rows and copies, `held_J` order);
+        `timed(seconds)` receives its backward's time (the gradient sums to the owners)."""
+        weights = self.experts.weights()
+        return materialize(weights, placement, self.group, self.experts.expert_ids, held_J, self.node_of, timed)
 
     def _notice_mismatch(self) -> None:
         """Say once (Python's warnings filter keeps one per place) that the cost model is unused."""
@@ -439,7 +449,7 @@ class MoELayer(nn.Module):
                 weights = hook.held_weights(self, placement)
                 if weights is not None:
                     return weights
-        return self._gather(placement, held_J)
+        return self._gather(placement, held_J, self.times.record_copies_backward)
 
     def extra_repr(self) -> str:
         axes = ", ".join(f"{axis}={name!r}" for axis, name in self.axes.items())

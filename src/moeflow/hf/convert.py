@@ -18,6 +18,7 @@ from moeflow.hf.archs import SUPPORTED, BlockSpec, find_blocks
 from moeflow.hf.block import MoEBlock
 from moeflow.hf.router import HFRouterGate, check_semantics
 from moeflow.hf.weights import swiglu_from_fused
+from moeflow.strategies.planners.auto import share_correction
 from moeflow.strategies.schedules.auto import share_schedule_choice
 
 FROM_THE_BLOCK = ("d_model", "d_hidden", "num_experts", "top_k", "gate", "expert")
@@ -113,4 +114,5 @@ def convert_moe_blocks(model: nn.Module, **layer_kwargs) -> int:
     for (_, parent, attr, _), moe_block in zip(blocks, built):
         setattr(parent, attr, moe_block)
     share_schedule_choice([moe_block.moe for moe_block in built])  # schedule="auto": one for all layers
+    share_correction([moe_block.moe for moe_block in built])  # strategy="auto": one machine correction
     return len(blocks)

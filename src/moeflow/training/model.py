@@ -28,6 +28,7 @@ from moeflow.core.expert_sharding import to_expert_sharding
 from moeflow.core.prefetch import BlockPrefetch
 from moeflow.perf.costmodel import CostModel
 from moeflow.routing import routing_kind
+from moeflow.strategies.planners.auto import share_correction
 from moeflow.strategies.schedules.auto import share_schedule_choice
 from moeflow.training.config import ModelConfig, MoEConfig
 
@@ -134,7 +135,9 @@ class MoEGPT(nn.Module):
         self._init_dense()
         # A hook on every MoE layer (not a module: it holds no parameters); all_reduce_gradients lands it.
         self.prefetch = BlockPrefetch([layer for _, layer in self.moe_layers()]) if moe.prefetch else None
-        share_schedule_choice([layer for _, layer in self.moe_layers()])  # schedule="auto": one for all layers
+        moe = [layer for _, layer in self.moe_layers()]
+        share_schedule_choice(moe)  # schedule="auto": one for all layers
+        share_correction(moe)  # strategy="auto": one machine correction
 
     def _init_dense(self) -> None:
         # GPT-2 initialisation for the dense parts (normal, std 0.02); MoELayer initialises its own.

@@ -19,11 +19,11 @@ when the prefetch first asks for it (or at the next call): by then the planners'
 for their next placements have run on the planning thread (`planners.ahead`), off the layer's
 critical path.
 
-Online correction (`planners.auto_correction`). The layer times its forwards, and within them the
-wait for the copies, and sends both with the next count exchange; the factors fitted on them (the
-copies sent now and the copies sent ahead apart from the rest) correct every price: backward as 2×
-compute and the other half of the traffic. A current proposal equal to the placement the prefetch
-sent ahead runs on those copies, and is priced as sent ahead.
+Online correction (`planners.auto_correction`). The layer times its forwards and backwards, and
+within them the copies' (the wait for the copies, their gradient sums back), and sends them with the
+next count exchange; the factors fitted on them (the copies sent now — out and back — and the copies
+sent ahead apart from the rest) correct every price. A current proposal equal to the placement the
+prefetch sent ahead runs on those copies, and is priced as sent ahead.
 
 Pricing less. Pricing a proposal (its terms, and its block under every schedule with
 `schedule="auto"`) is on the layer's critical path: about 2 ms per distinct placement at 16 devices
@@ -58,7 +58,7 @@ from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.strategies.planners.ahead import searches_deferred
-from moeflow.strategies.planners.auto_correction import Correction, Forward, OnlineCorrection
+from moeflow.strategies.planners.auto_correction import Correction, Observation, OnlineCorrection, Terms
 from moeflow.strategies.planners.prophet_model import overlapped_copies, placement_times
 
 CANDIDATES = ("ep", "shadow", "prophet", "eplb", "fssdp")
@@ -133,10 +133,9 @@ class LayerTerms(NamedTuple):
     prefetched: bool = False
     """The copies are sent ahead by the block-wise prefetch."""
 
-    def forward(self) -> Forward:
-        """The forward's share: one expert compute of three; the dispatch and combine (half the
-        exchanges), the copies out (about half the copies' traffic)."""
-        return Forward(self.compute / 3.0, self.exchange / 2.0, self.copies / 2.0, self.prefetched)
+    def terms(self) -> Terms:
+        """Without the plan: what the online correction pairs with the measured times."""
+        return Terms(self.compute, self.exchange, self.copies, self.prefetched)
 
 
 def layer_terms(
@@ -164,7 +163,7 @@ class AutoPlanner:
         self.correction = OnlineCorrection(self.options.window, self.options.min_observations)
         self.last: AutoDecision | None = None
         self.chosen: str | None = None
-        self._pending: Forward | None = None  # what was predicted for the forward about to run
+        self._pending: Terms | None = None  # what was predicted for the forward + backward about to run
         self.history: deque[np.ndarray] = deque(maxlen=3)  # flows seen: the predicted flow's window
         self._prefetched = False
         self.nonmoe_forward_s = 0.0  # measured by the prefetch
@@ -176,41 +175,67 @@ class AutoPlanner:
         """Set by the layer when its schedule is chosen too (`schedule="auto"`): the corrected block
         time of a dispatch plan under the schedule that would run it, so placement and schedule are
         chosen jointly."""
+        self.peers: list[AutoPlanner] = []
+        """The model's `auto` planners (this one included), whose measurements the correction shares
+        (`share_correction`); empty: this layer's own only."""
 
     def __getstate__(self) -> dict:
-        """Checkpointed without the layer's `block_price` link (the resumed layer sets its own), its
-        planned-ahead choice made."""
+        """Checkpointed without its links to the layer (`block_price`) and to the other layers
+        (`peers`): the resumed model keeps its own; its planned-ahead choice made."""
         self._resolve_planned()
-        return {k: v for k, v in self.__dict__.items() if k != "block_price"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("block_price", "peers")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        if "correction" not in state:  # checkpointed before the correction had its own object: learn again
+        # Checkpointed before the correction had its own object, or before it timed backwards (its
+        # observations forward-only): learn again.
+        if not hasattr(state.get("correction"), "prior_weight"):
             self.correction = OnlineCorrection(self.options.window, self.options.min_observations)
+            self._pending = None
 
     def observe_time(
-        self, forward_s_W: np.ndarray, copies_s_W: np.ndarray | None = None, schedule: str | None = None
+        self,
+        forward_s_W: np.ndarray,
+        copies_s_W: np.ndarray | None = None,
+        schedule: str | None = None,
+        backward_s_W: np.ndarray | None = None,
+        copies_backward_s_W: np.ndarray | None = None,
+        compute_s_W: np.ndarray | None = None,
     ) -> None:
-        """The previous forward's time on every rank (from the count exchange), of it the wait for its
-        copies where timed, and the schedule that ran it: one observation (`auto_correction`). The
-        slowest rank's forward; the copies' time of the rank that waited least for them — the others'
-        extra wait is the group's skew (a rank reaching the gather late), which stays in the rest."""
+        """The previous forward's and backward's times on every rank (from the count exchange), of
+        them the copies' (the wait for the copies, their gradient sums) and the forward's expert
+        computes where timed, and the schedule that ran them: one observation (`auto_correction`),
+        fitted with the other layers' (`peers`). The slowest rank's forward, backward and compute;
+        the copies' time of the rank that waited least for them — the others' extra wait is the
+        group's skew (a rank reaching the collective late), which stays in the rest. A backward
+        timed 0 did not run (evaluation, or a forward without one): the forward alone is observed."""
         slowest = float(np.max(forward_s_W))
         pending, self._pending = self._pending, None
         if pending is None or slowest <= 0:  # nothing predicted, or not timed (evaluation)
             return
-        copies = float(np.min(copies_s_W)) if copies_s_W is not None else math.nan
-        self.correction.observe(pending, slowest, copies, schedule)
+
+        def least(times_W: np.ndarray | None) -> float:
+            return float(np.min(times_W)) if times_W is not None else math.nan
+
+        backward = float(np.max(backward_s_W)) if backward_s_W is not None else 0.0
+        if backward <= 0.0:
+            backward, copies_backward_s_W = math.nan, None
+        compute = float(np.max(compute_s_W)) if compute_s_W is not None else math.nan
+        copies, copies_backward = least(copies_s_W), least(copies_backward_s_W)
+        peers = [p.correction for p in getattr(self, "peers", ())]  # absent on a planner unpickled on its own
+        self.correction.observe(
+            Observation(pending, schedule, slowest, copies, backward, copies_backward, compute), peers
+        )
 
     def price(self, terms: LayerTerms) -> float:
-        """Corrected forward + backward time of a placement. With `block_price` (the layer runs
-        `schedule="auto"`): the corrected block time under the schedule it would run, plus the copies."""
+        """Corrected forward + backward time of a placement, the layer's fixed costs left out. With
+        `block_price` (the layer runs `schedule="auto"`): the corrected block time under the schedule
+        it would run, plus the copies."""
         c = self.correction.pooled
-        copies = (c.ahead if terms.prefetched else c.copy) * terms.copies
         block_price = getattr(self, "block_price", None)  # absent on a planner unpickled on its own
         if block_price is not None:
-            return block_price(terms.plan_SED) + copies
-        return c.comp * terms.compute + c.comm * terms.exchange + copies
+            return block_price(terms.plan_SED) + c.copies_price(terms.terms())
+        return c.price(terms.terms())
 
     def _priced(
         self, flow_WE: np.ndarray, placements: dict[str, Placement], cost_model, hidden=None
@@ -314,7 +339,7 @@ class AutoPlanner:
             # First the searches whose plans the next call prices: `next_placement()` waits for those only.
             rests = {id(getattr(self.planners[n], "next_plan", None)) for n, (left, _) in self.rest.items() if left > 0}
             searches.sort(key=lambda plan: id(plan) in rests)
-        self._pending = terms[best].forward()
+        self._pending = terms[best].terms()
         self.chosen = best
         self.last = AutoDecision(prices, best, self.correction.pooled, [prices["ep"], prices[best]], resting)
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
@@ -358,6 +383,17 @@ class AutoPlanner:
                 state[:] = [0, 1]
 
     def model_error(self) -> float | None:
-        """Mean relative error of the corrected forward forecasts, each made before its forward was
-        measured, over the window (None: fewer than `min_observations`)."""
+        """Mean relative error of the corrected forecasts of the layer's forward + backward, each made
+        before it was measured, over the window (None: fewer than `min_observations`)."""
         return self.correction.model_error()
+
+
+def share_correction(layers) -> list[AutoPlanner]:
+    """Link the `strategy="auto"` planners of `layers` (one model's MoE layers): each layer's online
+    correction fits the machine's factors on every layer's measurements, each layer with its own
+    fixed costs (`auto_correction`, "Layers"). Called where a model is built (`training.model`,
+    `bench.blocks`, `hf.convert`), beside `share_schedule_choice`; returns the linked planners."""
+    planners = [layer.planner for layer in layers if isinstance(layer.planner, AutoPlanner)]
+    for planner in planners:
+        planner.peers = planners if len(planners) > 1 else []
+    return planners

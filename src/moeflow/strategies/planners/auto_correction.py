@@ -1,142 +1,279 @@
-"""The online correction of `strategy="auto"`'s cost model: what each forward was predicted to take
-against what it measured, fitted into factors on the model's terms.
+"""The online correction of `strategy="auto"`'s cost model: what each layer's forward and backward
+were predicted to take against what they measured, fitted into factors on the model's terms.
 
 A planner's cost model misprices a machine systematically (on the 2 × 1 testbed the shadow planner
-needed a 5% margin for it). The layer times its own forward on every rank, and within it the wait
-for its copies (the sparse all-gather, or the prefetched copies' arrival), and sends both with the
-next count exchange (two more rows of the all-gather it runs anyway, no extra synchronisation), so
-every rank sees every rank's times and corrects identically. Each time is paired with what was
-predicted for that forward — compute `fec`, exchanges `a2a/2` (two of the four) and copies `trans`
-(the copies out) — and the window of the last `window` forwards is fitted as
+needed a 5% margin for it). The layer times its own forward and backward on every rank, and within
+them its copies' share — in the forward the wait for its copies (the sparse all-gather, or the
+prefetched copies' arrival), in the backward their gradient sums back to the owners — and its
+forward's expert computes, and sends the five times with the next count exchange (five more rows
+of the all-gather it runs anyway, no extra synchronisation), so every rank sees every rank's
+times and corrects identically (`core.layer_times`). Each pair is matched with what was predicted
+for that layer (`Terms`: the slowest device's expert compute, the exchanges, the copies), split as
+the pass splits it — the forward one compute of three, two exchanges of four, the copies out; the
+backward two computes, the other two exchanges, the copies' gradients back — and the window of the
+last `window` layers is fitted as
 
-    measured ≈ comp·compute + comm·exchanges + (copy or ahead)·copies + fixed
+    forward  ≈ comp·compute/3   + comm·exchange/2 + (copy      or ahead)·copies/2 + fixed
+    backward ≈ comp·2·compute/3 + comm·exchange/2 + (copy_back or ahead)·copies/2 + fixed_back
 
-(`fixed`: the layer's own cost, gate and sort). The copies' factors are their measured time over
-their predicted one, apart from the rest: `copy` for copies sent on the critical path, `ahead` for
-copies the block-wise prefetch sent during the block before (the layer takes them from it when the
-placement that runs is the one sent ahead). Both have their own factor, and their own timer, because
-they run on other collectives than the exchanges: a fit that lumped the copies with the exchanges
-learnt, from a placement whose copies cost 3× the model, that EP's exchanges cost 3× too — and kept
-choosing the copies; a joint fit with separate factors could not tell them apart either when one
-placement ran forward after forward (its terms move together); and on the 2 × 1 testbed the
-prefetched copies measured 5–15% of their predicted time while copies sent on the critical path
-measured about their price, so one factor for both underpriced the latter several times over. The
-rest of the forward, without its copies, is fitted by non-negative least squares
-(`scipy.optimize.nnls`). A term that no forward of the window exercised (no copies since EP alone
-ran) keeps its last factor. Until `min_observations` forwards are in, every factor is 1.
+(`fixed`, `fixed_back`: the layer's own cost each way, gate and sort). The backward used to be
+assumed, not measured — 2× the forward's compute and the copies' gradients at the copies' own
+factor — and on the 2 × 1 testbed the iterations disagreed: at Zipf 2, EPLB's 1.5 copies per
+layer measured 13% faster than shadowing's 3 (0.596 against 0.684 s an iteration) where the
+forward-fitted prices put them within 1%. The copies' factors are their measured time over their
+predicted one, apart from the rest: `copy` / `copy_back` for copies sent on the critical path, out
+and back, `ahead` for copies the block-wise prefetch sent during the block before (the layer takes
+them from it when the placement that runs is the one sent ahead; their gradients go back
+overlapped with the backward of the layer before, outside this layer's timers, and are counted at
+the same factor). The copies have their own factors, and their own timers, because they run on
+other collectives than the exchanges: a fit that lumped the copies with the exchanges learnt, from
+a placement whose copies cost 3× the model, that EP's exchanges cost 3× too — and kept choosing the
+copies; a joint fit with separate factors could not tell them apart either when one placement ran
+forward after forward (its terms move together); and on the 2 × 1 testbed the prefetched copies
+measured 5–15% of their predicted time while copies sent on the critical path measured about
+their price, so one factor for both underpriced the latter several times over. The rest of the
+forwards and backwards, without their copies, is one non-negative least-squares fit
+(`scipy.optimize.nnls`, two rows per layer sharing `comp` and `comm`). A term that no layer of the
+window exercised (no copies since EP alone ran) keeps its last factor; a backward never timed (a
+layer only evaluated) leaves the backward's factors as assumed. Until `min_observations` layers are
+in, every factor is 1.
 
-Per schedule. Which schedule ran a forward changes its time (on the testbed a pipelined forward
-measured 20% under a sync one's at the same terms), so besides the fit over every forward (the
+Prior. A placement that runs forward after forward barely changes its terms (a balanced one
+computes the same rows every time): its compute column is then the fixed cost's column plus noise,
+and the least-squares fit may put either at 0. On the 2 × 1 testbed it put the compute at 0 and
+everything in the fixed cost (Zipf 2, shadowing in every forward) — EP's imbalance then cost
+nothing and the arbiter priced copies against exchanges alone. So the compute and exchange factors
+(the compute's when its time is not measured) are pulled towards 1, the profiled model, by one
+more row of the fit each, worth `PRIOR_WEIGHT` layers at that term's typical size: what the window
+cannot tell apart from the fixed costs stays at the profile, what it can (terms that moved: EP and
+copies in turn) follows the data, within a few per cent. (The copies' factors, timed apart, need none.)
+
+Computes. The layer also times its expert computes (every call of the schedule's `compute`), so the
+compute factor is their measured time over their predicted one, as the copies' are, and the backward's
+computes are priced at twice the forward's; the fit is then over the exchanges and the fixed costs.
+
+Layers. The layers of one model run on one machine: linked (`planners.auto.share_correction`), each
+layer fits the factors over every layer's window, each layer with its own fixed costs (a first layer
+times more of the pass than the others). A layer that only ever ran a placement with nothing to
+exchange (shadowing every expert on 2 ranks) then prices the exchanges of the others with what the
+other layers measured, not with the factor it started with: on the 2 × 1 testbed at Zipf 2 it kept
+1.0 where the other layer had measured 0.6.
+
+Per schedule. Which schedule ran a layer changes its time (on the testbed a pipelined forward
+measured 20% under a sync one's at the same terms), so besides the fit over every layer (the
 prices: with `schedule="auto"` a placement's block is priced by the schedule arbiter's own
 corrected prices, and only the copies' factors are used) each schedule has the fit over its own
-forwards, from which that schedule's forwards are forecast.
+layers, from which that schedule's layers are forecast.
 
-Error. `model_error()` is out of sample: each forward's forecast, made with the factors as they were
-before it was measured, against what it then measured.
+Error. `model_error()` is out of sample: each layer's forecast (forward + backward), made with the
+factors as they were before it was measured, against what it then measured.
+
+Shape suffixes: N observations (layers of the window), 3 terms (compute, exchange, copies).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 from scipy.optimize import nnls
 
+PRIOR_WEIGHT = 1.0
+"""The pull of the `PRIORS` factors towards 1, in rows of the fit (module docstring, "Prior")."""
+PRIORS = ("comp", "comm")
+"""The factors a window may not tell apart from the fixed costs (terms that barely change)."""
+
+
+class Terms(NamedTuple):
+    """What was predicted for one forward + backward of a layer, uncorrected (seconds)."""
+
+    compute: float
+    """3 expert computes of the slowest device: one in the forward, two in the backward."""
+    exchange: float
+    """The 4 token exchanges: half in each direction of the pass."""
+    copies: float
+    """The copies out (forward) and their gradients back (backward), half each; as far as the
+    prefetch does not hide them, if prefetched."""
+    prefetched: bool
+    """The copies were sent ahead by the block-wise prefetch."""
+
+    def halves(self) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) shares of (compute, exchange, copies)."""
+        return np.array([self.compute / 3, self.exchange / 2, self.copies / 2]), np.array(
+            [2 * self.compute / 3, self.exchange / 2, self.copies / 2]
+        )
+
 
 class Correction(NamedTuple):
-    """The factors: measured ≈ comp·compute + comm·exchange + (ahead if prefetched else copy)·copies +
-    fixed (seconds)."""
+    """The factors: forward ≈ comp·compute/3 + comm·exchange/2 + (ahead if prefetched else copy)·copies/2
+    + fixed; backward ≈ comp·2·compute/3 + comm·exchange/2 + (ahead if prefetched else copy_back)·copies/2
+    + fixed_back (seconds; `copy_back` NaN until copies' backwards were measured: as `copy`)."""
 
     comp: float = 1.0
     comm: float = 1.0
     copy: float = 1.0
     ahead: float = 1.0
     fixed: float = 0.0
+    copy_back: float = math.nan
+    fixed_back: float = 0.0
 
-    def time(self, compute: float, exchange: float, copies: float, prefetched: bool) -> float:
-        copy = self.ahead if prefetched else self.copy
-        return self.comp * compute + self.comm * exchange + copy * copies + self.fixed
+    def _copies(self, t: Terms, backward: bool) -> float:
+        if t.prefetched:
+            return self.ahead
+        return self.copy_back if backward and math.isfinite(self.copy_back) else self.copy
 
+    def forward(self, t: Terms) -> float:
+        copies = self._copies(t, False) * t.copies / 2
+        return self.comp * t.compute / 3 + self.comm * t.exchange / 2 + copies + self.fixed
 
-class Forward(NamedTuple):
-    """What was predicted for one forward, uncorrected (seconds)."""
+    def backward(self, t: Terms) -> float:
+        copies = self._copies(t, True) * t.copies / 2
+        return self.comp * 2 * t.compute / 3 + self.comm * t.exchange / 2 + copies + self.fixed_back
 
-    compute: float
-    """Its share of the expert compute (one of three)."""
-    exchange: float
-    """Its share of the exchanges (half)."""
-    copies: float
-    """Its share of the copies (the copies out: half; as far as the prefetch hides them, if prefetched)."""
-    prefetched: bool
-    """Its copies were sent ahead by the block-wise prefetch."""
+    def time(self, t: Terms) -> float:
+        """Forward + backward."""
+        return self.forward(t) + self.backward(t)
+
+    def price(self, t: Terms) -> float:
+        """Forward + backward without the layer's fixed costs (the same whatever the placement)."""
+        return self.time(t) - self.fixed - self.fixed_back
+
+    def copies_price(self, t: Terms) -> float:
+        """The copies' share of `price`."""
+        return (self._copies(t, False) + self._copies(t, True)) * t.copies / 2
 
 
 class Observation(NamedTuple):
-    predicted: Forward
+    """One layer's forward and backward measured (the slowest rank's), against what was predicted."""
+
+    predicted: Terms
     schedule: str | None
     """The schedule that ran it."""
     measured: float
     """The slowest rank's forward."""
     measured_copies: float
     """Of it, the wait for the copies (NaN: not timed)."""
+    measured_backward: float = math.nan
+    """The slowest rank's backward (NaN: not timed)."""
+    measured_copies_backward: float = math.nan
+    """Of it, the copies' gradient sums (NaN: not timed)."""
+    measured_compute: float = math.nan
+    """The slowest rank's expert computes in the forward (NaN: not timed)."""
+
+    def forecast(self, c: Correction) -> tuple[float, float]:
+        """(forecast, measured): forward + backward when the backward was timed, else the forward."""
+        if math.isfinite(self.measured_backward):
+            return c.time(self.predicted), self.measured + self.measured_backward
+        return c.forward(self.predicted), self.measured
 
 
-def fit_correction(observations: Iterable[Observation], previous: Correction | None = None) -> Correction:
+def fit_correction(
+    observations: Iterable[Observation],
+    previous: Correction | None = None,
+    prior_weight: float = PRIOR_WEIGHT,
+    layer_N: Sequence[int] | None = None,
+) -> Correction:
     """The factors over `observations` (module docstring); a term that is zero in every one keeps
-    its `previous` factor. Without the copies' times (some NaN), one least-squares fit over every
-    term, the copies sent ahead and on the critical path as two."""
+    its `previous` factor. The copies' factors are their timed waits over their predicted times;
+    the rest is one non-negative least-squares fit over the forwards and the timed backwards (two
+    rows per observation, sharing `comp` and `comm`, each direction its own fixed cost). Copies not
+    timed (NaN) become columns of that fit: sent ahead and on the critical path apart. `layer_N`:
+    the layer each observation comes from (default all one), each with its own fixed costs; the
+    factors are the machine's, the fixed costs returned layer 0's (module docstring, "Layers")."""
     obs = list(observations)
-    terms = np.array([o.predicted[:3] for o in obs], dtype=np.float64)
-    prefetched = np.array([o.predicted.prefetched for o in obs], dtype=bool)
-    measured = np.array([o.measured for o in obs], dtype=np.float64)
-    copies_measured = np.array([o.measured_copies for o in obs], dtype=np.float64)
     factors = (previous or Correction())._asdict()
-    copies_now, copies_ahead = np.where(prefetched, 0.0, terms[:, 2]), np.where(prefetched, terms[:, 2], 0.0)
-    if np.all(np.isfinite(copies_measured)):
+    forward_N3, backward_N3 = (np.array(h, dtype=np.float64) for h in zip(*(o.predicted.halves() for o in obs)))
+    prefetched = np.array([o.predicted.prefetched for o in obs], dtype=bool)
+    measured_N4 = np.array([o[2:6] for o in obs], dtype=np.float64)  # forward, its copies, backward, its copies
+    compute_N = np.array([o.measured_compute for o in obs], dtype=np.float64)
+    copies_now = np.where(prefetched, 0.0, forward_N3[:, 2])
+    copies_ahead = np.where(prefetched, forward_N3[:, 2], 0.0)
+    back = np.isfinite(measured_N4[:, 2])
+    y_forward, y_backward = measured_N4[:, 0].copy(), measured_N4[back, 2].copy()
+    columns: dict[str, tuple[np.ndarray, np.ndarray]] = {"comm": (forward_N3[:, 1], backward_N3[back, 1])}
+    if np.all(np.isfinite(compute_N)):  # the computes timed: their factor apart (the backward's twice)
+        if np.any(forward_N3[:, 0] > 0.0):
+            factors["comp"] = compute_N[forward_N3[:, 0] > 0.0].sum() / forward_N3[:, 0].sum()
+        y_forward -= factors["comp"] * forward_N3[:, 0]
+        y_backward -= factors["comp"] * backward_N3[back, 0]
+    else:
+        columns["comp"] = (forward_N3[:, 0], backward_N3[back, 0])
+    if np.all(np.isfinite(measured_N4[:, 1])):  # the copies' waits timed: their factors apart
         for name, predicted in (("copy", copies_now), ("ahead", copies_ahead)):
             if np.any(predicted > 0.0):
-                factors[name] = copies_measured[predicted > 0.0].sum() / predicted.sum()
-        names, X = ("comp", "comm"), terms[:, :2]
-        y = np.maximum(measured - copies_measured, 0.0)
+                factors[name] = measured_N4[predicted > 0.0, 1].sum() / predicted.sum()
+        y_forward -= measured_N4[:, 1]
+        y_backward -= factors["ahead"] * copies_ahead[back]  # the prefetched copies' gradients (Agg)
     else:
-        names, y = ("comp", "comm", "copy", "ahead"), measured
-        X = np.column_stack([terms[:, :2], copies_now, copies_ahead])
-    seen = np.flatnonzero(np.any(X != 0.0, axis=0))
-    coef, _ = nnls(np.column_stack([X[:, seen], np.ones(len(obs))]), y)
-    factors.update({names[i]: c for i, c in zip(seen, coef[:-1])})
-    factors["fixed"] = coef[-1]
+        columns["copy"] = (copies_now, np.zeros(back.sum()))
+        columns["ahead"] = (copies_ahead, copies_ahead[back])
+    if np.all(np.isfinite(measured_N4[back, 3])):
+        if np.any(copies_now[back] > 0.0):
+            factors["copy_back"] = measured_N4[back & (copies_now > 0.0), 3].sum() / copies_now[back].sum()
+        y_backward -= measured_N4[back, 3]
+    else:
+        columns["copy_back"] = (np.zeros(len(obs)), copies_now[back])
+    layer_N = np.zeros(len(obs), dtype=np.int64) if layer_N is None else np.asarray(layer_N)
+    for layer in np.unique(layer_N):  # each layer its own fixed costs (layer 0's are returned)
+        mine = (layer_N == layer).astype(np.float64)
+        suffix = "" if layer == 0 else f"@{layer}"
+        columns["fixed" + suffix] = (mine, np.zeros(back.sum()))
+        if back[layer_N == layer].any():
+            columns["fixed_back" + suffix] = (np.zeros(len(obs)), mine[back])
+    names = [n for n, (f, b) in columns.items() if n.startswith("fixed") or np.any(f != 0.0) or np.any(b != 0.0)]
+    X = np.array([np.concatenate(columns[n]) for n in names]).T
+    y = np.maximum(np.concatenate([y_forward, y_backward]), 0.0)
+    # The prior: compute and exchange factors 1 (the profiled model), each worth `prior_weight` rows
+    # at its typical term (where not 0). What the window cannot tell from the fixed costs stays at it.
+    prior = np.diag([prior_weight * _typical(X[:, j]) if n in PRIORS else 0.0 for j, n in enumerate(names)])
+    keep = np.any(prior != 0.0, axis=1)
+    coef, _ = nnls(np.vstack([X, prior[keep]]), np.concatenate([y, prior[keep].sum(axis=1)]))  # at 1
+    factors.update((n, c) for n, c in zip(names, coef) if n in factors)
     return Correction(**{k: float(v) for k, v in factors.items()})
 
 
+def _typical(column: np.ndarray) -> float:
+    """Root mean square of a column's non-zero entries."""
+    used = column[column != 0.0]
+    return float(np.sqrt(np.mean(used**2))) if used.size else 0.0
+
+
 class OnlineCorrection:
-    """The window of observed forwards, the fits over it (pooled, per schedule) and the forecasts'
+    """The window of observed layers, the fits over it (pooled, per schedule) and the forecasts'
     error (module docstring)."""
 
-    def __init__(self, window: int, min_observations: int) -> None:
+    def __init__(self, window: int, min_observations: int, prior_weight: float = PRIOR_WEIGHT) -> None:
         self.min_observations = min_observations
+        self.prior_weight = prior_weight
         self.observations: deque[Observation] = deque(maxlen=window)
         self.pooled = Correction()
-        """Over every forward of the window: what candidates are priced with."""
+        """Over every layer of the window: what candidates are priced with."""
         self.by_schedule: dict[str | None, Correction] = {}
-        """Over each schedule's own forwards: what its forwards are forecast with."""
+        """Over each schedule's own layers: what its layers are forecast with."""
         self.forecasts: deque[tuple[float, float]] = deque(maxlen=window)
-        """(forecast, measured) of each forward, the forecast made before it was measured."""
+        """(forecast, measured) of each forward + backward, the forecast made before it was measured."""
 
-    def observe(
-        self, predicted: Forward, measured: float, measured_copies: float = math.nan, schedule: str | None = None
-    ) -> None:
+    def observe(self, observation: Observation, peers: Sequence[OnlineCorrection] = ()) -> None:
+        """One more layer measured; the fits over the window, and over the `peers`' windows (the
+        model's other layers, `share_correction`) with their own fixed costs."""
+        schedule = observation.schedule
         if len(self.observations) >= self.min_observations:
-            self.forecasts.append((self.by_schedule.get(schedule, self.pooled).time(*predicted), measured))
-        self.observations.append(Observation(predicted, schedule, measured, measured_copies))
+            self.forecasts.append(observation.forecast(self.by_schedule.get(schedule, self.pooled)))
+        self.observations.append(observation)
         if len(self.observations) < self.min_observations:
             return
-        self.pooled = fit_correction(self.observations, self.pooled)
-        own = [o for o in self.observations if o.schedule == schedule]
-        if len(own) >= self.min_observations:
-            self.by_schedule[schedule] = fit_correction(own, self.by_schedule.get(schedule, self.pooled))
+        windows = [self.observations, *(c.observations for c in peers if c is not self)]
+        rows = [(o, layer) for layer, window in enumerate(windows) for o in window]
+        self.pooled = self._fit(rows, self.pooled)
+        if sum(o.schedule == schedule for o in self.observations) >= self.min_observations:
+            own = [(o, layer) for o, layer in rows if o.schedule == schedule]
+            self.by_schedule[schedule] = self._fit(own, self.by_schedule.get(schedule, self.pooled))
+
+    def _fit(self, rows: list[tuple[Observation, int]], previous: Correction) -> Correction:
+        return fit_correction([o for o, _ in rows], previous, self.prior_weight, [layer for _, layer in rows])
 
     def model_error(self) -> float | None:
         """Mean relative error of the forecasts over the window (None: fewer than `min_observations`)."""

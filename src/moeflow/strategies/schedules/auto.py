@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.hooks import Mark
+from moeflow.core.hooks import time_backward
 from moeflow.strategies.schedules.base import ExchangeBlock, PredictedBlock, Schedule, StepLoad
 
 
@@ -271,19 +271,8 @@ class AutoSchedule(Schedule):
         entry: list = [0.0, None]  # forward, backward seconds
         timing.measured_s.append(entry)
         timing.predicted_s.append(predicted[self.chosen])
-        backward_from = [0.0]
-        rows_need_grad = block.x_sent_AD.requires_grad
-
-        def _backward_ends() -> None:
-            entry[1] = time.perf_counter() - backward_from[0]
-
-        def _backward_starts() -> None:
-            backward_from[0] = time.perf_counter()
-            if not rows_need_grad:  # nothing before the block needs a gradient: it ends the backward pass
-                torch.autograd.Variable._execution_engine.queue_callback(_backward_ends)
-
+        x_sent_AD, close = time_backward(block.x_sent_AD, lambda seconds: entry.__setitem__(1, seconds))
         started = time.perf_counter()
-        x_sent_AD = Mark.apply(block.x_sent_AD, lambda: None, _backward_ends) if rows_need_grad else block.x_sent_AD
         out = self.candidates[self.chosen].execute(replace(block, x_sent_AD=x_sent_AD))
         entry[0] = time.perf_counter() - started
         self.calls += 1
@@ -291,7 +280,7 @@ class AutoSchedule(Schedule):
             self._agree(block.group)
             if self.board is not None:  # the layers before this one choose next with the new factors
                 self.board.post(id(self), self.prices(predicted))
-        return Mark.apply(out, lambda: None, _backward_starts)
+        return close(out)
 
     def _agreement_point(self) -> bool:
         tried = self.options.trials * len(self.candidates)

@@ -1,0 +1,86 @@
+"""What a layer measures of its own training steps for `strategy="auto"`'s online correction
+(`strategies/planners/auto_correction.py`): the forward's wall time on this rank, within it the wait
+for its held copies (the sparse all-gather, or the prefetched copies' arrival), and the layer's
+backward (from its output's gradient arriving to its input's gradient leaving, `hooks.time_backward`) and
+within it the copies' gradient sums going back to their owners (`sparse_collectives.materialize`),
+and the forward's expert computes (every call of the schedule's `compute`, wherever the schedule
+puts them). They travel with the next forward's count exchange — five more rows of the all-gather the layer
+runs anyway, no extra synchronisation — so that every rank hands the planner every rank's times.
+
+Shape suffixes: W ranks, E experts, T tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from moeflow.core.hooks import time_backward
+
+
+class LayerTimes:
+    """The last training forward's times on this rank, and its backward's (0: evaluation or no
+    backward, nothing to learn from)."""
+
+    def __init__(self) -> None:
+        self.forward_s = 0.0
+        self.copies_s = 0.0
+        self.backward_s = 0.0
+        self.copies_backward_s = 0.0
+        self.compute_s = 0.0  # of the forward: its expert computes (every call of the schedule's compute)
+        self._compute_events: list = []  # on CUDA: (start, end) events of each compute, read when taken
+
+    def record_copies_backward(self, seconds: float) -> None:
+        self.copies_backward_s = seconds
+
+    def take_rows(self, num_experts: int, device) -> list[torch.Tensor]:
+        """The five rows for the count exchange: each time in microseconds, E-wide like the counts.
+        The backward's times are taken (0 until the next backward: a forward without one sends 0)."""
+        for start, end in self._compute_events:  # done long since (a backward ran): no wait
+            end.synchronize()
+            self.compute_s += start.elapsed_time(end) / 1e3
+        self._compute_events.clear()
+        times = (self.forward_s, self.copies_s, self.backward_s, self.copies_backward_s, self.compute_s)
+        self.backward_s = self.copies_backward_s = 0.0
+        return [torch.full((num_experts,), int(1e6 * s), device=device) for s in times]
+
+    def computes_from_here(self) -> None:
+        """This forward's computes are counted from here (after the last ones were taken)."""
+        self.compute_s = 0.0
+        self._compute_events.clear()
+
+    def timed_compute(self, compute, x_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
+        """`compute(x_RD, counts_SJ)`, its time added to the forward's computes: wall time on the CPU,
+        CUDA events on a GPU (kernels run asynchronously; read when the times are taken)."""
+        if x_RD.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            y_RD = compute(x_RD, counts_SJ)
+            end.record()
+            self._compute_events.append((start, end))
+            return y_RD
+        started = time.perf_counter()
+        y_RD = compute(x_RD, counts_SJ)
+        self.compute_s += time.perf_counter() - started
+        return y_RD
+
+    def time_backward(self, x_TD: torch.Tensor):
+        """At the start of a training forward: `x_TD` marked so that the backward that follows is
+        timed, and the function that marks the layer's output (`hooks.time_backward`). Under
+        `torch.no_grad()` nothing is marked."""
+        if not torch.is_grad_enabled():
+            return x_TD, lambda y_TD: y_TD
+
+        def record(seconds: float) -> None:
+            self.backward_s = seconds
+
+        return time_backward(x_TD, record)
+
+    @staticmethod
+    def report(planner, rows_WE: list[np.ndarray], schedule: str | None) -> None:
+        """Every rank's times of the previous forward and backward (the five rows, gathered) to the
+        planner, with the schedule that ran them."""
+        forward_W, copies_W, backward_W, copies_backward_W, compute_W = (row_WE[:, 0] / 1e6 for row_WE in rows_WE)
+        planner.observe_time(forward_W, copies_W, schedule, backward_W, copies_backward_W, compute_W)
