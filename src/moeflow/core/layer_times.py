@@ -33,6 +33,7 @@ class LayerTimes:
         self._compute_events: list = []  # on CUDA: (start, end) events of each compute, read when taken
 
     def record_copies_backward(self, seconds: float) -> None:
+        """The copies' gradient sums of the last backward (`sparse_collectives.materialize`'s timer)."""
         self.copies_backward_s = seconds
 
     def take_rows(self, num_experts: int, device) -> list[torch.Tensor]:
