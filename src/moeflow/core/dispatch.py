@@ -185,6 +185,18 @@ def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inverse_R: torch.Tens
     return _Permute.apply(x_RD, perm_R, inverse_R)
 
 
+def run_expert_major(fn, x_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
+    """`fn(x_grouped, counts_J)` on rows that arrived (source, expert)-major, regrouped
+    (expert, source)-major for it (`source_major_to_expert_major`); its output back in arrival order."""
+    counts_J = np.asarray(counts_SJ).sum(0).tolist()
+    perm = source_major_to_expert_major(counts_SJ)
+    if perm is None:  # one source: already grouped by expert
+        return fn(x_RD, counts_J)
+    perm_R = torch.as_tensor(perm, device=x_RD.device)
+    inverse_R = inverse_permutation(perm_R)
+    return permute_rows(fn(permute_rows(x_RD, perm_R, inverse_R), counts_J), inverse_R, perm_R)
+
+
 def choices_per_token(token_A: torch.Tensor, num_tokens: int) -> int:
     """K when the rows are choice-major token choices with none dropped (`token_A` is `0..T-1`
     repeated K times, what `routing.token_choices` builds), else 0. Rows of that shape go back to

@@ -149,14 +149,7 @@ def sharded_compute(experts, x_RD: torch.Tensor, counts_J: list[int], group, wei
     counts_SJ = torch.stack(gathered).numpy()
     sizes_S = [int(n) for n in counts_SJ.sum(1)]
     x_MD = _GatherRows.apply(x_RD, sizes_S, me, group)
-    perm = dispatch.source_major_to_expert_major(counts_SJ)
-    if perm is None:
-        y_MD = experts(x_MD, counts_SJ.sum(0).tolist(), weights)
-    else:
-        perm_M = torch.as_tensor(perm, device=x_MD.device)
-        inverse_M = dispatch.inverse_permutation(perm_M)
-        y_grouped = experts(dispatch.permute_rows(x_MD, perm_M, inverse_M), counts_SJ.sum(0).tolist(), weights)
-        y_MD = dispatch.permute_rows(y_grouped, inverse_M, perm_M)
+    y_MD = dispatch.run_expert_major(lambda x_grouped, counts_J: experts(x_grouped, counts_J, weights), x_MD, counts_SJ)
     return _ScatterSumRows.apply(y_MD, sizes_S, me, group)
 
 

@@ -261,8 +261,7 @@ class MoELayer(nn.Module):
         if self.cluster_mismatch:
             self._notice_mismatch()
         x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
-        if self.training:  # its backward timed too (`core.layer_times`)
-            x_TD, close_timed_span = self.times.time_backward(x_TD)
+        x_TD, close_timed_span = self.times.time_backward(x_TD, self.training)  # `core.layer_times`
         me = dispatch.group_rank(self.group)
         routing = self._route(x_TD, me)
         choices_E = torch.bincount(routing.expert_A, minlength=self.num_experts)
@@ -274,13 +273,9 @@ class MoELayer(nn.Module):
         may_drop = self.capacity_factor is not None
         counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
         timed = getattr(self.planner, "observes_time", False) and not self.cluster_mismatch
-        if timed:  # the last forward's and backward's times, with the counts (`core.layer_times`)
-            counts += self.times.take_rows(self.num_experts, expert_A.device)
-        rows = dispatch.exchange_counts(counts, self.group)
+        schedule = self.stats.schedule if self.stats is not None else None  # the one that ran the last forward
+        rows = self.times.exchange_counts(counts, self.group, self.planner if timed else None, schedule)
         flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
-        if timed:
-            self.times.report(self.planner, rows[-5:], self.stats.schedule if self.stats is not None else None)
-        self.times.computes_from_here()
         placement = self._plan(flow_WE)
         plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
 
@@ -312,9 +307,7 @@ class MoELayer(nn.Module):
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
         self._record(block, flow_WE, choices_WE, plan_SED, placement, dropped, routing.redirected, me)
         self.times.forward_s = time.perf_counter() - started if self.training else 0.0  # 0: nothing to learn from
-        if self.training:
-            y_TD = close_timed_span(y_TD)
-        return y_TD.reshape(x.shape)
+        return close_timed_span(y_TD).reshape(x.shape)
 
     def _plan(self, flow_WE: np.ndarray) -> Placement:
         """The planner's placement for this flow (plain EP where the cost model is another cluster's)."""
@@ -338,14 +331,9 @@ class MoELayer(nn.Module):
             if held_J.size == 0:  # a rank that owns none of this layer's experts (Hecate §4.3)
                 return torch.zeros_like(x_recv_RD)
             # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
-            perm = dispatch.source_major_to_expert_major(counts_SJ)
-            if perm is None:  # one source: already grouped by expert
-                return self._run_experts(x_recv_RD, counts_SJ.sum(0).tolist(), weights_J)
-            perm_R = torch.as_tensor(perm, device=x_recv_RD.device)
-            inverse_R = dispatch.inverse_permutation(perm_R)
-            x_grouped = dispatch.permute_rows(x_recv_RD, perm_R, inverse_R)
-            y_grouped = self._run_experts(x_grouped, counts_SJ.sum(0).tolist(), weights_J)
-            return dispatch.permute_rows(y_grouped, inverse_R, perm_R)
+            return dispatch.run_expert_major(
+                lambda x_RD, counts_J: self._run_experts(x_RD, counts_J, weights_J), x_recv_RD, counts_SJ
+            )
 
         return compute
 

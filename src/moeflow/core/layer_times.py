@@ -17,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from moeflow.core import dispatch
 from moeflow.core.hooks import time_backward
 
 
@@ -35,6 +36,17 @@ class LayerTimes:
     def record_copies_backward(self, seconds: float) -> None:
         """The copies' gradient sums of the last backward (`sparse_collectives.materialize`'s timer)."""
         self.copies_backward_s = seconds
+
+    def exchange_counts(self, counts: list[torch.Tensor], group, planner, schedule: str | None) -> list[np.ndarray]:
+        """The layer's count exchange (`dispatch.exchange_counts`) of `counts`; with a `planner`
+        that learns from times, the last forward's and backward's ride along as five more rows and
+        reach it (with the `schedule` that ran them). This forward's computes are counted from here."""
+        extra = self.take_rows(counts[0].numel(), counts[0].device) if planner is not None else []
+        rows = dispatch.exchange_counts(counts + extra, group)
+        if planner is not None:
+            self.report(planner, rows[len(counts) :], schedule)
+        self.computes_from_here()
+        return rows[: len(counts)]
 
     def take_rows(self, num_experts: int, device) -> list[torch.Tensor]:
         """The five rows for the count exchange: each time in microseconds, E-wide like the counts.
@@ -67,11 +79,11 @@ class LayerTimes:
         self.compute_s += time.perf_counter() - started
         return y_RD
 
-    def time_backward(self, x_TD: torch.Tensor):
-        """At the start of a training forward: `x_TD` marked so that the backward that follows is
-        timed, and the function that marks the layer's output (`hooks.time_backward`). Under
-        `torch.no_grad()` nothing is marked."""
-        if not torch.is_grad_enabled():
+    def time_backward(self, x_TD: torch.Tensor, training: bool):
+        """At the start of a forward: `x_TD` marked so that the backward that follows is timed, and
+        the function that marks the layer's output (`hooks.time_backward`). Outside training or
+        under `torch.no_grad()` nothing is marked."""
+        if not (training and torch.is_grad_enabled()):
             return x_TD, lambda y_TD: y_TD
 
         def record(seconds: float) -> None:
