@@ -96,6 +96,8 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     prefetch = BlockPrefetch([models["pf"].moe1, models["pf"].moe2])
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
     copies, idle, prefetched, eplb_copies, chosen, schedules = 0, 0, 0, 0, set(), set()
+    borrowed, lend_to_second = [], models["pf"].moe2.times.borrow  # directions of the waits lent to layer 2
+    models["pf"].moe2.times.borrow = lambda s, backward: (borrowed.append(backward), lend_to_second(s, backward))
     for it in range(ITERATIONS):
         x, g = _batch(rank, world, it)
         results = {}
@@ -149,6 +151,8 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     assert all(o.measured_backward > 0.0 and o.measured_compute > 0.0 for o in observed)
     sent_now = [o for o in observed if o.predicted.copies > 0.0 and not o.predicted.prefetched]
     assert sent_now and all(o.measured_copies_backward > 0.0 for o in sent_now)
+    # Copies sent ahead: the waits on them in the block before counted as layer 2's, their gradients' too.
+    assert set(borrowed) == {False, True}, borrowed
     assert prefetch.steps == ITERATIONS and 0.0 < prefetch.split_forward[0] < 1.0, prefetch.split_forward
     # What the prefetch measured to hide reached layer 2's planner (the same on every rank).
     share = torch.tensor([models["pf"].moe2.planner.hidden_share], dtype=torch.float64)

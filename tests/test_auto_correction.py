@@ -5,10 +5,13 @@ forecasts each schedule's layers from that schedule's own fit, and reports its e
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
+import torch
 
+from moeflow.core.layer_times import LayerTimes
 from moeflow.strategies.planners.auto_correction import (
     Correction,
     Observation,
@@ -27,12 +30,13 @@ def _terms(n: int, seed: int = 0) -> list[Terms]:
 
 def _measured(t: Terms, c: Correction = TRUE, schedule=None, rest: float = 1.0) -> Observation:
     """What a machine whose factors are `c` measures (the non-copy part scaled by `rest`); the
-    prefetched copies' gradient sums run outside the layer's own gather (not timed apart: 0)."""
+    prefetched copies' waits, out and back, count as the layer's wherever they fell (in the block
+    before: `LayerTimes.borrow`)."""
     copies = (c.ahead if t.prefetched else c.copy) * t.copies / 2
     copies_back = (c.ahead if t.prefetched else c.copy_back) * t.copies / 2
     forward = (c.forward(t) - copies) * rest + copies
     backward = (c.backward(t) - copies_back) * rest + copies_back
-    return Observation(t, schedule, forward, copies, backward, 0.0 if t.prefetched else copies_back)
+    return Observation(t, schedule, forward, copies, backward, copies_back)
 
 
 def test_recovers_the_factors_with_and_without_the_copies_timed():
@@ -136,3 +140,39 @@ def test_layers_share_the_machine_and_keep_their_fixed_costs():
     for o in first.observations:
         alone.observe(o)
     assert alone.pooled.comm == 1.0  # never exercised: kept
+
+
+def test_waits_for_prefetched_copies_count_as_their_layers():
+    """The block-wise prefetch waits on layer 2's copies inside layer 1 (before its combine, and their
+    gradients in its backward): the waits move from layer 1's times to layer 2's and its copies'."""
+    first, second = LayerTimes(), LayerTimes()
+    first.lend(0.03, backward=False)  # layer 1's forward waited 30 ms on layer 2's copies ...
+    second.borrow(0.03, backward=False)
+    first.record_forward(0.25, training=True)
+    second.record_copies(0.01, training=True)  # ... and layer 2's on the rest of them
+    second.record_forward(0.2, training=True)
+    assert (first.forward_s, second.forward_s, second.copies_s) == pytest.approx((0.22, 0.23, 0.04))
+    # Backward: layer 2's span ends first; layer 1's then waits (sleeps 30 ms, 20 of them on the gradient
+    # sums of layer 2's copies): real autograd through both spans' marks.
+    x = torch.ones(1, requires_grad=True)
+    entry, close_first = first.time_backward(x, training=True)
+    inside_first = entry * 2
+
+    def wait_on_second(grad):
+        time.sleep(0.03)
+        first.lend(0.02, backward=True)
+        second.borrow(0.02, backward=True)
+
+    inside_first.register_hook(wait_on_second)
+    entry, close_second = second.time_backward(close_first(inside_first), training=True)
+    started = time.perf_counter()
+    close_second(entry * 3).backward()
+    whole_s = time.perf_counter() - started
+    assert second.copies_backward_s == pytest.approx(0.02) and second.backward_s >= 0.02
+    assert 0.01 <= first.backward_s <= whole_s - 0.02  # its 30 ms less the 20 lent
+    # Evaluation: nothing to learn from, and nothing carried over.
+    first.lend(0.01, backward=False)
+    first.record_forward(0.3, training=False)
+    assert first.forward_s == 0.0
+    first.record_forward(0.3, training=True)
+    assert first.forward_s == pytest.approx(0.3)

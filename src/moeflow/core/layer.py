@@ -306,7 +306,7 @@ class MoELayer(nn.Module):
         y_TD = self._release_copies(y_TD, placement, me)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
         self._record(block, flow_WE, choices_WE, plan_SED, placement, dropped, routing.redirected, me)
-        self.times.forward_s = time.perf_counter() - started if self.training else 0.0  # 0: nothing to learn from
+        self.times.record_forward(time.perf_counter() - started, self.training)
         return close_timed_span(y_TD).reshape(x.shape)
 
     def _plan(self, flow_WE: np.ndarray) -> Placement:
@@ -321,7 +321,7 @@ class MoELayer(nn.Module):
         held_J = np.flatnonzero(placement.holders_EW[:, me])
         started = time.perf_counter()
         weights_J = self._held_weights(placement, held_J)
-        self.times.copies_s = time.perf_counter() - started if self.training else 0.0
+        self.times.record_copies(time.perf_counter() - started, self.training)
         self._held = weights_J
 
         def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:

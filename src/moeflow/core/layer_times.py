@@ -4,8 +4,13 @@ for its held copies (the sparse all-gather, or the prefetched copies' arrival), 
 backward (from its output's gradient arriving to its input's gradient leaving, `hooks.time_backward`) and
 within it the copies' gradient sums going back to their owners (`sparse_collectives.materialize`),
 and the forward's expert computes (every call of the schedule's `compute`, wherever the schedule
-puts them). They travel with the next forward's count exchange — five more rows of the all-gather the layer
-runs anyway, no extra synchronisation — so that every rank hands the planner every rank's times.
+puts them). Copies the block-wise prefetch sent ahead may be waited on inside the block before
+(`core.prefetch`: part of them before that layer's combine, their gradients in its backward): those
+waits count as the layer's whose copies they are — out of the waiting layer's times, into this
+one's and its copies' (`lend`, `borrow`) — so that a prefetched placement is measured at what its
+copies cost, wherever the wait falls. They travel with the next forward's count exchange — five
+more rows of the all-gather the layer runs anyway, no extra synchronisation — so that every rank
+hands the planner every rank's times.
 
 Shape suffixes: W ranks, E experts, T tokens.
 """
@@ -32,6 +37,31 @@ class LayerTimes:
         self.copies_backward_s = 0.0
         self.compute_s = 0.0  # of the forward: its expert computes (every call of the schedule's compute)
         self._compute_events: list = []  # on CUDA: (start, end) events of each compute, read when taken
+        self._lent_s = [0.0, 0.0]  # (forward, backward): waits inside this layer for a later layer's copies
+        self._borrowed_s = 0.0  # waits elsewhere for this forward's prefetched copies (before it ran)
+
+    def record_forward(self, seconds: float, training: bool) -> None:
+        """The forward's wall time (0 outside training: nothing to learn from), less the waits it
+        lent, plus those borrowed."""
+        self.forward_s = seconds - self._lent_s[0] + self._borrowed_s if training else 0.0
+        self._lent_s[0] = self._borrowed_s = 0.0
+
+    def record_copies(self, seconds: float, training: bool) -> None:
+        """The forward's wait for its copies, plus the waits for them borrowed from the block before."""
+        self.copies_s = seconds + self._borrowed_s if training else 0.0
+
+    def lend(self, seconds: float, backward: bool) -> None:
+        """This layer's forward (or backward) waited `seconds` for another layer's prefetched copies."""
+        self._lent_s[backward] += seconds
+
+    def borrow(self, seconds: float, backward: bool) -> None:
+        """Another layer's span (or the step's end) waited `seconds` for this layer's prefetched copies
+        (forward: before this forward runs; backward: their gradients, after this backward ran)."""
+        if backward:
+            self.backward_s += seconds
+            self.copies_backward_s += seconds
+        else:
+            self._borrowed_s += seconds
 
     def record_copies_backward(self, seconds: float) -> None:
         """The copies' gradient sums of the last backward (`sparse_collectives.materialize`'s timer)."""
@@ -87,7 +117,8 @@ class LayerTimes:
             return x_TD, lambda y_TD: y_TD
 
         def record(seconds: float) -> None:
-            self.backward_s = seconds
+            self.backward_s = seconds - self._lent_s[1]
+            self._lent_s[1] = 0.0
 
         return time_backward(x_TD, record)
 

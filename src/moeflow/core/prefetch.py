@@ -306,7 +306,7 @@ class BlockPrefetch(MoEHook):
                 self._trans[i + 1].post(0)
                 self.predicted_s[i + 1] += 2 * self._copies_price(self.layers[i + 1], placement)
         elif point == "computed" and (i + 1) in self._trans:
-            self._trans[i + 1].wait(0)
+            self._waited(i + 1, i, False, self._trans[i + 1], lambda: self._trans[i + 1].wait(0))
         elif point == "end" and (i + 1) in self._trans:  # SubTrans2_{i+1} ∥ FNEC_i
             self._trans[i + 1].post(1)
 
@@ -316,16 +316,26 @@ class BlockPrefetch(MoEHook):
         if point == "start" and i in self._agg:  # layer i's backward is over: SubAgg1_i ∥ BNEC_{i-1}
             self._agg[i].post(0)
         elif point == "end" and agg is not None:
-            agg.wait(0)
+            self._waited(i + 1, i, True, agg, lambda: agg.wait(0))
         elif point == "computed" and agg is not None:  # SubAgg2_{i+1} ∥ BEC_i
             agg.post(1)
         elif point == "dispatched" and agg is not None:
-            self._finish_agg(i + 1)
+            self._finish_agg(i + 1, waiting=i)
 
-    def _finish_agg(self, index: int) -> None:
+    def _finish_agg(self, index: int, waiting: int | None = None) -> None:
         agg = self._agg.pop(index)
-        agg.finish()
+        self._waited(index, waiting, True, agg, agg.finish)
         self.exposed_s[index] += agg.exposed_s
+
+    def _waited(self, owner: int, waiting: int | None, backward: bool, parts: _TwoParts, wait) -> None:
+        """Run `wait` (on layer `owner`'s copies or their gradients, `parts`); what it exposed counts as
+        the owner's, not the waiting layer's (`LayerTimes.lend`/`borrow`; None: after the backward)."""
+        before = parts.exposed_s
+        wait()
+        seconds = parts.exposed_s - before
+        if waiting is not None:
+            self.layers[waiting].times.lend(seconds, backward)
+        self.layers[owner].times.borrow(seconds, backward)
 
     def start_agg(self, index: int, trans: _Trans, grad_MP: torch.Tensor) -> None:
         self._agg[index] = _Agg(trans, grad_MP, self.split_backward[index - 1])

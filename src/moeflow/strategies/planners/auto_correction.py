@@ -201,16 +201,21 @@ def fit_correction(
         y_backward -= factors["comp"] * backward_N3[back, 0]
     else:
         columns["comp"] = (forward_N3[:, 0], backward_N3[back, 0])
+    back_copies_timed = np.all(np.isfinite(measured_N4[back, 3]))
     if np.all(np.isfinite(measured_N4[:, 1])):  # the copies' waits timed: their factors apart
-        for name, predicted in (("copy", copies_now), ("ahead", copies_ahead)):
-            if np.any(predicted > 0.0):
-                factors[name] = measured_N4[predicted > 0.0, 1].sum() / predicted.sum()
+        if np.any(copies_now > 0.0):
+            factors["copy"] = measured_N4[copies_now > 0.0, 1].sum() / copies_now.sum()
+        if np.any(copies_ahead > 0.0):  # sent ahead: out and back, wherever their waits fell
+            both = back_copies_timed  # their gradients' waits too
+            waited = measured_N4[prefetched, 1].sum() + (measured_N4[back & prefetched, 3].sum() if both else 0.0)
+            factors["ahead"] = waited / (copies_ahead.sum() + (copies_ahead[back].sum() if both else 0.0))
         y_forward -= measured_N4[:, 1]
-        y_backward -= factors["ahead"] * copies_ahead[back]  # the prefetched copies' gradients (Agg)
+        if not back_copies_timed:  # the prefetched copies' gradients (Agg), not timed
+            y_backward -= factors["ahead"] * copies_ahead[back]
     else:
         columns["copy"] = (copies_now, np.zeros(back.sum()))
         columns["ahead"] = (copies_ahead, copies_ahead[back])
-    if np.all(np.isfinite(measured_N4[back, 3])):
+    if back_copies_timed:
         if np.any(copies_now[back] > 0.0):
             factors["copy_back"] = measured_N4[back & (copies_now > 0.0), 3].sum() / copies_now[back].sum()
         y_backward -= measured_N4[back, 3]
