@@ -64,9 +64,9 @@ def test_online_correction_learns_a_machine_twice_as_slow():
         forward, backward = (2.0 * float(np.sum(half)) for half in t.halves())
         auto.observe_time(
             np.array([forward, 0.5 * forward]),
-            np.array([t.copies, 1.5 * t.copies]),  # the rank that waited least: 2× its half
+            np.array([t.copies, 0.5 * t.copies]),  # sent now: the slowest rank's wait, 2× its half
             backward_s_W=np.array([0.5 * backward, backward]),
-            copies_backward_s_W=np.array([t.copies, 2.0 * t.copies]),
+            copies_backward_s_W=np.array([0.25 * t.copies, t.copies]),
         )
     forecast, measured = auto.correction.forecasts[-1]  # out of sample; the one before came from two
     assert forecast == pytest.approx(measured, rel=1e-6) and auto.model_error() < 0.01  # equal layers

@@ -119,13 +119,24 @@ def test_the_plan_priced_for_the_placement_is_not_predicted_again():
     assert len(calls) == 3 and other["sync"] > first["sync"]
 
 
-def test_agreement_points_after_the_trials_then_powers_of_two():
+def test_agreement_points_after_the_trials_then_every_few_forwards():
     auto = _arbiter(trials=2)
     points = []
     for call in range(1, 20):
         auto.calls = call
         points.append(call) if auto._agreement_point() else None
-    assert points == [4, 8, 16]
+    assert points == [4, 8, 12, 16]
+    with pytest.raises(ValueError, match="agree_every=0"):
+        AutoScheduleOptions(agree_every=0)
+
+
+def test_the_factor_is_the_median_ratio_per_call():
+    """Calls of different flows, two of three measured twice their prediction: the factor is 2; the
+    ratio of the medians (3 / 1) mixes the calls. The first call, a warm-up, is left out."""
+    timing = _arbiter().timings["sync"]
+    timing.measured_s.extend([[9.0, 9.0], [0.5, 0.5], [1.5, 1.5], [2.0, 2.0]])
+    timing.predicted_s.extend([1.0, 0.5, 1.0, 2.0])
+    assert timing.medians() == (3.0, 1.0) and timing.ratio() == pytest.approx(2.0)
 
 
 def test_factors_skip_the_warm_up_call_and_count_the_backward():

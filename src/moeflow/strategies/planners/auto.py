@@ -205,23 +205,30 @@ class AutoPlanner:
         """The previous forward's and backward's times on every rank (from the count exchange), of
         them the copies' (the wait for the copies, their gradient sums) and the forward's expert
         computes where timed, and the schedule that ran them: one observation (`auto_correction`),
-        fitted with the other layers' (`peers`). The slowest rank's forward, backward and compute;
-        the copies' time of the rank that waited least for them — the others' extra wait is the
-        group's skew (a rank reaching the collective late), which stays in the rest. A backward
-        timed 0 did not run (evaluation, or a forward without one): the forward alone is observed."""
+        fitted with the other layers' (`peers`). The slowest rank's forward, backward and compute.
+        The copies: sent now, the slowest rank's wait — they start right after the count exchange,
+        all ranks together, and the receiver's wait is the layer's (a sender's isend returns once
+        the kernel has the bytes: on the 2 × 1 testbed EPLB's one-way copies measured 6 ms on the
+        rank that waited least, where the receiver's wait and the model were 25–40 ms); sent ahead,
+        the wait of the rank that waited least — they are waited on where the block before left the
+        ranks apart (`core.prefetch`), and a rank's wait while another still computes costs nothing.
+        A backward timed 0 did not run (evaluation, or a forward without one): the forward alone is
+        observed."""
         slowest = float(np.max(forward_s_W))
         pending, self._pending = self._pending, None
         if pending is None or slowest <= 0:  # nothing predicted, or not timed (evaluation)
             return
 
-        def least(times_W: np.ndarray | None) -> float:
-            return float(np.min(times_W)) if times_W is not None else math.nan
+        def copies_of(times_W: np.ndarray | None) -> float:
+            if times_W is None:
+                return math.nan
+            return float(np.min(times_W) if pending.prefetched else np.max(times_W))
 
         backward = float(np.max(backward_s_W)) if backward_s_W is not None else 0.0
         if backward <= 0.0:
             backward, copies_backward_s_W = math.nan, None
         compute = float(np.max(compute_s_W)) if compute_s_W is not None else math.nan
-        copies, copies_backward = least(copies_s_W), least(copies_backward_s_W)
+        copies, copies_backward = copies_of(copies_s_W), copies_of(copies_backward_s_W)
         peers = [p.correction for p in getattr(self, "peers", ())]  # absent on a planner unpickled on its own
         self.correction.observe(
             Observation(pending, schedule, slowest, copies, backward, copies_backward, compute), peers

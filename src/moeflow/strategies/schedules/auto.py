@@ -18,9 +18,14 @@ fed by data), to the end of the backward pass (an autograd engine callback; what
 block's own nodes — the copies' gradient sums, the gate — is then timed with it): cheap, no
 synchronisation. (A first layer's backward used to go untimed: its factors were forward-only, and
 put `pipeline` 9–34% under `pairwise` there while whole iterations measured it slower.) At
-agreement points — when the trials end, then every `2^k`-th forward — the ranks take the maximum
-of their timings over the group (one all-reduce of C numbers: the block ends with its slowest rank)
-and set each candidate's factor `s_c = median measured / median predicted`. Candidates are then
+agreement points — when the trials end, then every `agree_every` forwards — the ranks take the
+maximum of their timings over the group (one all-reduce of C numbers: the block ends with its
+slowest rank) and set each candidate's factor `s_c`, the median over its timed calls of measured /
+predicted (per call: the calls ran different flows and placements, and a ratio of medians over
+them mixes those). Agreement points used to be the `2^k`-th forwards: on the 2 × 1 testbed suite
+(16 warm-up iterations, 10 timed) the last one fell before the timed iterations, and `pipeline`,
+chosen on its trials, ran all of them 10% slower than `pairwise` with nothing to correct it (the
+factors rested on the trials alone). Candidates are then
 priced `s_c · predict_c` (`block_prices`), in seconds of forward + backward, the unit
 `strategy="auto"` prices placements in: with both arbiters on, the planner prices each placement's
 block with the corrected price of the schedule that would run it (`block_price`: placement and
@@ -46,6 +51,7 @@ Shape suffixes: S source ranks, E experts, D destination ranks, W ranks, C candi
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -73,12 +79,15 @@ class AutoScheduleOptions:
     min_gain: float = 0.03
     """A candidate replaces one listed before it (simpler: `sync`, `pairwise`, then `pipeline`) only
     when its corrected price is at least this fraction lower (module docstring)."""
+    agree_every: int = 4
+    """After the trials, the factors are agreed (one all-reduce of C numbers) every this many forwards."""
 
     def __post_init__(self) -> None:
         names = self.names()
         if "auto" in names or len(set(names)) != len(names):
             raise ValueError(f"candidates={self.candidates!r}: expected a comma list of distinct schedule names")
         positive_int("trials", self.trials)
+        positive_int("agree_every", self.agree_every)
         finite_number("min_gain", self.min_gain, 0.0, 1.0)
         if self.min_gain >= 1.0:
             raise ValueError(f"min_gain={self.min_gain!r}: expected a fraction in [0, 1)")
@@ -180,14 +189,23 @@ class _Timings:
     factor: float | None = None
 
     def medians(self) -> tuple[float, float]:
-        """(measured forward + backward, predicted) medians over the calls whose backward ran (all
-        calls, forward only, if none did: evaluation), the first call (a warm-up) left out."""
+        """(measured forward + backward, predicted) medians over the calls of `_pairs`."""
+        pairs = self._pairs()
+        return float(np.median([m for m, _ in pairs])), float(np.median([p for _, p in pairs]))
+
+    def ratio(self) -> float:
+        """The median of measured / predicted over the same calls as `medians` (NaN: none predicted)."""
+        ratios = [m / p for m, p in self._pairs() if p > 0]
+        return float(np.median(ratios)) if ratios else math.nan
+
+    def _pairs(self) -> list[tuple[float, float]]:
+        """(measured forward + backward, predicted) of the calls whose backward ran (all calls,
+        forward only, if none did: evaluation), the first call (a warm-up) left out."""
         pairs = list(zip(self.measured_s, self.predicted_s))
         if len(pairs) > 1 and len(pairs) < _WINDOW:
             pairs = pairs[1:]
         whole = [(f + b, p) for (f, b), p in pairs if b is not None]
-        pairs = whole or [(f, p) for (f, _), p in pairs]
-        return float(np.median([m for m, _ in pairs])), float(np.median([p for _, p in pairs]))
+        return whole or [(f, p) for (f, _), p in pairs]
 
 
 class AutoSchedule(Schedule):
@@ -284,17 +302,17 @@ class AutoSchedule(Schedule):
 
     def _agreement_point(self) -> bool:
         tried = self.options.trials * len(self.candidates)
-        return self.calls >= tried and (self.calls == tried or (self.calls & (self.calls - 1)) == 0)
+        return self.calls >= tried and (self.calls - tried) % self.options.agree_every == 0
 
     def _agree(self, group) -> None:
-        """Every rank the same factors: the slowest rank's median timing per candidate."""
+        """Every rank the same factors: the slowest rank's median measured / predicted per candidate
+        (NaN, none predicted: the factor stays)."""
         names = list(self.candidates)
-        medians = [self.timings[n].medians() for n in names]
-        measured_C = torch.tensor([m for m, _ in medians], dtype=torch.float64)
-        dist.all_reduce(measured_C, op=dist.ReduceOp.MAX, group=group)
-        for name, measured, (_, predicted) in zip(names, measured_C.tolist(), medians):
-            if predicted > 0:
-                self.timings[name].factor = measured / predicted
+        ratio_C = torch.tensor([self.timings[n].ratio() for n in names], dtype=torch.float64)
+        dist.all_reduce(ratio_C, op=dist.ReduceOp.MAX, group=group)
+        for name, ratio in zip(names, ratio_C.tolist()):
+            if math.isfinite(ratio):
+                self.timings[name].factor = ratio
 
     def predict(self, step: StepLoad, cost_model, dispatcher) -> PredictedBlock:
         """The simulator's price: the `preferred` candidate as the model sees it (no measurement to
