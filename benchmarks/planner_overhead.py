@@ -31,7 +31,7 @@ from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
 from moeflow.core.registry import LayerContext
 from moeflow.perf.costmodel import CostModel
-from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
+from moeflow.strategies import PLANNERS
 
 CLUSTERS = {"prophet_lpwnv": 2, "johnny": 2}
 """Cluster presets (moeflow.perf.topology_presets) and experts per device."""
@@ -47,10 +47,7 @@ def _build(row: str, ctx: LayerContext, background: bool):
     for p in inner:
         if hasattr(p, "next_plan"):
             p.next_plan.background = background
-    if name == "auto":  # as in a layer with schedule="auto" and the prefetch
-        schedule = SCHEDULES.build("auto", ctx, {})
-        dispatcher = DISPATCHERS.build("a2a", ctx, {})
-        planner.block_prices = lambda plan: schedule.block_prices(plan, None, dispatcher)
+    if name == "auto":  # as in a layer with the prefetch
         planner.prefetched, planner.nonmoe_forward_s, planner.hidden_share = True, 0.01, 0.5
     return planner
 

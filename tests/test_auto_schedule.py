@@ -77,7 +77,7 @@ def test_a_later_candidate_replaces_an_earlier_one_only_for_min_gain():
 def test_layers_sharing_a_board_run_the_schedule_cheapest_over_the_model():
     """Layer 0 alone would keep sync (pairwise 1% cheaper there), layer 1 alone pairwise (20%): on one
     board the first layer of each forward picks for both, on the sum over the layers (2.0 vs 1.79
-    once both have posted), and a placement is priced under the forward's choice."""
+    once both have posted)."""
     first, second = _arbiter(trials=1), _arbiter(trials=1)
 
     class _Layer:
@@ -91,32 +91,15 @@ def test_layers_sharing_a_board_run_the_schedule_cheapest_over_the_model():
     assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "sync"  # only its own prices yet
     assert second.choose({"sync": 1.0, "pairwise": 0.8}).chosen == "sync"  # this forward is decided
     first.calls = second.calls = 3
-    assert board.price(id(second), {"sync": 1.0, "pairwise": 0.5}, 3) == 0.5  # undecided: what it would pick
-    assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "pairwise"
+    assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "pairwise"  # with layer 2's 0.8
     assert board.total(id(first), {"sync": 1.0, "pairwise": 0.99}) == pytest.approx({"sync": 2.0, "pairwise": 1.79})
-    assert board.price(id(second), {"sync": 1.0, "pairwise": 1.5}, 3) == 1.5  # decided: pairwise, dear or not
-    assert second.choose({"sync": 1.0, "pairwise": 1.5}).chosen == "pairwise"
-    # The next forward: a dearer pairwise in layer 1 turns the whole model to sync (2.0 vs 2.49).
-    assert board.price(id(first), {"sync": 1.0, "pairwise": 0.99}, 4) == 1.0
-    assert board.prices[id(first)] == {"sync": 1.0, "pairwise": 0.99}  # price() posts nothing
+    assert second.choose({"sync": 1.0, "pairwise": 1.5}).chosen == "pairwise"  # decided: pairwise, dear or not
+    # The next forward: a dearer pairwise in layer 2 turns the whole model to sync (2.0 vs 2.49).
+    first.calls = second.calls = 4
+    assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "sync"
     other = AutoSchedule({"sync": SyncSchedule()}, SHAPE, first.cost_model)
     with pytest.raises(ValueError, match="different candidates"):
         share_schedule_choice([_Layer(first), _Layer(other)])
-
-
-def test_the_plan_priced_for_the_placement_is_not_predicted_again():
-    """`block_price` predicts the plan the block then runs: the block reuses that prediction."""
-    auto = _arbiter()
-    calls = []
-    sync = auto.candidates["sync"]
-    original = sync.predict
-    sync.predict = lambda *a: calls.append(1) or original(*a)
-    plan_SED, dispatcher = np.ones((4, 8, 4)), A2ADispatcher()
-    first = auto.block_prices(plan_SED, [0, 1, 2, 3], dispatcher)
-    assert auto.predicted(plan_SED, [0, 1, 2, 3], dispatcher) == first and len(calls) == 1
-    auto.predicted(plan_SED, [0, 1, 2, 3], A2ADispatcher())  # another dispatcher: predicted anew
-    other = auto.predicted(plan_SED * 3, [0, 1, 2, 3], dispatcher)
-    assert len(calls) == 3 and other["sync"] > first["sync"]
 
 
 def test_agreement_points_after_the_trials_then_every_few_forwards():
@@ -151,11 +134,12 @@ def test_factors_skip_the_warm_up_call_and_count_the_backward():
     assert forward_only.medians() == (1.5, 2.0)
 
 
-def test_placement_and_schedule_priced_jointly():
-    """With both arbiters, a placement's price is the cheapest schedule's corrected block time plus
-    its copies: when pairwise hides the exchange, copies that only cut the exchange stop paying."""
+def test_placements_are_priced_with_the_running_schedules_correction():
+    """A placement's price comes from the correction fitted on the layers the running schedule ran:
+    where pairwise was measured to hide the exchanges, copies that only cut the exchange stop paying."""
     from moeflow.core.placement import Placement
     from moeflow.strategies.planners.auto import AutoPlanner, layer_terms
+    from moeflow.strategies.planners.auto_correction import Correction
 
     cm = CostModel(Topology.homogeneous(4, 1e6), gemm_flops_per_s=1e9)
     shape = ExpertShape(64, 128)
@@ -166,18 +150,15 @@ def test_placement_and_schedule_priced_jointly():
     extra_EW[0] = True
     copied = owners.with_holders(extra_EW)
     auto = AutoPlanner(shape, {})
-    plain = {n: auto.price(layer_terms(flow, p, cm, shape)) for n, p in (("ep", owners), ("copy", copied))}
-    arbiter = _arbiter()
-    arbiter.cost_model = cm
-    arbiter.shape = shape
-    arbiter.timings["pairwise"].factor = 0.01  # measured: pairwise hides almost everything
-    auto.block_price = lambda plan: arbiter.block_price(plan, [0, 1, 2, 3], A2ADispatcher())
-    joint = {n: auto.price(layer_terms(flow, p, cm, shape)) for n, p in (("ep", owners), ("copy", copied))}
-    terms = layer_terms(flow, copied, cm, shape)
-    assert joint["copy"] == pytest.approx(
-        min(arbiter.block_prices(terms.plan_SED, None, A2ADispatcher()).values()) + terms.copies
-    )  # pairwise, far below sync's price
-    assert plain["copy"] < plain["ep"] and joint["ep"] < joint["copy"]
+    auto.correction.by_schedule["pairwise"] = Correction(comm=0.01)  # measured: pairwise hides the exchanges
+    prices = {}
+    for schedule in ("sync", "pairwise"):
+        auto.running_schedule = schedule
+        prices[schedule] = {
+            n: auto.price(layer_terms(flow, p, cm, shape)) for n, p in {"ep": owners, "copy": copied}.items()
+        }
+    assert prices["sync"]["copy"] < prices["sync"]["ep"]  # no fit of its own yet: the pooled one (1s)
+    assert prices["pairwise"]["ep"] < prices["pairwise"]["copy"]
 
 
 def test_simulator_price_is_the_cheapest_candidate_per_iteration():

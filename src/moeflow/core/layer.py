@@ -173,11 +173,6 @@ class MoELayer(nn.Module):
         self.gate, self.balance, self.planner = built["gate"], built["balance"], built["strategy"]
         self.schedule, self.dispatcher = built["schedule"], built["dispatch"]
         self.schedule.check_dispatcher(self.dispatcher)
-        if hasattr(self.planner, "block_price") and hasattr(self.schedule, "block_price"):
-            # Both arbitrated (`auto`): the planner prices each placement under the schedule it would run.
-            self.planner.block_price = lambda plan_SED: self.schedule.block_price(
-                plan_SED, self.node_of, self.dispatcher
-            )
         self.axes = {axis: v if isinstance(v, str) else type(v).__name__ for axis, (v, _) in axes.items()}
         if getattr(self.planner, "needs_cost_model", False) and ctx.cost_model is None:
             raise ValueError(f"strategy={self.axes['strategy']!r} needs cost_model= (a moeflow CostModel)")

@@ -22,11 +22,12 @@ critical path.
 Online correction (`planners.auto_correction`). The layer times its forwards and backwards, and
 within them the copies' (the wait for the copies, their gradient sums back), and sends them with the
 next count exchange; the factors fitted on them (the copies sent now — out and back — and the copies
-sent ahead apart from the rest) correct every price. A current proposal equal to the placement the
-prefetch sent ahead runs on those copies, and is priced as sent ahead.
+sent ahead apart from the rest) correct every price — those fitted on the layers the running
+schedule ran (with `schedule="auto"` that arbiter then picks the schedule for the chosen
+placement's plan). A current proposal equal to the placement the prefetch sent ahead runs on those
+copies, and is priced as sent ahead.
 
-Pricing less. Pricing a proposal (its terms, and its block under every schedule with
-`schedule="auto"`) is on the layer's critical path: about 2 ms per distinct placement at 16 devices
+Pricing less. Pricing a proposal is on the layer's critical path: about 2 ms per distinct placement at 16 devices
 (a profile of `benchmarks/planner_overhead.py`, FasterMoE's johnny cluster). A candidate whose price
 came out more than `rest_margin` above the winner's rests: it is not priced (nor run) for the next
 1, 2, 4, ... calls (doubling each time it loses again, at most `max_rest`), then priced again; a
@@ -48,7 +49,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -171,21 +171,21 @@ class AutoPlanner:
         self._planned: tuple[str, Placement] | None = None
         self._plan_after: tuple[Placement, object] | None = None  # the call to plan ahead from, not yet done
         self.rest: dict[str, list[int]] = {}  # name -> [calls it rests now, calls it rests after its next loss]
-        self.block_price: Callable[[np.ndarray], float] | None = None
-        """Set by the layer when its schedule is chosen too (`schedule="auto"`): the corrected block
-        time of a dispatch plan under the schedule that would run it, so placement and schedule are
-        chosen jointly."""
+        self.running_schedule: str | None = None
+        """The schedule that ran the layer's last forward: placements are priced with the correction
+        fitted on its layers (`price`)."""
         self.peers: list[AutoPlanner] = []
         """The model's `auto` planners (this one included), whose measurements the correction shares
         (`share_correction`); empty: this layer's own only."""
 
     def __getstate__(self) -> dict:
-        """Checkpointed without its links to the layer (`block_price`) and to the other layers
-        (`peers`): the resumed model keeps its own; its planned-ahead choice made."""
+        """Checkpointed without its links to the other layers (`peers`): the resumed model keeps its
+        own; its planned-ahead choice made."""
         self._resolve_planned()
-        return {k: v for k, v in self.__dict__.items() if k not in ("block_price", "peers")}
+        return {k: v for k, v in self.__dict__.items() if k != "peers"}
 
     def __setstate__(self, state: dict) -> None:
+        self.running_schedule = None  # absent from checkpoints of before it
         self.__dict__.update(state)
         # Checkpointed before the correction had its own object, or before it timed backwards (its
         # observations forward-only): learn again.
@@ -216,6 +216,7 @@ class AutoPlanner:
         observed."""
         slowest = float(np.max(forward_s_W))
         pending, self._pending = self._pending, None
+        self.running_schedule = schedule
         if pending is None or slowest <= 0:  # nothing predicted, or not timed (evaluation)
             return
 
@@ -235,14 +236,13 @@ class AutoPlanner:
         )
 
     def price(self, terms: LayerTerms) -> float:
-        """Corrected forward + backward time of a placement, the layer's fixed costs left out. With
-        `block_price` (the layer runs `schedule="auto"`): the corrected block time under the schedule
-        it would run, plus the copies."""
-        c = self.correction.pooled
-        block_price = getattr(self, "block_price", None)  # absent on a planner unpickled on its own
-        if block_price is not None:
-            return block_price(terms.plan_SED) + c.copies_price(terms.terms())
-        return c.price(terms.terms())
+        """Corrected forward + backward time of a placement, the layer's fixed costs left out: with
+        the correction fitted on the layers the running schedule ran (`auto_correction`, "Per
+        schedule"; all layers' until it has enough)."""
+        return self._correction().price(terms.terms())
+
+    def _correction(self) -> Correction:
+        return self.correction.by_schedule.get(self.running_schedule, self.correction.pooled)
 
     def _priced(
         self, flow_WE: np.ndarray, placements: dict[str, Placement], cost_model, hidden=None
@@ -348,7 +348,7 @@ class AutoPlanner:
             searches.sort(key=lambda plan: id(plan) in rests)
         self._pending = terms[best].terms()
         self.chosen = best
-        self.last = AutoDecision(prices, best, self.correction.pooled, [prices["ep"], prices[best]], resting)
+        self.last = AutoDecision(prices, best, self._correction(), [prices["ep"], prices[best]], resting)
         self.history.append(np.asarray(flow_WE, dtype=np.float64))
         self._planned, self._plan_after = None, (placement, cost_model)
         return proposals[best]

@@ -24,14 +24,19 @@ forward-fitted prices put them within 1%. The copies' factors are their measured
 predicted one, apart from the rest: `copy` / `copy_back` for copies sent on the critical path, out
 and back, `ahead` for copies the block-wise prefetch sent during the block before (the layer takes
 them from it when the placement that runs is the one sent ahead; their gradients go back
-overlapped with the backward of the layer before, outside this layer's timers, and are counted at
-the same factor). The copies have their own factors, and their own timers, because they run on
+overlapped with the backward of the layer before). Both directions of those are waited on partly
+in the block before — the prefetch waits for the first part of the copies before that block's
+combine, and for the gradient sums inside its backward — and the waits count as this layer's
+(`core.layer_times`: `lend`, `borrow`), so `ahead` is the waits out and back over their price
+wherever they fell. Counted only at this layer's own start (as before), on the 2 × 1 testbed at
+Zipf 2 `ahead` read 0.2, a prefetched placement looked nearly free, and the block before paid for
+it unseen (0.34 s alone, 0.47 s while the next layer's copies were prefetched); counted where
+they belong it reads about 4 there. The copies have their own factors, and their own timers, because they run on
 other collectives than the exchanges: a fit that lumped the copies with the exchanges learnt, from
 a placement whose copies cost 3× the model, that EP's exchanges cost 3× too — and kept choosing the
 copies; a joint fit with separate factors could not tell them apart either when one placement ran
-forward after forward (its terms move together); and on the 2 × 1 testbed the prefetched copies
-measured 5–15% of their predicted time while copies sent on the critical path measured about
-their price, so one factor for both underpriced the latter several times over. The rest of the
+forward after forward (its terms move together); and copies sent ahead cost what the prefetch
+fails to hide, copies sent now their whole transfer, so one factor cannot serve both. The rest of the
 forwards and backwards, without their copies, is one non-negative least-squares fit
 (`scipy.optimize.nnls`, two rows per layer sharing `comp` and `comm`). A term that no layer of the
 window exercised (no copies since EP alone ran) keeps its last factor; a backward never timed (a
@@ -60,10 +65,10 @@ other layers measured, not with the factor it started with: on the 2 × 1 testbe
 1.0 where the other layer had measured 0.6.
 
 Per schedule. Which schedule ran a layer changes its time (on the testbed a pipelined forward
-measured 20% under a sync one's at the same terms), so besides the fit over every layer (the
-prices: with `schedule="auto"` a placement's block is priced by the schedule arbiter's own
-corrected prices, and only the copies' factors are used) each schedule has the fit over its own
-layers, from which that schedule's layers are forecast.
+measured 20% under a sync one's at the same terms), so besides the fit over every layer each
+schedule has the fit over its own layers: that schedule's layers are forecast from it, and while
+it runs placements are priced with it (`planners.auto`; the fit over every layer until it has
+`min_observations` layers).
 
 Error. `model_error()` is out of sample: each layer's forecast (forward + backward), made with the
 factors as they were before it was measured, against what it then measured.

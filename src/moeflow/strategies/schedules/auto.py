@@ -26,10 +26,13 @@ them mixes those). Agreement points used to be the `2^k`-th forwards: on the 2 �
 (16 warm-up iterations, 10 timed) the last one fell before the timed iterations, and `pipeline`,
 chosen on its trials, ran all of them 10% slower than `pairwise` with nothing to correct it (the
 factors rested on the trials alone). Candidates are then
-priced `s_c · predict_c` (`block_prices`), in seconds of forward + backward, the unit
-`strategy="auto"` prices placements in: with both arbiters on, the planner prices each placement's
-block with the corrected price of the schedule that would run it (`block_price`: placement and
-schedule chosen jointly). Trials are 5 forwards per candidate (4 after the warm-up): on the 2 × 1
+priced `s_c · predict_c` (`prices`), in seconds of forward + backward. With `strategy="auto"` too,
+the placement is chosen first, priced with the planner's online correction as fitted on the layers
+the running schedule ran (compute, exchanges and copies apart; `planners.auto`), and this arbiter
+then picks the schedule for the plan that results. (The placement used to be priced with these
+block prices — one factor per schedule for the compute and the exchanges together: on the 2 × 1
+testbed suite that lost 4–7% over the suite to the placement arbiter alone on `sync`, runs n and o
+in docs/benchmarks.md.) Trials are 5 forwards per candidate (4 after the warm-up): on the 2 × 1
 testbed a forward's time scatters ±10%, and with 2 the choice followed the noise.
 
 One schedule per model (`share_schedule_choice`). The trials time configurations where every layer
@@ -145,14 +148,6 @@ class ScheduleBoard:
             self.decided = (call, preferred(self.total(member, prices), self.min_gain))
         return self.decided[1]
 
-    def price(self, member: int, prices: dict[str, float], call: int) -> float:
-        """`member`'s price in forward `call` under the candidate it would run were these its prices
-        (what `strategy="auto"` prices a placement with): the choice made for that forward, else the
-        one these prices would make; posts nothing."""
-        if self.decided is not None and self.decided[0] == call:
-            return prices[self.decided[1]]
-        return prices[preferred(self.total(member, prices), self.min_gain)]
-
 
 def share_schedule_choice(layers) -> ScheduleBoard | None:
     """Link the `schedule="auto"` arbiters of `layers` (one model's MoE layers) to one board: every
@@ -221,7 +216,6 @@ class AutoSchedule(Schedule):
         self.last: ScheduleDecision | None = None
         self.board: ScheduleBoard | None = None
         """Shared with the model's other layers (`share_schedule_choice`); None: this layer chooses alone."""
-        self._predicted: dict[tuple, dict[str, float]] = {}  # `predicted`'s memo, cleared by `execute`
 
     def runs_with(self, dispatcher) -> bool:
         return any(s.runs_with(dispatcher) for s in self.candidates.values())
@@ -231,7 +225,6 @@ class AutoSchedule(Schedule):
         super().check_dispatcher(dispatcher)
         self.candidates = {n: s for n, s in self.candidates.items() if s.runs_with(dispatcher)}
         self.timings = {n: self.timings[n] for n in self.candidates}
-        self._predicted.clear()
 
     def prices(self, predicted: dict[str, float]) -> dict[str, float]:
         """Each candidate's predicted price times its measured factor (1 before the first agreement)."""
@@ -239,29 +232,10 @@ class AutoSchedule(Schedule):
 
     def predicted(self, plan_SED: np.ndarray, node_of, dispatcher) -> dict[str, float]:
         """Each candidate's model time (forward + backward) of the block of this dispatch plan
-        (`node_of` None: the cost model's). Memoised until the next `execute`: the placement arbiter
-        prices the plan that then runs (`block_price`) just before the block predicts it again."""
-        plan = np.ascontiguousarray(plan_SED, dtype=np.float64)
-        key = (plan.tobytes(), plan.shape, None if node_of is None else tuple(node_of), dispatcher)
-        if key not in self._predicted:
-            node_of = node_of if node_of is not None else self.cost_model.topology.node_of
-            step = step_load(plan, self.shape, node_of)
-            self._predicted[key] = {
-                n: float(s.predict(step, self.cost_model, dispatcher).total_s) for n, s in self.candidates.items()
-            }
-        return self._predicted[key]
-
-    def block_prices(self, plan_SED: np.ndarray, node_of, dispatcher) -> dict[str, float]:
-        """Corrected prices of the block of `plan_SED` under every candidate."""
-        return self.prices(self.predicted(plan_SED, node_of, dispatcher))
-
-    def block_price(self, plan_SED: np.ndarray, node_of, dispatcher) -> float:
-        """Corrected price of the block of `plan_SED` under the candidate that would run it (for
-        `strategy="auto"`, which prices placements with it)."""
-        prices = self.block_prices(plan_SED, node_of, dispatcher)
-        if self.board is not None:
-            return self.board.price(id(self), prices, self.calls)
-        return prices[preferred(prices, self.options.min_gain)]
+        (`node_of` None: the cost model's)."""
+        node_of = node_of if node_of is not None else self.cost_model.topology.node_of
+        step = step_load(np.asarray(plan_SED, dtype=np.float64), self.shape, node_of)
+        return {n: float(s.predict(step, self.cost_model, dispatcher).total_s) for n, s in self.candidates.items()}
 
     def choose(self, predicted: dict[str, float]) -> ScheduleDecision:
         """Pure given the state: round robin during the trials, else the `preferred` corrected price
@@ -282,7 +256,6 @@ class AutoSchedule(Schedule):
             self.chosen = next(iter(self.candidates))
             return self.candidates[self.chosen].execute(block)
         predicted = self.predicted(block.plan_SED, block.node_of, block.dispatcher)
-        self._predicted.clear()
         self.last = self.choose(predicted)
         self.chosen = self.last.chosen
         timing = self.timings[self.chosen]
