@@ -176,3 +176,13 @@ def test_waits_for_prefetched_copies_count_as_their_layers():
     assert first.forward_s == 0.0
     first.record_forward(0.3, training=True)
     assert first.forward_s == pytest.approx(0.3)
+
+
+def test_copies_sent_ahead_cost_the_models_exposed_share_until_measured():
+    """Sent ahead, the whole transfers are the term and `ahead` the share measured exposed; until a
+    prefetched layer was measured, the share the model expects (Eq. 8: `unhidden`)."""
+    t = Terms(0.0, 0.0, 0.1, True, 0.02)
+    assert Correction().copies_price(t) == pytest.approx(0.02)
+    assert Correction(ahead=0.3).copies_price(t) == pytest.approx(0.03)
+    measured = [Observation(t, None, 0.02, 0.01, 0.03, 0.02)]  # waited 30 ms of the 100 ms sent ahead
+    assert fit_correction(measured, prior_weight=0.0).ahead == pytest.approx(0.3)

@@ -61,7 +61,7 @@ def test_the_arbiters_fields_and_the_layers_spread():
     assert set(fields) == recorded
     assert fields["auto_last_prices"][0] == {"ep": 1.0, "shadow": 0.9} and fields["auto_factors"][0]["comp"] > 0
     assert len(fields["auto_forecasts"][0]) == 2
-    assert fields["auto_observations"][0][0][4:] == ["sync", 0.012, 0.0, 0.024, 0.0, 0.01]
+    assert fields["auto_observations"][0][0][4:] == [0.0, "sync", 0.012, 0.0, 0.024, 0.0, 0.01]
     forget_forecasts(layers)
     assert arbiter_fields(layers) == {}  # no forecasts since the timed iterations began
     assert arbiter_fields([SimpleNamespace(planner=object(), schedule=object())]) == {}

@@ -26,7 +26,7 @@ def arbiter_fields(layers) -> dict:
     if errors and None not in errors:  # `auto`: its corrected model's error on the layers it timed
         out["auto_model_error"] = float(np.mean(errors))
         # Per layer, each forward + backward's (corrected forecast, measured) seconds, in order, and
-        # the correction's window: (compute, exchange, copies, prefetched, schedule, measured forward,
+        # the correction's window: (compute, exchange, copies, prefetched, unhidden, schedule, measured forward,
         # its copies, measured backward, its copies, the forward's measured computes).
         corrections = [layer.planner.correction for layer in layers]
         out["auto_forecasts"] = [[list(map(float, f)) for f in c.forecasts] for c in corrections]

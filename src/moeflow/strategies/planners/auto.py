@@ -132,21 +132,26 @@ class LayerTerms(NamedTuple):
     """The dispatch plan the terms were priced on."""
     prefetched: bool = False
     """The copies are sent ahead by the block-wise prefetch."""
+    unhidden: float = 0.0
+    """Sent ahead: the part of `copies` the model expects exposed (Eq. 8)."""
 
     def terms(self) -> Terms:
         """Without the plan: what the online correction pairs with the measured times."""
-        return Terms(self.compute, self.exchange, self.copies, self.prefetched)
+        return Terms(self.compute, self.exchange, self.copies, self.prefetched, self.unhidden)
 
 
 def layer_terms(
     flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, node_of=None, hidden=None
 ) -> LayerTerms:
     """The terms of `placement` on `flow_WE` (`placement_times`). `hidden`: (T_nonMoE, h) when the
-    copies are prefetched — priced as sent ahead and hidden (Eq. 8)."""
+    copies are prefetched — with the part the model expects the prefetch to leave exposed (Eq. 8)."""
     plan_SED = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
     t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape, hidden is not None)
-    copies = t["trans"] + t["agg"] if hidden is None else overlapped_copies(t["trans"], t["agg"], t["fec"], *hidden)
-    return LayerTerms(3.0 * t["fec"], float(t["a2a"]), float(copies), plan_SED, hidden is not None)
+    copies = float(t["trans"] + t["agg"])
+    if hidden is None:
+        return LayerTerms(3.0 * t["fec"], float(t["a2a"]), copies, plan_SED)
+    unhidden = float(overlapped_copies(t["trans"], t["agg"], t["fec"], *hidden))
+    return LayerTerms(3.0 * t["fec"], float(t["a2a"]), copies, plan_SED, True, unhidden)
 
 
 class AutoPlanner:

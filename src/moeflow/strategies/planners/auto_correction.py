@@ -27,11 +27,16 @@ them from it when the placement that runs is the one sent ahead; their gradients
 overlapped with the backward of the layer before). Both directions of those are waited on partly
 in the block before — the prefetch waits for the first part of the copies before that block's
 combine, and for the gradient sums inside its backward — and the waits count as this layer's
-(`core.layer_times`: `lend`, `borrow`), so `ahead` is the waits out and back over their price
-wherever they fell. Counted only at this layer's own start (as before), on the 2 × 1 testbed at
-Zipf 2 `ahead` read 0.2, a prefetched placement looked nearly free, and the block before paid for
-it unseen (0.34 s alone, 0.47 s while the next layer's copies were prefetched); counted where
-they belong it reads about 4 there. The copies have their own factors, and their own timers, because they run on
+(`core.layer_times`: `lend`, `borrow`), so `ahead` is the waits out and back, wherever they fell,
+over the whole transfers sent ahead: the share the prefetch left exposed, measured (until a
+prefetched layer is measured, the share the model expects: `Terms.unhidden`, Pro-Prophet Eq. 8).
+Counted only at this layer's own start, on the 2 × 1 testbed at Zipf 2 the waits read 0.2 of the
+model's exposed share, a prefetched placement looked nearly free, and the block before paid for it
+unseen (0.34 s alone, 0.47 s while the next layer's copies were prefetched); counted where they
+belong, 3–6× it. The model's exposed share itself is a poor base there: Eq. 8 scales the compute
+windows by the measured hidden share, and windows longer than the transfers leave nothing
+exposed (run o of docs/benchmarks.md: 0–2 ms of about 84 ms sent ahead, where 25 ms were waited),
+so the factor is over the whole transfers. The copies have their own factors, and their own timers, because they run on
 other collectives than the exchanges: a fit that lumped the copies with the exchanges learnt, from
 a placement whose copies cost 3× the model, that EP's exchanges cost 3× too — and kept choosing the
 copies; a joint fit with separate factors could not tell them apart either when one placement ran
@@ -100,10 +105,13 @@ class Terms(NamedTuple):
     exchange: float
     """The 4 token exchanges: half in each direction of the pass."""
     copies: float
-    """The copies out (forward) and their gradients back (backward), half each; as far as the
-    prefetch does not hide them, if prefetched."""
+    """The copies out (forward) and their gradients back (backward), half each, whole transfers
+    (sent now or ahead)."""
     prefetched: bool
     """The copies were sent ahead by the block-wise prefetch."""
+    unhidden: float = 0.0
+    """Sent ahead: the part of `copies` the model expects the prefetch to leave exposed (Pro-Prophet
+    Eq. 8, windows scaled by the measured hidden share) — their price until `ahead` is measured."""
 
     def halves(self) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) shares of (compute, exchange, copies)."""
@@ -115,27 +123,29 @@ class Terms(NamedTuple):
 class Correction(NamedTuple):
     """The factors: forward ≈ comp·compute/3 + comm·exchange/2 + (ahead if prefetched else copy)·copies/2
     + fixed; backward ≈ comp·2·compute/3 + comm·exchange/2 + (ahead if prefetched else copy_back)·copies/2
-    + fixed_back (seconds; `copy_back` NaN until copies' backwards were measured: as `copy`)."""
+    + fixed_back (seconds; `copy_back` NaN until copies' backwards were measured: as `copy`; `ahead`
+    NaN until copies sent ahead were measured: the model's `unhidden` share)."""
 
     comp: float = 1.0
     comm: float = 1.0
     copy: float = 1.0
-    ahead: float = 1.0
+    ahead: float = math.nan
     fixed: float = 0.0
     copy_back: float = math.nan
     fixed_back: float = 0.0
 
     def _copies(self, t: Terms, backward: bool) -> float:
+        """One direction's copies (seconds)."""
         if t.prefetched:
-            return self.ahead
-        return self.copy_back if backward and math.isfinite(self.copy_back) else self.copy
+            return (t.unhidden if math.isnan(self.ahead) else self.ahead * t.copies) / 2
+        return (self.copy_back if backward and math.isfinite(self.copy_back) else self.copy) * t.copies / 2
 
     def forward(self, t: Terms) -> float:
-        copies = self._copies(t, False) * t.copies / 2
+        copies = self._copies(t, False)
         return self.comp * t.compute / 3 + self.comm * t.exchange / 2 + copies + self.fixed
 
     def backward(self, t: Terms) -> float:
-        copies = self._copies(t, True) * t.copies / 2
+        copies = self._copies(t, True)
         return self.comp * 2 * t.compute / 3 + self.comm * t.exchange / 2 + copies + self.fixed_back
 
     def time(self, t: Terms) -> float:
@@ -148,7 +158,7 @@ class Correction(NamedTuple):
 
     def copies_price(self, t: Terms) -> float:
         """The copies' share of `price`."""
-        return (self._copies(t, False) + self._copies(t, True)) * t.copies / 2
+        return self._copies(t, False) + self._copies(t, True)
 
 
 class Observation(NamedTuple):
@@ -215,8 +225,12 @@ def fit_correction(
             waited = measured_N4[prefetched, 1].sum() + (measured_N4[back & prefetched, 3].sum() if both else 0.0)
             factors["ahead"] = waited / (copies_ahead.sum() + (copies_ahead[back].sum() if both else 0.0))
         y_forward -= measured_N4[:, 1]
-        if not back_copies_timed:  # the prefetched copies' gradients (Agg), not timed
-            y_backward -= factors["ahead"] * copies_ahead[back]
+        if not back_copies_timed:  # the prefetched copies' gradients (Agg), not timed: as priced
+            y_backward -= [
+                Correction(**factors)._copies(o.predicted, True) if o.predicted.prefetched else 0.0
+                for o in obs
+                if math.isfinite(o.measured_backward)
+            ]
     else:
         columns["copy"] = (copies_now, np.zeros(back.sum()))
         columns["ahead"] = (copies_ahead, copies_ahead[back])
