@@ -213,8 +213,8 @@ class AutoPlanner:
         fitted with the other layers' (`peers`). The slowest rank's forward, backward and compute.
         The copies: sent now, the slowest rank's wait — they start right after the count exchange,
         all ranks together, and the receiver's wait is the layer's (a sender's isend returns once
-        the kernel has the bytes: on the 2 × 1 testbed EPLB's one-way copies measured 6 ms on the
-        rank that waited least, where the receiver's wait and the model were 25–40 ms); sent ahead,
+        the kernel has the bytes: on the 2 × 1 testbed at Zipf 2, EPLB's one-way copies in layer 0
+        read 6 ms on the rank that waited least, 23 ms on the slowest, 42 ms in the model); sent ahead,
         the wait of the rank that waited least — they are waited on where the block before left the
         ranks apart (`core.prefetch`), and a rank's wait while another still computes costs nothing.
         A backward timed 0 did not run (evaluation, or a forward without one): the forward alone is
