@@ -87,7 +87,7 @@ def test_copies_dearer_than_modelled_are_learnt_apart_from_the_exchanges(copies_
 
     def run(flow) -> str:
         terms = layer_terms(flow, auto(flow, OWNERS, cm), cm, shape, node_of)
-        forward, backward = (float(np.dot(half, (1.0, 1.0, copies_factor))) for half in terms.terms().halves())
+        forward, backward = (float(np.dot(half, (1.0, 1.0, copies_factor))) for half in terms.halves())
         auto.observe_time(np.array([forward]), backward_s_W=np.array([backward]))
         return auto.chosen
 

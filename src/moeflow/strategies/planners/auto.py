@@ -27,7 +27,8 @@ schedule ran (with `schedule="auto"` that arbiter then picks the schedule for th
 placement's plan). A current proposal equal to the placement the prefetch sent ahead runs on those
 copies, and is priced as sent ahead.
 
-Pricing less. Pricing a proposal is on the layer's critical path: about 2 ms per distinct placement at 16 devices
+Pricing less. Pricing a proposal is on the layer's critical path: about 2 ms per distinct placement
+at 16 devices
 (a profile of `benchmarks/planner_overhead.py`, FasterMoE's johnny cluster). A candidate whose price
 came out more than `rest_margin` above the winner's rests: it is not priced (nor run) for the next
 1, 2, 4, ... calls (doubling each time it loses again, at most `max_rest`), then priced again; a
@@ -50,7 +51,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
@@ -119,39 +119,19 @@ class AutoDecision:
         return self.predicted_s[-1]
 
 
-class LayerTerms(NamedTuple):
-    """One forward + backward of a layer under a placement, uncorrected (seconds)."""
-
-    compute: float
-    """3 expert computes of the slowest device."""
-    exchange: float
-    """The 4 token exchanges."""
-    copies: float
-    """The copies out and back (as far as the prefetch does not hide them)."""
-    plan_SED: np.ndarray
-    """The dispatch plan the terms were priced on."""
-    prefetched: bool = False
-    """The copies are sent ahead by the block-wise prefetch."""
-    unhidden: float = 0.0
-    """Sent ahead: the part of `copies` the model expects exposed (Eq. 8)."""
-
-    def terms(self) -> Terms:
-        """Without the plan: what the online correction pairs with the measured times."""
-        return Terms(self.compute, self.exchange, self.copies, self.prefetched, self.unhidden)
-
-
 def layer_terms(
     flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, node_of=None, hidden=None
-) -> LayerTerms:
-    """The terms of `placement` on `flow_WE` (`placement_times`). `hidden`: (T_nonMoE, h) when the
-    copies are prefetched — with the part the model expects the prefetch to leave exposed (Eq. 8)."""
+) -> Terms:
+    """The uncorrected terms of one forward + backward of `placement` on `flow_WE` (`placement_times`:
+    3 expert computes of the slowest device, the 4 exchanges, the copies out and back). `hidden`:
+    (T_nonMoE, h) when the copies are prefetched — with the part the model expects the prefetch to
+    leave exposed (Eq. 8)."""
     plan_SED = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
     t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape, hidden is not None)
-    copies = float(t["trans"] + t["agg"])
+    compute, exchange, copies = 3.0 * float(t["fec"]), float(t["a2a"]), float(t["trans"] + t["agg"])
     if hidden is None:
-        return LayerTerms(3.0 * t["fec"], float(t["a2a"]), copies, plan_SED)
-    unhidden = float(overlapped_copies(t["trans"], t["agg"], t["fec"], *hidden))
-    return LayerTerms(3.0 * t["fec"], float(t["a2a"]), copies, plan_SED, True, unhidden)
+        return Terms(compute, exchange, copies, False)
+    return Terms(compute, exchange, copies, True, float(overlapped_copies(t["trans"], t["agg"], t["fec"], *hidden)))
 
 
 class AutoPlanner:
@@ -191,6 +171,7 @@ class AutoPlanner:
 
     def __setstate__(self, state: dict) -> None:
         self.running_schedule = None  # absent from checkpoints of before it
+        self.peers = []  # not checkpointed: the resumed model links its own (`share_correction`)
         self.__dict__.update(state)
         # Checkpointed before the correction had its own object, or before it timed backwards (its
         # observations forward-only): learn again.
@@ -235,27 +216,27 @@ class AutoPlanner:
             backward, copies_backward_s_W = math.nan, None
         compute = float(np.max(compute_s_W)) if compute_s_W is not None else math.nan
         copies, copies_backward = copies_of(copies_s_W), copies_of(copies_backward_s_W)
-        peers = [p.correction for p in getattr(self, "peers", ())]  # absent on a planner unpickled on its own
+        peers = [p.correction for p in self.peers]
         self.correction.observe(
             Observation(pending, schedule, slowest, copies, backward, copies_backward, compute), peers
         )
 
-    def price(self, terms: LayerTerms) -> float:
+    def price(self, terms: Terms) -> float:
         """Corrected forward + backward time of a placement, the layer's fixed costs left out: with
         the correction fitted on the layers the running schedule ran (`auto_correction`, "Per
         schedule"; all layers' until it has enough)."""
-        return self._correction().price(terms.terms())
+        return self._correction().price(terms)
 
     def _correction(self) -> Correction:
         return self.correction.by_schedule.get(self.running_schedule, self.correction.pooled)
 
     def _priced(
         self, flow_WE: np.ndarray, placements: dict[str, Placement], cost_model, hidden=None
-    ) -> dict[str, tuple[LayerTerms, float]]:
+    ) -> dict[str, tuple[Terms, float]]:
         """Each placement's terms and corrected price on `flow_WE` (`layer_terms`, `price`). The
         planners often propose the same placement (plain EP, most of all, on an even load): each
         distinct one is priced once — pricing is on the layer's critical path."""
-        memo: dict[bytes, tuple[LayerTerms, float]] = {}
+        memo: dict[bytes, tuple[Terms, float]] = {}
         out = {}
         for name, p in placements.items():
             key = p.owner_E.tobytes() + p.holders_EW.tobytes()
@@ -351,7 +332,7 @@ class AutoPlanner:
             # First the searches whose plans the next call prices: `next_placement()` waits for those only.
             rests = {id(getattr(self.planners[n], "next_plan", None)) for n, (left, _) in self.rest.items() if left > 0}
             searches.sort(key=lambda plan: id(plan) in rests)
-        self._pending = terms[best].terms()
+        self._pending = terms[best]
         self.chosen = best
         self.last = AutoDecision(prices, best, self._correction(), [prices["ep"], prices[best]], resting)
         self.history.append(np.asarray(flow_WE, dtype=np.float64))

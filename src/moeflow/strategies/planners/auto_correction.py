@@ -36,13 +36,14 @@ unseen (0.34 s alone, 0.47 s while the next layer's copies were prefetched); cou
 belong, 3–6× it. The model's exposed share itself is a poor base there: Eq. 8 scales the compute
 windows by the measured hidden share, and windows longer than the transfers leave nothing
 exposed (run o of docs/benchmarks.md: 0–2 ms of about 84 ms sent ahead, where 25 ms were waited),
-so the factor is over the whole transfers. The copies have their own factors, and their own timers, because they run on
-other collectives than the exchanges: a fit that lumped the copies with the exchanges learnt, from
-a placement whose copies cost 3× the model, that EP's exchanges cost 3× too — and kept choosing the
-copies; a joint fit with separate factors could not tell them apart either when one placement ran
-forward after forward (its terms move together); and copies sent ahead cost what the prefetch
-fails to hide, copies sent now their whole transfer, so one factor cannot serve both. The rest of the
-forwards and backwards, without their copies, is one non-negative least-squares fit
+so the factor is over the whole transfers. The copies have their own factors, and their own
+timers, because they run on other collectives than the exchanges: a fit that lumped the copies
+with the exchanges learnt, from a placement whose copies cost 3× the model, that EP's exchanges
+cost 3× too — and kept choosing the copies; a joint fit with separate factors could not tell them
+apart either when one placement ran forward after forward (its terms move together); and copies
+sent ahead cost what the prefetch fails to hide, copies sent now their whole transfer, so one
+factor cannot serve both. The rest of
+the forwards and backwards, without their copies, is one non-negative least-squares fit
 (`scipy.optimize.nnls`, two rows per layer sharing `comp` and `comm`). A term that no layer of the
 window exercised (no copies since EP alone ran) keeps its last factor; a backward never timed (a
 layer only evaluated) leaves the backward's factors as assumed. Until `min_observations` layers are
@@ -221,9 +222,10 @@ def fit_correction(
         if np.any(copies_now > 0.0):
             factors["copy"] = measured_N4[copies_now > 0.0, 1].sum() / copies_now.sum()
         if np.any(copies_ahead > 0.0):  # sent ahead: out and back, wherever their waits fell
-            both = back_copies_timed  # their gradients' waits too
-            waited = measured_N4[prefetched, 1].sum() + (measured_N4[back & prefetched, 3].sum() if both else 0.0)
-            factors["ahead"] = waited / (copies_ahead.sum() + (copies_ahead[back].sum() if both else 0.0))
+            waited, sent = measured_N4[prefetched, 1].sum(), copies_ahead.sum()
+            if back_copies_timed:  # their gradients' waits too
+                waited, sent = waited + measured_N4[back & prefetched, 3].sum(), sent + copies_ahead[back].sum()
+            factors["ahead"] = waited / sent
         y_forward -= measured_N4[:, 1]
         if not back_copies_timed:  # the prefetched copies' gradients (Agg), not timed: as priced
             y_backward -= [
