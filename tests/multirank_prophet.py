@@ -94,8 +94,17 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
         assert len(share_correction([models[name].moe1, models[name].moe2])) == 2
     BlockPrefetch([models["autopf"].moe1, models["autopf"].moe2])  # auto plans ahead too
     prefetch = BlockPrefetch([models["pf"].moe1, models["pf"].moe2])
+    # Under `pairwise` (one exchange per step) the prefetch's marks run once per block: it sends
+    # after the first piece arrived and waits once every piece is computed (`core.hooks`, "Pieces").
+    models["pfp"] = TwoBlocks(world, "prophet", cost_model, schedule="pairwise")
+    marks, mark_point = [], BlockPrefetch._forward_point
+    prefetch_pairwise = BlockPrefetch([models["pfp"].moe1, models["pfp"].moe2])
+    prefetch_pairwise._forward_point = lambda i, point: (
+        marks.append((i, point)),
+        mark_point(prefetch_pairwise, i, point),
+    )
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
-    copies, idle, prefetched, eplb_copies, chosen, schedules = 0, 0, 0, 0, set(), set()
+    copies, idle, prefetched, prefetched_pairwise, eplb_copies, chosen, schedules = 0, 0, 0, 0, 0, set(), set()
     borrowed, lend_to_second = [], models["pf"].moe2.times.borrow  # directions of the waits lent to layer 2
     models["pf"].moe2.times.borrow = lambda s, backward: (borrowed.append(backward), lend_to_second(s, backward))
     for it in range(ITERATIONS):
@@ -109,7 +118,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
             all_reduce_gradients(model, layout)
             results[name] = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in model.named_parameters()})
             optimizers[name].step()
-        for name in ("p", "pf", "eplb", "auto", "autopf", "autos"):
+        for name in ("p", "pf", "pfp", "eplb", "auto", "autopf", "autos"):
             what = f"{name} iteration {it} rank {rank} placements {models[name].moe1.stats.placement}"
             torch.testing.assert_close(
                 results[name][0], results["ep"][0], **TOL, msg=lambda m, w=what: f"output {w}: {m}"
@@ -127,6 +136,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
                 copies += int(layer.stats.placement.materialized_EW().sum())
                 idle += _idle_copy(layer)
         prefetched += int(not models["pf"].moe2.stats.placement.is_owners_only())
+        prefetched_pairwise += int(not models["pfp"].moe2.stats.placement.is_owners_only())
         chosen |= {m.stats.strategy for m in (models["auto"].moe1, models["auto"].moe2, models["autopf"].moe2)}
         schedules |= {m.stats.schedule for m in (models["autos"].moe1, models["autos"].moe2)}
         if it >= 2:  # past the trials (1 forward of each of 2 candidates): both layers run the board's choice
@@ -134,9 +144,11 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
         eplb_copies += sum(
             int(m.stats.placement.materialized_EW().sum()) for m in (models["eplb"].moe1, models["eplb"].moe2)
         )
+    points = ("start", "dispatched", "computed", "end")
+    assert sorted(marks) == sorted((i, p) for i in (0, 1) for p in points for _ in range(ITERATIONS)), marks
     # Not vacuous: copies were made, some of them idle (mispredicted), and layer 2 was prefetched.
     assert copies > 0 and idle > 0, (copies, idle)
-    assert prefetched > 0 and eplb_copies > 0
+    assert prefetched > 0 and prefetched_pairwise > 0 and eplb_copies > 0
     # The arbiter left EP for a planner's copies, and learned from the timed forwards.
     assert chosen - {"ep"}, chosen
     assert {"sync", "pairwise"} <= schedules, schedules  # both ran, each equal to EP-sync

@@ -372,7 +372,12 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
             timer, ceiling = PhaseTimer(), Variant("ep", "sync")
             model = _model(cfg, ceiling, probs_IBWE[0], cost_model, timer, even=True)
             runs.append(_Run(ceiling, model, timer, cost_model, even=True))
+        # The input needs its gradient, as the first MoE layer's does in a model (embeddings and
+        # attention before it): without one the first layer's backward skipped its experts' input
+        # gradients and half its exchanges, and priced like the others it read 20% over its measure
+        # (runs q, r of docs/benchmarks.md: layer 0's forecasts +15% biased, layer 1's +3%).
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
+        x.requires_grad_(True)
         heap = HeapTrim()
         for it in range(cfg.warmup + cfg.iterations):
             for run in balanced_order(runs, it):
@@ -388,6 +393,7 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
                 if it >= cfg.warmup:
                     run.record(time.perf_counter() - start)
                 run.model.zero_grad(set_to_none=True)
+                x.grad = None
                 run.reshard(it + 1)
                 heap.maybe_trim()  # outside the timed iteration
         rows += [run.row(routing_name) for run in runs]

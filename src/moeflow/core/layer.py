@@ -287,7 +287,7 @@ class MoELayer(nn.Module):
             group=self.group,
             node_of=self.node_of,
             dispatcher=self.dispatcher,
-            hooks=lambda point, t: run_hooks(self.hooks, point, self, t),
+            hooks=lambda point, t, first=True, last=True: run_hooks(self.hooks, point, self, t, first, last),
             call_id=self._calls,
             plan_SED=plan_SED,
             esp_group=self.esp_group,

@@ -225,6 +225,10 @@ class BlockPrefetch(MoEHook):
     loss.backward(); prefetch.finish(); optimizer.step()
     """
 
+    once_per_block = True
+    """Under a schedule that exchanges in pieces (`pairwise`), the marks sit at the first piece's
+    arrival and the last piece's compute (`core.hooks`, "Pieces")."""
+
     def __init__(self, layers: Sequence) -> None:
         self.layers = list(layers)
         self.steps = 0

@@ -43,8 +43,10 @@ class ExchangeBlock:
     """Node of every rank of the group (None: unknown)."""
     dispatcher: Any
     """The `dispatch` axis object: `exchange(x, send_WW, me, group, node_of)`."""
-    hooks: Callable[[str, torch.Tensor], torch.Tensor]
-    """Runs the layer's hooks at a named point (FSMoE §3.1)."""
+    hooks: Callable[..., torch.Tensor]
+    """`hooks(point, tensor, first=True, last=True)` runs the layer's hooks at a named point (FSMoE
+    §3.1); a schedule exchanging in pieces says which piece is the first and the last
+    (`core.hooks`, "Pieces")."""
     call_id: int
     """Forward calls of the layer so far (message tags of asynchronous schedules)."""
     plan_SED: np.ndarray | None = None

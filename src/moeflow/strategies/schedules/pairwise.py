@@ -150,7 +150,7 @@ def pairwise_block(
     group,
     group_size: int,
     call_id: int,
-    hooks: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    hooks: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Dispatch → experts → combine as n overlapped pairwise steps; returns the outputs of this
     rank's sent rows, in send order (what the synchronous combine returns). One function, long, so
@@ -166,7 +166,7 @@ def pairwise_block(
     steps = world // group_size
     if steps > MAX_STEPS:
         raise ValueError(f"pairwise: {steps} steps (world {world} / group_size {group_size}) exceeds {MAX_STEPS}")
-    hooks = hooks or (lambda point, t: t)
+    hooks = hooks or (lambda point, t, **_: t)
     recv_splits = recv_counts_SJ.sum(1)
     base = (call_id % (1 << 20)) * 64
     outputs: dict[int, torch.Tensor] = {}
@@ -194,8 +194,9 @@ def pairwise_block(
         exchange, token, sources, targets = pending_s
         if step + 1 < steps:
             pending_s = post_s(step + 1)  # S_{s+1} in flight while C_s computes
-        x_recv_RD = hooks("after_dispatch", _Finish.apply(token, exchange))
-        y_recv_RD = hooks("before_combine", compute(x_recv_RD, recv_counts_SJ[sources]))
+        piece = {"first": step == 0, "last": step == steps - 1}  # marks of the block run once (`core.hooks`)
+        x_recv_RD = hooks("after_dispatch", _Finish.apply(token, exchange), **piece)
+        y_recv_RD = hooks("before_combine", compute(x_recv_RD, recv_counts_SJ[sources]), **piece)
         # R_s: outputs back to this step's sources; receive my outputs from this step's targets.
         recv_off = np.concatenate([[0], np.cumsum([recv_splits[p] for p in sources])[:-1]])
         out_rows = [int(send_splits[p]) for p in targets]
