@@ -192,6 +192,8 @@ def test_options_name_the_bad_value():
         AutoOptions(max_rest=-1)
     with pytest.raises(ValueError, match="rest_margin"):
         AutoOptions(rest_margin=float("nan"))
+    with pytest.raises(ValueError, match="half_life=0"):
+        AutoOptions(half_life=0)
     auto, _ = _auto(1e12, candidates="ep,shadow")
     assert list(auto.planners) == ["shadow"]
     with pytest.raises(ValueError, match="needs cost_model"):

@@ -186,3 +186,19 @@ def test_copies_sent_ahead_cost_the_models_exposed_share_until_measured():
     assert Correction(ahead=0.3).copies_price(t) == pytest.approx(0.03)
     measured = [Observation(t, None, 0.02, 0.01, 0.03, 0.02)]  # waited 30 ms of the 100 ms sent ahead
     assert fit_correction(measured, prior_weight=0.0).ahead == pytest.approx(0.3)
+
+
+def test_recent_layers_weigh_more():
+    """A machine that turns 30% slower after 20 layers: weighing every layer of the window alike, the
+    forecasts of its 5th to 8th layers still miss by over 15%; with a half-life of 4 forwards,
+    by under 7%."""
+    terms = _terms(28, seed=7)
+    misses = {}
+    for half_life in (None, 4.0):
+        correction = OnlineCorrection(window=32, min_observations=4, prior_weight=0.0, half_life=half_life)
+        for i, t in enumerate(terms):
+            slower = 1.3 if i >= 20 else 1.0
+            correction.observe(_measured(t, TRUE._replace(**{k: slower * v for k, v in TRUE._asdict().items()})))
+        forecast, measured = np.asarray(list(correction.forecasts)[-4:]).T
+        misses[half_life] = float(np.mean(np.abs(forecast / measured - 1.0)))
+    assert misses[None] > 0.15 and misses[4.0] < 0.07, misses

@@ -10,7 +10,7 @@ token count where moving weights costs more than it saves, that is EP (the break
 
 Planned ahead. The arbiter itself plans ahead: after each call it picks, among the next placements
 of the planners that plan ahead (and EP), the cheapest on the predicted flow (the mean of the last
-`window` flows it saw) with their copies priced as the block-wise prefetch hides them (Eq. 8 with
+3 flows it saw) with their copies priced as the block-wise prefetch hides them (Eq. 8 with
 the measured share h), and offers it as `next_placement()`, which `core.prefetch.BlockPrefetch`
 sends ahead. At the next call that planned placement competes on the real flow, its copies priced
 as hidden, with every proposal for the current flow, copies on the critical path; if another wins,
@@ -73,7 +73,9 @@ class AutoOptions:
     min_gain: float = 0.03
     """Leave plain EP only for a placement predicted at least this fraction faster."""
     window: int = 32
-    """Forwards the online correction fits over."""
+    """Forwards of each layer the online correction fits over."""
+    half_life: float = 4.0
+    """Forwards after which a measurement weighs half as much in the fit (`auto_correction`, "Recency")."""
     min_observations: int = 4
     """Forwards measured before the correction is used (s = 1 before)."""
     rest_margin: float = 0.1
@@ -90,6 +92,7 @@ class AutoOptions:
         if self.min_gain >= 1.0:
             raise ValueError(f"min_gain={self.min_gain!r}: expected a fraction in [0, 1)")
         positive_int("window", self.window)
+        finite_number("half_life", self.half_life, 0.0, low_open=True)
         positive_int("min_observations", self.min_observations)
         finite_number("rest_margin", self.rest_margin, 0.0)
         if int(self.max_rest) != self.max_rest or self.max_rest < 0:
@@ -145,7 +148,9 @@ class AutoPlanner:
         self.shape = shape
         self.options = options or AutoOptions()
         self.planners = planners
-        self.correction = OnlineCorrection(self.options.window, self.options.min_observations)
+        self.correction = OnlineCorrection(
+            self.options.window, self.options.min_observations, half_life=self.options.half_life
+        )
         self.last: AutoDecision | None = None
         self.chosen: str | None = None
         self._pending: Terms | None = None  # what was predicted for the forward + backward about to run
@@ -176,7 +181,9 @@ class AutoPlanner:
         # Checkpointed before the correction had its own object, or before it timed backwards (its
         # observations forward-only): learn again.
         if not hasattr(state.get("correction"), "prior_weight"):
-            self.correction = OnlineCorrection(self.options.window, self.options.min_observations)
+            self.correction = OnlineCorrection(
+                self.options.window, self.options.min_observations, half_life=self.options.half_life
+            )
             self._pending = None
 
     def observe_time(

@@ -76,6 +76,15 @@ schedule has the fit over its own layers: that schedule's layers are forecast fr
 it runs placements are priced with it (`planners.auto`; the fit over every layer until it has
 `min_observations` layers).
 
+Recency. A machine's speed moves: on the 2 × 1 testbed the first iterations of each workload ran
+slower, and with every layer of the window alike the forecasts of the timed iterations kept coming
+out high (run t of docs/benchmarks.md, the drifting load: +15–30% on average). So an observation
+weighs half after `half_life` forwards of its layer (`AutoOptions.half_life`, 4; exponential
+forgetting, as recursive least squares does), the window still bounding what is kept. Replaying the
+recorded suites r, s, t through the correction: out-of-sample error 12.3, 8.9, 10.2% with all alike,
+11.7, 8.5, 8.8% with a half-life of 4 (2 to 8: within 0.3 of that; a hard window of 8 forwards:
+12.3, 8.9, 9.0% — the stationary workloads lost to noise what the drifting one gained).
+
 Error. `model_error()` is out of sample: each layer's forecast (forward + backward), made with the
 factors as they were before it was measured, against what it then measured.
 
@@ -191,6 +200,7 @@ def fit_correction(
     previous: Correction | None = None,
     prior_weight: float = PRIOR_WEIGHT,
     layer_N: Sequence[int] | None = None,
+    weight_N: Sequence[float] | None = None,
 ) -> Correction:
     """The factors over `observations` (module docstring); a term that is zero in every one keeps
     its `previous` factor. The copies' factors are their timed waits over their predicted times;
@@ -198,13 +208,19 @@ def fit_correction(
     rows per observation, sharing `comp` and `comm`, each direction its own fixed cost). Copies not
     timed (NaN) become columns of that fit: sent ahead and on the critical path apart. `layer_N`:
     the layer each observation comes from (default all one), each with its own fixed costs; the
-    factors are the machine's, the fixed costs returned layer 0's (module docstring, "Layers")."""
+    factors are the machine's, the fixed costs returned layer 0's (module docstring, "Layers").
+    `weight_N`: each observation's weight (default all 1; module docstring, "Recency")."""
     obs = list(observations)
     factors = (previous or Correction())._asdict()
     forward_N3, backward_N3 = (np.array(h, dtype=np.float64) for h in zip(*(o.predicted.halves() for o in obs)))
     prefetched = np.array([o.predicted.prefetched for o in obs], dtype=bool)
     measured_N4 = np.array([o[2:6] for o in obs], dtype=np.float64)  # forward, its copies, backward, its copies
     compute_N = np.array([o.measured_compute for o in obs], dtype=np.float64)
+    # Weighted: each observation's predicted and measured times scaled by its weight (and so are the
+    # fixed costs' columns below): the factors' ratios become weighted sums, the fit's rows weighted.
+    w_N = np.ones(len(obs)) if weight_N is None else np.asarray(weight_N, dtype=np.float64)
+    forward_N3, backward_N3 = forward_N3 * w_N[:, None], backward_N3 * w_N[:, None]
+    measured_N4, compute_N = measured_N4 * w_N[:, None], compute_N * w_N
     copies_now = np.where(prefetched, 0.0, forward_N3[:, 2])
     copies_ahead = np.where(prefetched, forward_N3[:, 2], 0.0)
     back = np.isfinite(measured_N4[:, 2])
@@ -228,7 +244,7 @@ def fit_correction(
             factors["ahead"] = waited / sent
         y_forward -= measured_N4[:, 1]
         if not back_copies_timed:  # the prefetched copies' gradients (Agg), not timed: as priced
-            y_backward -= [
+            y_backward -= w_N[back] * [
                 Correction(**factors)._copies(o.predicted, True) if o.predicted.prefetched else 0.0
                 for o in obs
                 if math.isfinite(o.measured_backward)
@@ -244,7 +260,7 @@ def fit_correction(
         columns["copy_back"] = (np.zeros(len(obs)), copies_now[back])
     layer_N = np.zeros(len(obs), dtype=np.int64) if layer_N is None else np.asarray(layer_N)
     for layer in np.unique(layer_N):  # each layer its own fixed costs (layer 0's are returned)
-        mine = (layer_N == layer).astype(np.float64)
+        mine = (layer_N == layer) * w_N
         suffix = "" if layer == 0 else f"@{layer}"
         columns["fixed" + suffix] = (mine, np.zeros(back.sum()))
         if back[layer_N == layer].any():
@@ -271,9 +287,15 @@ class OnlineCorrection:
     """The window of observed layers, the fits over it (pooled, per schedule) and the forecasts'
     error (module docstring)."""
 
-    def __init__(self, window: int, min_observations: int, prior_weight: float = PRIOR_WEIGHT) -> None:
+    half_life: float | None = None  # also what a correction checkpointed before "Recency" resumes with
+
+    def __init__(
+        self, window: int, min_observations: int, prior_weight: float = PRIOR_WEIGHT, half_life: float | None = None
+    ) -> None:
         self.min_observations = min_observations
         self.prior_weight = prior_weight
+        self.half_life = half_life
+        """Forwards after which an observation weighs half (None: all alike; "Recency")."""
         self.observations: deque[Observation] = deque(maxlen=window)
         self.pooled = Correction()
         """Over every layer of the window: what candidates are priced with."""
@@ -292,14 +314,17 @@ class OnlineCorrection:
         if len(self.observations) < self.min_observations:
             return
         windows = [self.observations, *(c.observations for c in peers if c is not self)]
-        rows = [(o, layer) for layer, window in enumerate(windows) for o in window]
+        rows = [(o, layer, len(w) - 1 - i) for layer, w in enumerate(windows) for i, o in enumerate(w)]
         self.pooled = self._fit(rows, self.pooled)
         if sum(o.schedule == schedule for o in self.observations) >= self.min_observations:
-            own = [(o, layer) for o, layer in rows if o.schedule == schedule]
+            own = [row for row in rows if row[0].schedule == schedule]
             self.by_schedule[schedule] = self._fit(own, self.by_schedule.get(schedule, self.pooled))
 
-    def _fit(self, rows: list[tuple[Observation, int]], previous: Correction) -> Correction:
-        return fit_correction([o for o, _ in rows], previous, self.prior_weight, [layer for _, layer in rows])
+    def _fit(self, rows: list[tuple[Observation, int, int]], previous: Correction) -> Correction:
+        """`rows`: (observation, its layer, its age: the layer's forwards since)."""
+        obs, layers, ages = zip(*rows)
+        weights = None if self.half_life is None else 0.5 ** (np.asarray(ages) / self.half_life)
+        return fit_correction(obs, previous, self.prior_weight, layers, weights)
 
     def model_error(self) -> float | None:
         """Mean relative error of the forecasts over the window (None: fewer than `min_observations`)."""
