@@ -68,3 +68,38 @@ def test_the_arbiters_fields_and_the_layers_spread():
     # Two layers, the second always twice the first: no spread; one forward 50% off its median: 1/6 of it.
     assert layer_spread([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]) == 0.0
     assert layer_spread([[1.0, 2.0], [1.0, 2.0], [2.0, 2.0]]) == pytest.approx((1.0 / 2.0) / 6)
+
+
+def test_the_replay_reproduces_the_recorded_error():
+    """`benchmarks/replay_correction.py` fed a row's recorded observations with the settings the run
+    had gives the error the run recorded; other settings another."""
+    from types import SimpleNamespace
+
+    from moeflow.bench.arbiters import arbiter_fields
+    from moeflow.strategies.planners.auto import AutoDecision, AutoOptions
+    from moeflow.strategies.planners.auto_correction import Observation, OnlineCorrection, Terms
+
+    replay = _load("replay_correction")
+    options = AutoOptions()
+    rng = np.random.default_rng(3)
+    corrections = [
+        OnlineCorrection(options.window, options.min_observations, half_life=options.half_life) for _ in range(2)
+    ]
+    for i in range(14):
+        slower = 1.0 if i < 8 else 1.3  # the machine changes speed: recency matters
+        for layer, correction in enumerate(corrections):
+            t = Terms(*rng.uniform(0.01, 0.05, 3), bool(layer))
+            forward, backward = (slower * rng.uniform(0.8, 1.2) * v for v in (0.02, 0.04))
+            correction.observe(
+                Observation(t, "sync", forward, 0.2 * forward, backward, 0.1 * backward, 0.5 * forward), corrections
+            )
+    planners = [
+        SimpleNamespace(
+            correction=c, model_error=c.model_error, last=AutoDecision({"ep": 1.0}, "ep", c.pooled, [1.0, 1.0])
+        )
+        for c in corrections
+    ]
+    row = arbiter_fields([SimpleNamespace(planner=p, schedule=object()) for p in planners])
+    recorded = float(np.mean([c.model_error() for c in corrections]))
+    assert replay.replay_row(row, options.window, options.half_life, timed=10) == pytest.approx(recorded)
+    assert replay.replay_row(row, options.window, None, timed=10) != pytest.approx(recorded)

@@ -374,8 +374,8 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
             runs.append(_Run(ceiling, model, timer, cost_model, even=True))
         # The input needs its gradient, as the first MoE layer's does in a model (embeddings and
         # attention before it): without one the first layer's backward skipped its experts' input
-        # gradients and half its exchanges, and priced like the others it read 20% over its measure
-        # (runs q, r of docs/benchmarks.md: layer 0's forecasts +15% biased, layer 1's +3%).
+        # gradients and half its exchanges, and, priced like the others, its forecasts came out high
+        # (run r of docs/benchmarks.md: layer 0's forecasts +13% biased on average, layer 1's +2%).
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
         x.requires_grad_(True)
         heap = HeapTrim()

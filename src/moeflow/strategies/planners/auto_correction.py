@@ -78,12 +78,13 @@ it runs placements are priced with it (`planners.auto`; the fit over every layer
 
 Recency. A machine's speed moves: on the 2 × 1 testbed the first iterations of each workload ran
 slower, and with every layer of the window alike the forecasts of the timed iterations kept coming
-out high (run t of docs/benchmarks.md, the drifting load: +15–30% on average). So an observation
-weighs half after `half_life` forwards of its layer (`AutoOptions.half_life`, 4; exponential
-forgetting, as recursive least squares does), the window still bounding what is kept. Replaying the
-recorded suites r, s, t through the correction: out-of-sample error 12.3, 8.9, 10.2% with all alike,
-11.7, 8.5, 8.8% with a half-life of 4 (2 to 8: within 0.3 of that; a hard window of 8 forwards:
-12.3, 8.9, 9.0% — the stationary workloads lost to noise what the drifting one gained).
+out high (run t of docs/benchmarks.md, the drifting load: 10–30% on average per layer). So an
+observation weighs half after `half_life` forwards of its layer (`AutoOptions.half_life`, 4;
+exponential forgetting, as recursive least squares does), the window still bounding what is kept.
+Replaying the recorded suites r, s, t through the correction: out-of-sample error 12.3, 8.9, 10.2%
+with all alike, 11.7, 8.5, 8.8% with a half-life of 4 (2 to 8: within 0.3 of that; a hard window of
+8 forwards: 12.3, 8.9, 9.0% — the stationary workloads lost to noise what the drifting one gained);
+on run u, not used to choose, 11.7 → 11.2% (`benchmarks/replay_correction.py`).
 
 Error. `model_error()` is out of sample: each layer's forecast (forward + backward), made with the
 factors as they were before it was measured, against what it then measured.
