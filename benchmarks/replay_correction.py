@@ -26,8 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moeflow.strategies.planners.auto import AutoOptions
-from moeflow.strategies.planners.auto_correction import Observation, OnlineCorrection, Terms
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moeflow.strategies.planners.auto import AutoOptions  # noqa: E402
+from moeflow.strategies.planners.auto_correction import Observation, OnlineCorrection, Terms  # noqa: E402
+from testbed_run import write_result  # noqa: E402
 
 
 def observations(row: dict) -> list[list[Observation]]:
@@ -65,7 +67,7 @@ def main() -> int:
     parser.add_argument("--out", default="results/replay-correction.json")
     args = parser.parse_args()
     half_lives = [None if h == "none" else float(h) for h in args.half_life]
-    result: dict = {"command": " ".join(["python", *sys.argv]), "suites": {}}
+    result: dict = {"suites": {}}
     for suite in args.suites:
         testbed = json.loads(Path(suite).read_text())["testbed"]
         rows = [r for r in testbed["rows"] if "auto_observations" in r]
@@ -75,10 +77,7 @@ def main() -> int:
             runs[f"window={window} half_life={half_life}"] = {"mape": float(np.mean(per_row)), "per_row": per_row}
             print(f"{suite} window={window} half_life={half_life}: MAPE {np.mean(per_row):.3f}", flush=True)
         result["suites"][suite] = {"recorded_mape": testbed["auto_model_mape"], "replayed": runs}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(__file__, args.out, result)
     return 0
 
 
