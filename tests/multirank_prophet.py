@@ -99,10 +99,12 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     models["pfp"] = TwoBlocks(world, "prophet", cost_model, schedule="pairwise")
     marks, mark_point = [], BlockPrefetch._forward_point
     prefetch_pairwise = BlockPrefetch([models["pfp"].moe1, models["pfp"].moe2])
-    prefetch_pairwise._forward_point = lambda i, point: (
-        marks.append((i, point)),
-        mark_point(prefetch_pairwise, i, point),
-    )
+
+    def counted(i: int, point: str) -> None:
+        marks.append((i, point))
+        mark_point(prefetch_pairwise, i, point)
+
+    prefetch_pairwise._forward_point = counted
     optimizers = {name: torch.optim.Adam(m.parameters(), lr=1e-3) for name, m in models.items()}
     copies, idle, prefetched, prefetched_pairwise, eplb_copies, chosen, schedules = 0, 0, 0, 0, 0, set(), set()
     borrowed, lend_to_second = [], models["pf"].moe2.times.borrow  # directions of the waits lent to layer 2
