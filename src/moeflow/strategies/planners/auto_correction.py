@@ -84,7 +84,8 @@ exponential forgetting, as recursive least squares does), the window still bound
 Replaying the recorded suites r, s, t through the correction: out-of-sample error 12.3, 8.9, 10.2%
 with all alike, 11.7, 8.5, 8.8% with a half-life of 4 (2 to 8: within 0.3 of that; a hard window of
 8 forwards: 12.3, 8.9, 9.0% — the stationary workloads lost to noise what the drifting one gained);
-on run u, not used to choose, 11.7 → 11.2% (`benchmarks/replay_correction.py`).
+on run u, not used to choose, 11.7 → 11.2% (`benchmarks/replay_correction.py`); runs v and w, made
+with it, recorded 11.5 and 9.6%, their layers weighed alike replay to 11.5 and 11.6%.
 
 Error. `model_error()` is out of sample: each layer's forecast (forward + backward), made with the
 factors as they were before it was measured, against what it then measured.
