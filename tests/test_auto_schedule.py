@@ -91,10 +91,10 @@ def test_layers_sharing_a_board_run_the_schedule_cheapest_over_the_model():
     assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "sync"  # only its own prices yet
     assert second.choose({"sync": 1.0, "pairwise": 0.8}).chosen == "sync"  # this forward is decided
     first.calls = second.calls = 3
-    assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "pairwise"  # with layer 2's 0.8
+    assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "pairwise"  # with layer 1's 0.8
     assert board.total(id(first), {"sync": 1.0, "pairwise": 0.99}) == pytest.approx({"sync": 2.0, "pairwise": 1.79})
     assert second.choose({"sync": 1.0, "pairwise": 1.5}).chosen == "pairwise"  # decided: pairwise, dear or not
-    # The next forward: a dearer pairwise in layer 2 turns the whole model to sync (2.0 vs 2.49).
+    # The next forward: a dearer pairwise in layer 1 turns the whole model to sync (2.0 vs 2.49).
     first.calls = second.calls = 4
     assert first.choose({"sync": 1.0, "pairwise": 0.99}).chosen == "sync"
     other = AutoSchedule({"sync": SyncSchedule()}, SHAPE, first.cost_model)

@@ -28,17 +28,16 @@ placement's plan). A current proposal equal to the placement the prefetch sent a
 copies, and is priced as sent ahead.
 
 Pricing less. Pricing a proposal is on the layer's critical path: about 2 ms per distinct placement
-at 16 devices
-(a profile of `benchmarks/planner_overhead.py`, FasterMoE's johnny cluster). A candidate whose price
-came out more than `rest_margin` above the winner's rests: it is not priced (nor run) for the next
-1, 2, 4, ... calls (doubling each time it loses again, at most `max_rest`), then priced again; a
-candidate within the margin or winning is priced every call. While it rests its planner is not
-asked for a placement, except at the call before it is priced again (a planner that plans ahead
-runs its search then); one that plans ahead records every flow meanwhile (`observe`: its history
-stays whole). Plain EP, the guard's reference, is always priced. Every rank
-rests the same candidates: the prices are global numbers. The planning thread runs the searches of
-the candidates priced at the next call first, so the planned-ahead choice (`next_placement()`) does
-not wait for the resting ones.
+at 16 devices (a profile of `benchmarks/planner_overhead.py`, FasterMoE's johnny cluster). A
+candidate whose price came out more than `rest_margin` above the winner's rests: it is not priced
+(nor run) for the next 1, 2, 4, ... calls (doubling each time it loses again, at most `max_rest`),
+then priced again; a candidate within the margin or winning is priced every call. While it rests its
+planner is not asked for a placement, except at the call before it is priced again (a planner that
+plans ahead runs its search then); one that plans ahead records every flow meanwhile (`observe`: its
+history stays whole). Plain EP, the guard's reference, is always priced. Every rank rests the same
+candidates: the prices are global numbers. The planning thread runs the searches of the candidates
+priced at the next call first, so the planned-ahead choice (`next_placement()`) does not wait for
+the resting ones.
 
 `AutoDecision` (`planner.last`) records each candidate's corrected price, the choice and the
 model's current error; `MoEStats.strategy` names the planner chosen, per layer and step.

@@ -42,12 +42,11 @@ with the exchanges learnt, from a placement whose copies cost 3× the model, tha
 cost 3× too — and kept choosing the copies; a joint fit with separate factors could not tell them
 apart either when one placement ran forward after forward (its terms move together); and copies
 sent ahead cost what the prefetch fails to hide, copies sent now their whole transfer, so one
-factor cannot serve both. The rest of
-the forwards and backwards, without their copies, is one non-negative least-squares fit
-(`scipy.optimize.nnls`, two rows per layer sharing `comp` and `comm`). A term that no layer of the
-window exercised (no copies since EP alone ran) keeps its last factor; a backward never timed (a
-layer only evaluated) leaves the backward's factors as assumed. Until `min_observations` layers are
-in, every factor is 1.
+factor cannot serve both. The rest of the forwards and backwards, without their copies, is one
+non-negative least-squares fit (`scipy.optimize.nnls`, two rows per layer sharing `comp` and
+`comm`). A term that no layer of the window exercised (no copies since EP alone ran) keeps its last
+factor; a backward never timed (a layer only evaluated) leaves the backward's factors as assumed.
+Until `min_observations` layers are in, every factor is 1.
 
 Prior. A placement that runs forward after forward barely changes its terms (a balanced one
 computes the same rows every time): its compute column is then the fixed cost's column plus noise,
@@ -246,8 +245,9 @@ def fit_correction(
             factors["ahead"] = waited / sent
         y_forward -= measured_N4[:, 1]
         if not back_copies_timed:  # the prefetched copies' gradients (Agg), not timed: as priced
+            priced = Correction(**factors)
             y_backward -= w_N[back] * [
-                Correction(**factors)._copies(o.predicted, True) if o.predicted.prefetched else 0.0
+                priced._copies(o.predicted, True) if o.predicted.prefetched else 0.0
                 for o in obs
                 if math.isfinite(o.measured_backward)
             ]
