@@ -152,8 +152,9 @@ class Terms(NamedTuple):
 class Correction(NamedTuple):
     """The factors: forward ≈ comp·compute/3 + comm·exchange/2 + (ahead if prefetched else copy)·copies/2
     + fixed; backward ≈ comp·2·compute/3 + comm·exchange/2 + (ahead if prefetched else copy_back)·copies/2
-    + fixed_back (seconds; `copy_back` NaN until copies' backwards were measured: as `copy`; `ahead`
-    NaN until copies sent ahead were measured: the model's `unhidden` share)."""
+    + fixed_back; the layer's time `scale`·(forward + backward) (seconds; `copy_back` NaN until copies'
+    backwards were measured: as `copy`; `ahead` NaN until copies sent ahead were measured: the model's
+    `unhidden` share)."""
 
     comp: float = 1.0
     comm: float = 1.0
