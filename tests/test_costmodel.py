@@ -199,12 +199,18 @@ def test_copies_of_shadowed_experts_by_hand():
     for direction in ("materialize", "reduce"):
         assert gloo.copies_time(1e6, holders, owner, direction) == pytest.approx(1e6 / 1e8 + 1e6 / 1e9)
     # A profiled `copies` fit (every owner at once, forward + back) calibrates the tree's link
-    # model: here measured twice as slow as the links allow, so every tree copy costs twice as much.
+    # model: here measured twice as slow as the links allow (η = 2), on links that carry as much
+    # each way. It prices the bytes that cross bytes going the other way: stage 1 (1 -> 3 against
+    # 2 -> 0) at twice the link's time, stage 2 (one way inside each node) at the link's.
     everywhere = np.ones((4, 4), dtype=bool)
     ideal = 2 * gloo.copies_time(1.0, everywhere, np.arange(4), "materialize")
     fits = {"copies": AlphaBeta(0.0, 2 * ideal, "byte", 1.0, "test")}
     calibrated = CostModel(gloo.topology, 1e12, fits, backend="gloo")
-    assert calibrated.copies_time(1e6, holders, owner, "reduce") == pytest.approx(2 * (1e6 / 1e8 + 1e6 / 1e9))
+    assert calibrated.copies_time(1.0, everywhere, np.arange(4), "materialize") == pytest.approx(ideal)
+    assert calibrated.copies_time(1e6, holders, owner, "reduce") == pytest.approx(2 * 1e6 / 1e8 + 1e6 / 1e9)
+    one_way = np.eye(4, dtype=bool)[owner]
+    one_way[2] = True  # only rank 1's expert shadowed: it crosses the link alone, at the link's time
+    assert calibrated.copies_time(1e6, one_way, owner) == pytest.approx(1e6 / 1e8 + 1e6 / 1e9)
     assert CostModel(nccl.topology, 1e12, fits).copies_time(1e6, holders, owner) == pytest.approx(2e6 / 1e8)
     with pytest.raises(ValueError, match="backend='mpi'"):
         CostModel(Topology.homogeneous(2, 1e9), 1e9, backend="mpi")

@@ -49,10 +49,11 @@ class CopiesPricing:
         device move as one message per owner: one broadcast / reduce per owner (FasterMoE Eq. 8: a
         pipelined ring carries the parameters once per link), or, where ``placement.copies_by_tree``
         says so (gloo across nodes), the two stages of ``broadcast_tree`` for all owners at once
-        (the reduce runs the same links in reverse: equal time on symmetric links), scaled by η
-        when the profile has a ``copies`` fit: the link model calibrated on every owner copying at
-        once, as the all-to-all's is on the uniform exchange (concurrent messages on a CPU backend
-        reach less than the links' rates). Partial replica sets go point-to-point
+        (the reduce runs the same links in reverse: equal time on symmetric links), with η when
+        the profile has a ``copies`` fit: the link model calibrated on every owner copying at once,
+        as the all-to-all's is on the uniform exchange (concurrent messages on a CPU backend reach
+        less than the links' rates), applied to the bytes that cross others going the other way
+        (`_tree_stage_time`). Partial replica sets go point-to-point
         (``materialize_time``; the gradients retrace the same routes reversed). ``tree=False``: one
         broadcast / reduce per owner whatever the backend (the block-wise prefetch of
         ``core.prefetch`` launches them asynchronously: a two-stage tree would block in between)."""
@@ -67,7 +68,7 @@ class CopiesPricing:
         node_of = self.topology.node_of
         if copies_by_tree(node_of, self.backend) if tree is None else tree:
             flows = [f for f in tree_flows(self.topology.node_of, per_owner * param_bytes) if f.any()]
-            t = sum(float(self._copies_eta * self.link_time(f) + self._latency(f)) for f in flows)
+            t = sum(float(self._tree_stage_time(f) + self._latency(f)) for f in flows)
         else:
             kind = "broadcast" if direction == "materialize" else "reduce"
             # Owners that shadow as many experts cost the same: price each distinct count once.
@@ -75,3 +76,15 @@ class CopiesPricing:
             t = sum(m * self.collective_time(kind, int(n) * param_bytes) for n, m in zip(counts, owners))
         partial_EW = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
         return float(t + self.materialize_time(param_bytes, partial_EW, owner))
+
+    def _tree_stage_time(self, bytes_WW: np.ndarray) -> float:
+        """One stage of the gloo tree: the link model with η on the bytes that cross bytes going the
+        other way on the same link. η is calibrated on every owner copying at once, where every
+        link carries as much each way; on the 2 × 1 testbed one expert crossing one way arrived at
+        about the wire's speed (24–26 ms for 21 ms at 800 Mbit/s) and one crossing another going the
+        other way at η's (42–43 ms, η = 1.96): the links are shaped per direction, the two
+        directions' transfers share the hosts' cores (docs/benchmarks.md, "The layer's level")."""
+        traffic_L = self.topology.link_traffic(bytes_WW)
+        reverse_L = self.topology.reverse_L
+        crossing_L = np.where(reverse_L >= 0, np.minimum(traffic_L, traffic_L[reverse_L]), 0.0)
+        return float(((traffic_L + (self._copies_eta - 1.0) * crossing_L) * self._inv_bw_L).max())

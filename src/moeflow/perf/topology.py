@@ -206,6 +206,8 @@ class Topology:
         self.bandwidth_L = np.array([lk.bandwidth_bytes_per_s for lk in links])
         self.latency_L = np.array([lk.latency_s for lk in links])
         self.path_latency_WW = (routes @ self.latency_L).reshape(W, W)
+        self.reverse_L = np.array([self._index.get((lk.dst, lk.src), -1) for lk in links], dtype=np.int64)
+        """Each directed link's opposite direction (-1: none)."""
 
     def _route(self, i: int, j: int) -> list[int]:
         if i == j:
