@@ -83,7 +83,7 @@ class CopiesPricing:
         link carries as much each way; on the 2 × 1 testbed one expert crossing one way arrived at
         about the wire's speed (24–26 ms for 21 ms at 800 Mbit/s) and one crossing another going the
         other way at η's (42–43 ms, η = 1.96): the links are shaped per direction, the two
-        directions' transfers share the hosts' cores (docs/benchmarks.md, "The layer's level")."""
+        directions' transfers share the hosts' cores (docs/benchmarks.md, "One-way copies at the link's time")."""
         traffic_L = self.topology.link_traffic(bytes_WW)
         reverse_L = self.topology.reverse_L
         crossing_L = np.where(reverse_L >= 0, np.minimum(traffic_L, traffic_L[reverse_L]), 0.0)
