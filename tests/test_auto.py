@@ -183,6 +183,49 @@ def test_a_candidate_that_keeps_losing_rests_longer_each_time_and_ep_is_always_p
         assert set(always.last.prices_s) == {"ep", "shadow"}
 
 
+def test_a_planner_that_proposes_the_winners_placement_rests():
+    fast, fast_cm = _auto(1e12)
+    copies = fast(_skewed(), OWNERS, fast_cm)
+    assert not copies.is_owners_only()
+
+    class Planner:
+        def __init__(self, ahead: bool, plan: Placement | None = copies):
+            self.plans_ahead, self.prefetched, self.asked, self.plan = ahead, False, 0, plan
+
+        def __call__(self, flow, placement, cm):
+            self.asked += 1
+            return copies
+
+        def observe(self, flow):
+            pass
+
+        def next_placement(self):
+            return self.plan
+
+    # The first proposal wins the tie; the second adds nothing and rests 1, 2, 4, 8 calls.
+    first, second = Planner(False), Planner(False)
+    auto = AutoPlanner(SHAPE, {"shadow": first, "eplb": second}, AutoOptions(candidates="ep,shadow,eplb"))
+    priced_at = []
+    for call in range(20):
+        assert auto(_skewed(), OWNERS, fast_cm) == copies and auto.chosen == "shadow"
+        priced_at += [call] if "eplb" in auto.last.prices_s else []
+    assert priced_at == [0, 2, 5, 10, 19] and first.asked == 20
+
+    # Prefetched: a duplicate that plans ahead rests only while the winner plans ahead too (the
+    # prefetch keeps something to send); otherwise it is priced every call (here it has no plan yet).
+    for winner_ahead, expected in ((False, list(range(20))), (True, [0, 2, 5, 10, 19])):
+        winner, duplicate = Planner(winner_ahead), Planner(True, None)
+        auto = AutoPlanner(SHAPE, {"shadow": winner, "prophet": duplicate}, AutoOptions(candidates="ep,shadow,prophet"))
+        auto.prefetched, auto.nonmoe_forward_s, auto.hidden_share = True, 1.0, 1.0
+        priced_at = []
+        for call in range(20):
+            auto.next_placement()
+            assert auto(_skewed(), OWNERS, fast_cm) == copies
+            assert auto.chosen == ("shadow+prefetch" if winner_ahead and call else "shadow")
+            priced_at += [call] if "prophet" in auto.last.prices_s else []
+        assert priced_at == expected
+
+
 def test_options_name_the_bad_value():
     with pytest.raises(ValueError, match="candidates='ep,magic'"):
         AutoOptions(candidates="ep,magic")

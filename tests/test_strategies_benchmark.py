@@ -1,5 +1,5 @@
 """benchmarks/strategies.py's summaries on hand-built rows: the best single strategy per workload and
-the interval of `auto`'s distance to it."""
+the interval of `auto`'s distance to it; benchmarks/pool_suites.py's pooling of several runs."""
 
 from __future__ import annotations
 
@@ -103,3 +103,32 @@ def test_the_replay_reproduces_the_recorded_error():
     recorded = float(np.mean([c.model_error() for c in corrections]))
     assert replay.replay_row(row, options.window, options.half_life, timed=10) == pytest.approx(recorded)
     assert replay.replay_row(row, options.window, None, timed=10) != pytest.approx(recorded)
+
+
+def test_pooled_runs_choose_the_best_single_on_the_pooled_speedups():
+    """`benchmarks/pool_suites.py`: speedups pooled as geometric means over runs (the trace's workload
+    by its prefix), the best single chosen on them, and the same-work ratios at Zipf 0."""
+    pool = _load("pool_suites")
+
+    def run(prophet: float, fssdp: float, trace_at: int, zipf0: list[float]) -> dict:
+        labels = ("ep:sync", "prophet+prefetch:sync", "fssdp+prefetch:sync", "auto+prefetch:auto")
+        row = dict(zip(labels, (1.0, prophet, fssdp, 1.5)))
+        speedups = {"zipf-0": dict(zip(labels, (1.0, *zipf0))), f"trace-replay@{trace_at}": row}
+        rows = [  # Zipf 0: each sync variant ran plain EP's placement, no copies
+            {"routing": "zipf-0", "schedule": "sync", "copies_mean": 0.0, "speedup_vs_ep": s}
+            for s in (1.0, zipf0[0], zipf0[1])
+        ] + [{"routing": "zipf-0", "schedule": "auto", "copies_mean": 0.0, "speedup_vs_ep": 2.0}]
+        summary = {"per_workload": {w: {"auto+prefetch:auto_vs_best": 1.0} for w in speedups}}
+        return {"speedup_over_ep": speedups, "summary": summary, "rows": rows}
+
+    # One run each favours another single; pooled, they tie at sqrt(1.6 * 1.4) and auto is above both.
+    out = pool.pool([run(1.6, 1.4, 225, [0.96, 1.0, 1.0]), run(1.4, 1.6, 205, [1.0, 0.9, 1.0])])
+    assert out["workloads"] == ["zipf-0", "trace-replay"]
+    pooled = out["pooled_speedup_over_ep"]["trace-replay"]
+    assert pooled["prophet+prefetch:sync"] == pytest.approx(np.sqrt(1.6 * 1.4))
+    assert out["summary"]["per_workload"]["trace-replay"]["auto+prefetch:auto_vs_best"] == pytest.approx(
+        1.5 / np.sqrt(1.6 * 1.4)
+    )
+    # Same work: each sync variant over the best of the others (the schedule=auto row is not one).
+    assert out["same_work"]["ratios_per_run"] == [pytest.approx([1.0, 0.96, 1.0]), pytest.approx([1.0, 1.0, 0.9])]
+    assert out["same_work"]["share_below_margin"] == pytest.approx(2 / 6)

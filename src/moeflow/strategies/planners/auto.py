@@ -34,7 +34,13 @@ candidate whose price came out more than `rest_margin` above the winner's rests:
 then priced again; a candidate within the margin or winning is priced every call. While it rests its
 planner is not asked for a placement, except at the call before it is priced again (a planner that
 plans ahead runs its search then); one that plans ahead records every flow meanwhile (`observe`: its
-history stays whole). Plain EP, the guard's reference, is always priced. Every rank rests the same
+history stays whole). So does a planner that proposed the winner's placement under another name
+(on a strongly skewed load every planner proposes the one placement that copies the hot experts):
+asking it (its search: Pro-Prophet's 3 ms a call at the testbed's size, on a first layer inline)
+adds nothing to the call, its price is the winner's — except one that plans ahead, in a prefetched
+layer, while the winner does not, whose plan ahead the prefetch may need. (On the 2 × 1 testbed at
+Zipf 1.6–2 `auto`'s first layer asked four planners a call for one placement; now one.)
+Plain EP, the guard's reference, is always priced. Every rank rests the same
 candidates: the prices are global numbers. The planning thread runs the searches of the candidates
 priced at the next call first, so the planned-ahead choice (`next_placement()`) does not wait for
 the resting ones.
@@ -334,7 +340,8 @@ class AutoPlanner:
             best = min(prices, key=lambda name: (prices[name], name != "ep"))
             if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
                 best = "ep"
-            self._update_rest(prices, resting, [n for n, p in proposals.items() if p.is_owners_only()])
+            as_ep = [n for n, p in proposals.items() if p.is_owners_only()]
+            self._update_rest(prices, resting, as_ep, self._duplicates(proposals, best))
             # First the searches whose plans the next call prices: `next_placement()` waits for those only.
             rests = {id(getattr(self.planners[n], "next_plan", None)) for n, (left, _) in self.rest.items() if left > 0}
             searches.sort(key=lambda plan: id(plan) in rests)
@@ -359,11 +366,32 @@ class AutoPlanner:
             out[name] = planner(flow_WE, placement, cost_model)
         return out
 
-    def _update_rest(self, prices: dict[str, float], resting: list[str], as_ep: list[str]) -> None:
+    def _duplicates(self, proposals: dict[str, Placement], best: str) -> list[str]:
+        """The planners that proposed the winner's placement under another name (module docstring,
+        "Pricing less"): they add nothing to the call. Not one whose plan ahead may be the next one
+        sent ahead while the winner's cannot (the layer is prefetched, it plans ahead, the winner
+        does not): resting it would leave the prefetch nothing to send."""
+        base = best.removesuffix("+prefetch")
+        if base == "ep":
+            return []
+        winner_ahead = getattr(self.planners[base], "plans_ahead", False)
+        return [
+            name
+            for name, p in proposals.items()
+            if name in self.planners
+            and name != base
+            and p == proposals[best]
+            and (winner_ahead or not self._prefetched or not getattr(self.planners[name], "plans_ahead", False))
+        ]
+
+    def _update_rest(
+        self, prices: dict[str, float], resting: list[str], as_ep: list[str], duplicates: list[str] = ()
+    ) -> None:
         """Count down the resting candidates; rest those priced above the winner by more than
-        `rest_margin` (1, 2, 4, ... calls, at most `max_rest`); a candidate within the margin is
-        priced every call again (module docstring). Not rested for it: those that proposed plain EP's
-        placement (`as_ep`: free to price, and a planner without history yet proposes that)."""
+        `rest_margin`, and the winner's `duplicates` (1, 2, 4, ... calls, at most `max_rest`); a
+        candidate within the margin is priced every call again (module docstring). Not rested for
+        it: those that proposed plain EP's placement (`as_ep`: free to price, and a planner without
+        history yet proposes that)."""
         for name in resting:
             self.rest[name][0] -= 1
         if self.options.max_rest == 0:
@@ -376,7 +404,7 @@ class AutoPlanner:
                 best_of[base] = min(price, best_of.get(base, price))
         for name, price in best_of.items():
             state = self.rest.setdefault(name, [0, 1])
-            if price > limit:
+            if price > limit or name in duplicates:
                 state[0], state[1] = state[1], min(2 * state[1], self.options.max_rest)
             else:
                 state[:] = [0, 1]

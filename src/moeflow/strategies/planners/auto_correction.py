@@ -347,10 +347,14 @@ class OnlineCorrection:
             return
         windows = [self.observations, *(c.observations for c in peers if c is not self)]
         rows = [(o, layer, len(w) - 1 - i) for layer, w in enumerate(windows) for i, o in enumerate(w)]
-        self.pooled = self._fit(rows, self.pooled)
+        before, self.pooled = self.pooled, self._fit(rows, self.pooled)
         if sum(o.schedule == schedule for o in self.observations) >= self.min_observations:
             own = [row for row in rows if row[0].schedule == schedule]
-            self.by_schedule[schedule] = self._fit(own, self.by_schedule.get(schedule, self.pooled))
+            previous = self.by_schedule.get(schedule, self.pooled)
+            # One schedule ran every layer of the windows, and both fits start from the same factors:
+            # the same fit (a second one would only cost the layer's critical path its time again).
+            same = len(own) == len(rows) and np.array_equal(previous, before, equal_nan=True)
+            self.by_schedule[schedule] = self.pooled if same else self._fit(own, previous)
 
     def _fit(self, rows: list[tuple[Observation, int, int]], previous: Correction) -> Correction:
         """`rows`: (observation, its layer, its age: the layer's forwards since)."""
