@@ -144,6 +144,29 @@ def test_layers_share_the_machine_and_keep_their_fixed_costs():
     assert alone.pooled.comm == 1.0  # never exercised: kept
 
 
+def test_linked_layers_fit_once_a_forward(monkeypatch):
+    """Three linked layers: the last one to observe fits for all, once a forward (one schedule ran:
+    the per-schedule fit is that one), and each layer's correction is its own part of that fit."""
+    import moeflow.strategies.planners.auto_correction as module
+
+    fits = []
+    real = module.fit_corrections
+    monkeypatch.setattr(module, "fit_corrections", lambda *a, **k: fits.append(1) or real(*a, **k))
+    layers = [OnlineCorrection(window=32, min_observations=4, prior_weight=0.0) for _ in range(3)]
+    fixed = (0.01, 0.02, 0.03)
+    for t in _terms(10, seed=2):
+        for layer, cost in zip(layers, fixed):
+            layer.observe(_measured(t, TRUE._replace(fixed=cost)), layers)
+    assert len(fits) == 7 + 1  # from the 4th forward on, one a forward; the schedule's own once, first
+    for layer, cost in zip(layers, fixed):
+        assert layer.pooled.fixed == pytest.approx(cost, rel=1e-6) and layer.pooled.comm == pytest.approx(TRUE.comm)
+        assert layer.by_schedule[None] == layer.pooled
+    # A layer's own observation leaves its factors to the last layer's fit.
+    before = layers[0].pooled
+    layers[0].observe(_measured(_terms(1, seed=9)[0], TRUE._replace(comm=3.0)), layers)
+    assert layers[0].pooled == before
+
+
 def test_waits_for_prefetched_copies_count_as_their_layers():
     """The block-wise prefetch waits on layer 2's copies inside layer 1 (before its combine, and their
     gradients in its backward): the waits move from layer 1's times to layer 2's and its copies'."""

@@ -416,10 +416,11 @@ class AutoPlanner:
 
 
 def share_correction(layers) -> list[AutoPlanner]:
-    """Link the `strategy="auto"` planners of `layers` (one model's MoE layers): each layer's online
-    correction fits the machine's factors on every layer's measurements, each layer with its own
-    fixed costs (`auto_correction`, "Layers"). Called where a model is built (`training.model`,
-    `bench.blocks`, `hf.convert`), beside `share_schedule_choice`; returns the linked planners."""
+    """Link the `strategy="auto"` planners of `layers` (one model's MoE layers, in order): the
+    machine's factors are fitted on every layer's measurements, each layer with its own fixed costs
+    and level, once a forward, by the last layer (`auto_correction`, "Layers"). Called where a model
+    is built (`training.model`, `bench.blocks`, `hf.convert`), beside `share_schedule_choice`;
+    returns the linked planners."""
     planners = [layer.planner for layer in layers if isinstance(layer.planner, AutoPlanner)]
     for planner in planners:
         planner.peers = planners if len(planners) > 1 else []

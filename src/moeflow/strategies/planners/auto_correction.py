@@ -62,12 +62,18 @@ Computes. The layer also times its expert computes (every call of the schedule's
 compute factor is their measured time over their predicted one, as the copies' are, and the backward's
 computes are priced at twice the forward's; the fit is then over the exchanges and the fixed costs.
 
-Layers. The layers of one model run on one machine: linked (`planners.auto.share_correction`), each
-layer fits the factors over every layer's window, each layer with its own fixed costs (a first layer
-times more of the pass than the others). A layer that only ever ran a placement with nothing to
-exchange (shadowing every expert on 2 ranks) then prices the exchanges of the others with what the
-other layers measured, not with the factor it started with: on the 2 × 1 testbed at Zipf 2 it kept
-1.0 where the other layer had measured 0.6.
+Layers. The layers of one model run on one machine: linked (`planners.auto.share_correction`), the
+factors are fitted over every layer's window, each layer with its own fixed costs (a first layer
+times more of the pass than the others) and its own level. One fit serves them all: the model's last
+layer makes it when it has observed, and every layer takes its correction from it. (Each layer used
+to fit over every window at its own observation: L fits of L windows a forward, 353 ms of the
+critical path per forward at 32 layers, 8.8 ms at 8, 0.9 ms at 2; one fit: 15, 2.0 and 0.7–1.0 ms,
+`benchmarks/correction_overhead.py`. The other layers now price with factors one observation of
+their own older; replaying the recorded suites r–ab, the forecasts' error is unchanged to the
+fourth decimal.) A layer that only ever ran a
+placement with nothing to exchange (shadowing every expert on 2 ranks) then prices the exchanges
+of the others with what the other layers measured, not with the factor it started with: on the
+2 × 1 testbed at Zipf 2 it kept 1.0 where the other layer had measured 0.6.
 
 Per schedule. Which schedule ran a layer changes its time (on the testbed a pipelined forward
 measured 20% under a sync one's at the same terms), so besides the fit over every layer each
@@ -224,13 +230,24 @@ def fit_correction(
     layer_N: Sequence[int] | None = None,
     weight_N: Sequence[float] | None = None,
 ) -> Correction:
+    """Layer 0's correction of `fit_corrections` (one layer: the window's)."""
+    return fit_corrections(observations, previous, prior_weight, layer_N, weight_N)[0]
+
+
+def fit_corrections(
+    observations: Iterable[Observation],
+    previous: Correction | None = None,
+    prior_weight: float = PRIOR_WEIGHT,
+    layer_N: Sequence[int] | None = None,
+    weight_N: Sequence[float] | None = None,
+) -> dict[int, Correction]:
     """The factors over `observations` (module docstring); a term that is zero in every one keeps
     its `previous` factor. The copies' factors are their timed waits over their predicted times;
     the rest is one non-negative least-squares fit over the forwards and the timed backwards (two
     rows per observation, sharing `comp` and `comm`, each direction its own fixed cost). Copies not
     timed (NaN) become columns of that fit: sent ahead and on the critical path apart. `layer_N`:
-    the layer each observation comes from (default all one), each with its own fixed costs; the
-    factors are the machine's, the fixed costs and the level returned layer 0's (module docstring,
+    the layer each observation comes from (default all one), each with its own fixed costs and
+    level; the factors are the machine's. Returns each layer's correction (module docstring,
     "Layers", "Level").
     `weight_N`: each observation's weight (default all 1; module docstring, "Recency")."""
     obs = list(observations)
@@ -297,16 +314,27 @@ def fit_correction(
     prior = np.diag([prior_weight * _typical(X[:, j]) if n in PRIORS else 0.0 for j, n in enumerate(names)])
     keep = np.any(prior != 0.0, axis=1)
     coef, _ = nnls(np.vstack([X, prior[keep]]), np.concatenate([y, prior[keep].sum(axis=1)]))  # at 1
-    factors.update((n, c) for n, c in zip(names, coef) if n in factors)
-    fitted = Correction(**{k: float(v) for k, v in factors.items()})._replace(scale=1.0)
-    # The level of layer 0's forecasts: the median of its measured over fitted ("Level").
-    own = np.flatnonzero(layer_N == 0)
+    fitted = dict(zip(names, coef))
+    factors.update((n, c) for n, c in fitted.items() if n in factors)
+    out = {}
+    for layer in np.unique(layer_N).tolist():  # each layer's fixed costs, then its level ("Level")
+        suffix = "" if layer == 0 else f"@{layer}"
+        own = {k: fitted[k + suffix] for k in ("fixed", "fixed_back") if k + suffix in fitted}
+        mine = Correction(**{k: float(v) for k, v in (factors | own).items()})._replace(scale=1.0)
+        out[layer] = mine._replace(scale=_level(obs, layer_N == layer, w_N, mine, factors["scale"]))
+    return out
+
+
+def _level(obs: list[Observation], own_N: np.ndarray, w_N: np.ndarray, fitted: Correction, otherwise: float) -> float:
+    """The median over a layer's own observations (`own_N`, weighed `w_N`) of measured over
+    `fitted` (module docstring, "Level"); `otherwise` when none was forecast."""
+    own = np.flatnonzero(own_N)
     forecast_N, measured_N = np.array([obs[i].forecast(fitted) for i in own]).reshape(-1, 2).T
     valid = forecast_N > 0.0
     if not valid.any():
-        return fitted._replace(scale=factors["scale"])
+        return otherwise
     ratio = measured_N[valid] / forecast_N[valid]
-    return fitted._replace(scale=float(np.quantile(ratio, 0.5, weights=w_N[own][valid], method="inverted_cdf")))
+    return float(np.quantile(ratio, 0.5, weights=w_N[own][valid], method="inverted_cdf"))
 
 
 def _typical(column: np.ndarray) -> float:
@@ -337,30 +365,35 @@ class OnlineCorrection:
         """(forecast, measured) of each forward + backward, the forecast made before it was measured."""
 
     def observe(self, observation: Observation, peers: Sequence[OnlineCorrection] = ()) -> None:
-        """One more layer measured; the fits over the window, and over the `peers`' windows (the
-        model's other layers, `share_correction`) with their own fixed costs."""
+        """One more layer measured. Alone, the fits over its window; linked with the model's other
+        layers (`peers`, in the model's order, this one among them: `share_correction`), the last of
+        them fits once over every layer's window, each layer with its own fixed costs and level
+        ("Layers")."""
         schedule = observation.schedule
         if len(self.observations) >= self.min_observations:
             self.forecasts.append(observation.forecast(self.by_schedule.get(schedule, self.pooled)))
         self.observations.append(observation)
-        if len(self.observations) < self.min_observations:
+        layers = list(peers) if any(c is self for c in peers) else [self, *peers]
+        if layers[-1] is not self or len(self.observations) < self.min_observations:
             return
-        windows = [self.observations, *(c.observations for c in peers if c is not self)]
-        rows = [(o, layer, len(w) - 1 - i) for layer, w in enumerate(windows) for i, o in enumerate(w)]
-        before, self.pooled = self.pooled, self._fit(rows, self.pooled)
+        rows = [(o, n, len(c.observations) - 1 - i) for n, c in enumerate(layers) for i, o in enumerate(c.observations)]
+        before, pooled = self.pooled, self._fit(rows, self.pooled)
+        for n, fitted in pooled.items():
+            layers[n].pooled = fitted
         if sum(o.schedule == schedule for o in self.observations) >= self.min_observations:
             own = [row for row in rows if row[0].schedule == schedule]
             previous = self.by_schedule.get(schedule, self.pooled)
             # One schedule ran every layer of the windows, and both fits start from the same factors:
             # the same fit (a second one would only cost the layer's critical path its time again).
             same = len(own) == len(rows) and np.array_equal(previous, before, equal_nan=True)
-            self.by_schedule[schedule] = self.pooled if same else self._fit(own, previous)
+            for n, fitted in (pooled if same else self._fit(own, previous)).items():
+                layers[n].by_schedule[schedule] = fitted
 
-    def _fit(self, rows: list[tuple[Observation, int, int]], previous: Correction) -> Correction:
-        """`rows`: (observation, its layer, its age: the layer's forwards since)."""
+    def _fit(self, rows: list[tuple[Observation, int, int]], previous: Correction) -> dict[int, Correction]:
+        """`rows`: (observation, its layer, its age: the layer's forwards since); each layer's fit."""
         obs, layers, ages = zip(*rows)
         weights = None if self.half_life is None else 0.5 ** (np.asarray(ages) / self.half_life)
-        return fit_correction(obs, previous, self.prior_weight, layers, weights)
+        return fit_corrections(obs, previous, self.prior_weight, layers, weights)
 
     def model_error(self) -> float | None:
         """Mean relative error of the forecasts over the window (None: fewer than `min_observations`)."""
