@@ -70,10 +70,10 @@ to fit over every window at its own observation: L fits of L windows a forward, 
 critical path per forward at 32 layers, 8.8 ms at 8, 0.9 ms at 2; one fit: 15, 2.0 and 0.7–1.0 ms,
 `benchmarks/correction_overhead.py`. The other layers now price with factors one observation of
 their own older; replaying the recorded suites r–ab, the forecasts' error is unchanged to the
-fourth decimal.) A layer that only ever ran a
-placement with nothing to exchange (shadowing every expert on 2 ranks) then prices the exchanges
-of the others with what the other layers measured, not with the factor it started with: on the
-2 × 1 testbed at Zipf 2 it kept 1.0 where the other layer had measured 0.6.
+fourth decimal.) A layer that only ever ran a placement with nothing to exchange (shadowing every
+expert on 2 ranks) then prices the exchanges of the others with what the other layers measured,
+not with the factor it started with: on the 2 × 1 testbed at Zipf 2 it kept 1.0 where the other
+layer had measured 0.6.
 
 Per schedule. Which schedule ran a layer changes its time (on the testbed a pipelined forward
 measured 20% under a sync one's at the same terms), so besides the fit over every layer each
