@@ -14,7 +14,6 @@ fit's cost depends on the sizes, not the values). Median over `--forwards` forwa
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,9 @@ import numpy as np
 
 from moeflow.strategies.planners.auto import AutoOptions
 from moeflow.strategies.planners.auto_correction import Observation, OnlineCorrection, Terms
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from testbed_run import write_result  # noqa: E402
 
 DEPTHS = (2, 8, 32)
 
@@ -51,13 +53,11 @@ def main() -> int:
     parser.add_argument("--out", default="results/correction_overhead.json")
     parser.add_argument("--forwards", type=int, default=20)
     args = parser.parse_args()
-    result = {"command": " ".join(["python", *sys.argv]), "ms_per_forward": {}}
+    result = {"ms_per_forward": {}}
     for depth in DEPTHS:
         result["ms_per_forward"][depth] = forward_ms(depth, args.forwards)
         print(f"{depth:3d} layers: {result['ms_per_forward'][depth]:8.2f} ms per forward")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print("wrote", args.out)
+    write_result(__file__, args.out, result)
     return 0
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from strategies import geomean, summarize  # noqa: E402
+from testbed_run import write_result  # noqa: E402
 
 SAME_WORK_WORKLOAD = "zipf-0"
 """Where every planner proposes plain EP's placement (no skew: nothing to copy)."""
@@ -96,7 +97,7 @@ def main() -> int:
         if "testbed" not in data:
             raise SystemExit(f"{path!r}: no testbed part (run benchmarks/strategies.py --where testbed)")
         testbeds.append(data["testbed"])
-    result = {"command": " ".join(["python", *sys.argv]), "suites": args.suites, **pool(testbeds)}
+    result = {"suites": args.suites, **pool(testbeds)}
     summary = result["summary"]
     print("| workload | best single (pooled) | auto / best, pooled | each run |")
     print("|---|---|---|---|")
@@ -116,9 +117,7 @@ def main() -> int:
             f"10/50/90th percentiles {p10:.3f} / {p50:.3f} / {p90:.3f}"
         )
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print("wrote", args.out)
+        write_result(__file__, args.out, result)
     return 0
 
 
