@@ -8,13 +8,16 @@ A call is what the layer waits for between its count exchange and its dispatch: 
 `__call__` on the real flow, plus, for `auto` under the block-wise prefetch, its planned-ahead
 choice (`next_placement()`, which the prefetch asks for during the block before the next call).
 After each call the script sleeps `--gap-ms` (the layer's exchanges and experts, the block before:
-they release the GIL), so a search on the planning thread has that long to finish. Flows:
-Dirichlet(1) loads per source rank, 4096 tokens, seeded; priced on two cluster presets (Pro-Prophet's
-LPWNV, 8 GPUs; FasterMoE's johnny, 16 GPUs), 2 experts per GPU, d = 256, h = 1024. Modes
-alternate call by call (each planner object keeps its own state); medians over `--calls` calls
-after 5 warm-up calls. `auto` rests candidates that keep losing (`rest_margin`, `max_rest`);
-`auto_all` prices every candidate every call: the JSON gives both, the candidates each priced per
-call, and the share of calls where the two chose the same planner.
+they release the GIL), so a search on the planning thread has that long to finish; beside it the
+process's CPU time over the call and the gap (`cpu_ms`: the searches on the planning thread too,
+which share the cores with the layer's own work). Flows: `--load dirichlet`, Dirichlet(1) loads per
+source rank, or `--load even`, every expert equally likely (there, with `--hidden-share 0`, plain EP
+wins every call: what `auto`'s planners cost it when nothing is to be gained), 4096 tokens per rank,
+seeded; priced on two cluster presets (Pro-Prophet's LPWNV, 8 GPUs; FasterMoE's johnny, 16 GPUs), 2
+experts per GPU, d = 256, h = 1024. Modes alternate call by call (each planner object keeps its own
+state); medians over `--calls` calls after 5 warm-up calls. `auto` rests candidates that keep losing
+(`rest_margin`, `max_rest`); `auto_all` prices every candidate every call: the JSON gives both, the
+candidates each priced per call, and the share of calls where the two chose the same planner.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ PLANNER_NAMES = ("shadow", "prophet", "eplb", "fssdp", "auto", "auto_all")
 the candidates that keep losing."""
 
 
-def _build(row: str, ctx: LayerContext, background: bool):
+def _build(row: str, ctx: LayerContext, background: bool, hidden_share: float):
     name, options = ("auto", {"max_rest": 0}) if row == "auto_all" else (row, {})
     planner = PLANNERS.build(name, ctx, options)
     inner = getattr(planner, "planners", {}).values() if name == "auto" else [planner]
@@ -48,36 +51,43 @@ def _build(row: str, ctx: LayerContext, background: bool):
         if hasattr(p, "next_plan"):
             p.next_plan.background = background
     if name == "auto":  # as in a layer with the prefetch
-        planner.prefetched, planner.nonmoe_forward_s, planner.hidden_share = True, 0.01, 0.5
+        planner.prefetched, planner.nonmoe_forward_s, planner.hidden_share = True, 0.01, hidden_share
     return planner
 
 
-def measure(cluster: str, calls: int, gap_s: float, seed: int = 0) -> dict:
+def measure(
+    cluster: str, calls: int, gap_s: float, load: str = "dirichlet", hidden_share: float = 0.5, seed: int = 0
+) -> dict:
     cost_model = CostModel.resolve(cluster)
     world = cost_model.topology.num_devices
     experts = CLUSTERS[cluster] * world
     ctx = LayerContext(experts // world, 2, ExpertShape(256, 1024), cost_model)
     owners = Placement.expert_parallel(experts, world)
     rng = np.random.default_rng(seed)
+    even = np.full(experts, 1.0 / experts)
     flows = [
-        np.stack([rng.multinomial(4096, rng.dirichlet(np.ones(experts))) for _ in range(world)])
+        np.stack(
+            [rng.multinomial(4096, even if load == "even" else rng.dirichlet(np.ones(experts))) for _ in range(world)]
+        )
         for _ in range(calls + 5)
     ]
     out = {}
     for name in PLANNER_NAMES:
-        planners = {"inline": _build(name, ctx, False), "thread": _build(name, ctx, True)}
+        planners = {mode: _build(name, ctx, mode == "thread", hidden_share) for mode in ("inline", "thread")}
         spent: dict[str, list[float]] = {mode: [] for mode in planners}
+        cpu: dict[str, list[float]] = {mode: [] for mode in planners}
         priced, chosen = [], []  # auto: candidates priced per call, and which won (thread mode)
         for flow in flows:
             for mode, planner in planners.items():
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 planner(flow, owners, cost_model)
                 spent[mode].append(time.perf_counter() - start)
                 time.sleep(gap_s)  # the layer's exchanges and experts; then the block before the next call
-                if name == "auto":  # where the prefetch asks for the planned-ahead choice
+                if name.startswith("auto"):  # where the prefetch asks for the planned-ahead choice
                     start = time.perf_counter()
                     planner.next_placement()
                     spent[mode][-1] += time.perf_counter() - start
+                cpu[mode].append(time.process_time() - cpu_start)
             if name.startswith("auto"):
                 priced.append(len(planners["thread"].last.prices_s))
                 chosen.append(planners["thread"].chosen)
@@ -86,10 +96,14 @@ def measure(cluster: str, calls: int, gap_s: float, seed: int = 0) -> dict:
             "inline_ms": 1e3 * med["inline"],
             "thread_ms": 1e3 * med["thread"],
             "inline/thread": med["inline"] / med["thread"],
+            "cpu_ms": {mode: 1e3 * float(np.median(v[5:])) for mode, v in cpu.items()},
         }
         if priced:
             out[name] |= {"candidates_priced_mean": float(np.mean(priced[5:])), "chosen": chosen[5:]}
-        print(f"{cluster} {name:8s} inline {out[name]['inline_ms']:6.2f} ms  thread {out[name]['thread_ms']:6.2f} ms")
+        print(
+            f"{cluster} {name:8s} inline {out[name]['inline_ms']:6.2f} ms  thread {out[name]['thread_ms']:6.2f} ms"
+            f"  cpu {out[name]['cpu_ms']['inline']:6.2f} / {out[name]['cpu_ms']['thread']:6.2f} ms"
+        )
     if "auto" in out and "auto_all" in out:  # the calls where resting changed the choice
         pairs = list(zip(out["auto"]["chosen"], out["auto_all"]["chosen"]))
         out["auto"]["same_choice_as_auto_all"] = sum(a == b for a, b in pairs) / len(pairs)
@@ -102,11 +116,20 @@ def main() -> int:
     parser.add_argument("--out", default="results/planner_overhead.json")
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--gap-ms", type=float, default=30.0)
+    parser.add_argument("--load", choices=("dirichlet", "even"), default="dirichlet", help="the flows (docstring)")
+    parser.add_argument(
+        "--hidden-share",
+        type=float,
+        default=0.5,
+        help="auto: the share of its copies the prefetch hides (Pro-Prophet Eq. 8's h; 0: none, plain EP wins more)",
+    )
     args = parser.parse_args()
     result = {
         "command": " ".join(["python", *sys.argv]),
         "gap_ms": args.gap_ms,
-        "clusters": {c: measure(c, args.calls, args.gap_ms / 1e3) for c in CLUSTERS},
+        "load": args.load,
+        "hidden_share": args.hidden_share,
+        "clusters": {c: measure(c, args.calls, args.gap_ms / 1e3, args.load, args.hidden_share) for c in CLUSTERS},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -189,12 +189,12 @@ def test_a_planner_that_proposes_the_winners_placement_rests():
     assert not copies.is_owners_only()
 
     class Planner:
-        def __init__(self, ahead: bool, plan: Placement | None = copies):
-            self.plans_ahead, self.prefetched, self.asked, self.plan = ahead, False, 0, plan
+        def __init__(self, ahead: bool, plan: Placement | None = copies, proposal: Placement = copies):
+            self.plans_ahead, self.prefetched, self.asked, self.plan, self.proposal = ahead, False, 0, plan, proposal
 
         def __call__(self, flow, placement, cm):
             self.asked += 1
-            return copies
+            return self.proposal
 
         def observe(self, flow):
             pass
@@ -224,6 +224,28 @@ def test_a_planner_that_proposes_the_winners_placement_rests():
             assert auto.chosen == ("shadow+prefetch" if winner_ahead and call else "shadow")
             priced_at += [call] if "prophet" in auto.last.prices_s else []
         assert priced_at == expected
+
+    # Plain EP's placement too: on an even load the planners that propose it rest, in a prefetched
+    # layer those that plan ahead as well (nothing was sent ahead: the prefetch had nothing to send),
+    # and wake as soon as EP's price rises by `rest_margin` (here: a skewed load).
+    even = np.full((4, 4), 50)
+    for prefetched in (False, True):
+        ahead, now = Planner(True, None, OWNERS), Planner(False, None, OWNERS)
+        auto = AutoPlanner(SHAPE, {"prophet": ahead, "shadow": now}, AutoOptions(candidates="ep,shadow,prophet"))
+        auto.prefetched, auto.nonmoe_forward_s, auto.hidden_share = prefetched, 1.0, 1.0
+        priced_at = []
+        for call in range(20):
+            auto.next_placement()
+            assert auto(even, OWNERS, fast_cm).is_owners_only() and auto.chosen == "ep"
+            assert ("prophet" in auto.last.prices_s) == ("shadow" in auto.last.prices_s)
+            priced_at += [call] if "prophet" in auto.last.prices_s else []
+        assert priced_at == [0, 2, 5, 10, 19] and now.asked == 9  # priced, and the calls before
+        ahead.proposal = now.proposal = copies
+        assert auto(_skewed(), OWNERS, fast_cm) == copies and {"prophet", "shadow"} <= set(auto.last.prices_s)
+        # A plan ahead was sent and lost to EP on the real flow: those that plan ahead keep being asked.
+        proposals = {"ep": OWNERS, "prophet": OWNERS, "shadow": OWNERS}
+        rested = ["shadow"] if prefetched else ["prophet", "shadow"]
+        assert auto._duplicates(proposals, "ep", sent_ahead=True) == rested
 
 
 def test_options_name_the_bad_value():

@@ -1,5 +1,6 @@
 """benchmarks/strategies.py's summaries on hand-built rows: the best single strategy per workload and
-the interval of `auto`'s distance to it; benchmarks/pool_suites.py's pooling of several runs."""
+the interval of `auto`'s distance to it; benchmarks/pool_suites.py's pooling of several runs;
+benchmarks/planner_overhead.py on an even load."""
 
 from __future__ import annotations
 
@@ -132,3 +133,15 @@ def test_pooled_runs_choose_the_best_single_on_the_pooled_speedups():
     # Same work: each sync variant over the best of the others (the schedule=auto row is not one).
     assert out["same_work"]["ratios_per_run"] == [pytest.approx([1.0, 0.96, 1.0]), pytest.approx([1.0, 1.0, 0.9])]
     assert out["same_work"]["share_below_margin"] == pytest.approx(2 / 6)
+
+
+def test_on_an_even_load_auto_prices_ep_alone_most_calls():
+    """`benchmarks/planner_overhead.py --load even --hidden-share 0`: plain EP wins every call, and
+    `auto` rests the planners that propose its placement (EP alone priced most calls), where
+    `auto_all` prices all of them every call; the CPU time of both modes is reported."""
+    overhead = _load("planner_overhead")
+    planners = overhead.measure("prophet_lpwnv", calls=10, gap_s=0.0, load="even", hidden_share=0.0)["planners"]
+    for name in ("auto", "auto_all"):
+        assert set(planners[name]["chosen"]) == {"ep"} and set(planners[name]["cpu_ms"]) == {"inline", "thread"}
+    assert planners["auto_all"]["candidates_priced_mean"] == 5  # EP and the four planners' one placement
+    assert planners["auto"]["candidates_priced_mean"] < 2

@@ -40,10 +40,19 @@ asking it (its search: Pro-Prophet's 3 ms a call at the testbed's size, on a fir
 adds nothing to the call, its price is the winner's — except one that plans ahead, in a prefetched
 layer, while the winner does not, whose plan ahead the prefetch may need. (On the 2 × 1 testbed at
 Zipf 1.6–2 `auto`'s first layer asked four planners a call for one placement; now one.)
-Plain EP, the guard's reference, is always priced. Every rank rests the same
-candidates: the prices are global numbers. The planning thread runs the searches of the candidates
-priced at the next call first, so the planned-ahead choice (`next_placement()`) does not wait for
-the resting ones.
+
+On an even load every planner proposes plain EP's placement: when EP wins those rest too (in a
+prefetched layer those that plan ahead only if nothing was sent ahead to the call: no plan ahead was
+worth sending), and all wake as soon as EP's own price on the current flow rises `rest_margin` above
+what it was when they began to rest — the load has changed, and so may what they propose. Asking
+them all cost 10–18 and 27–28 ms of CPU a call at 8 and 16 GPUs (Pro-Prophet's LPWNV and FasterMoE's
+johnny presets, searches inline), now 0.8 and 1.0 ms (`benchmarks/planner_overhead.py --load even
+--hidden-share 0`); on the 2 × 1 testbed at Zipf 0, 1.7% of the iteration against `auto` with EP
+alone as candidate (one run of 100 iterations; after: 0.1%). A planner proposing EP's placement
+while another placement wins is not rested as a loser: one without history yet proposes that. Plain
+EP, the guard's reference, is always priced. Every rank rests the same candidates: the prices are
+global numbers. The planning thread runs the searches of the candidates priced at the next call
+first, so the planned-ahead choice (`next_placement()`) does not wait for the resting ones.
 
 `AutoDecision` (`planner.last`) records each candidate's corrected price, the choice and the
 model's current error; `MoEStats.strategy` names the planner chosen, per layer and step.
@@ -166,6 +175,7 @@ class AutoPlanner:
         self._planned: tuple[str, Placement] | None = None
         self._plan_after: tuple[Placement, object] | None = None  # the call to plan ahead from, not yet done
         self.rest: dict[str, list[int]] = {}  # name -> [calls it rests now, calls it rests after its next loss]
+        self.wake_above: dict[str, float] = {}  # name -> EP's price that ends its rest on EP (`_wake`)
         self.running_schedule: str | None = None
         """The schedule that ran the layer's last forward: placements are priced with the correction
         fitted on its layers (`price`)."""
@@ -181,6 +191,7 @@ class AutoPlanner:
 
     def __setstate__(self, state: dict) -> None:
         self.running_schedule = None  # absent from checkpoints of before it
+        self.wake_above = {}
         self.peers = []  # not checkpointed: the resumed model links its own (`share_correction`)
         self.__dict__.update(state)
         # Checkpointed before the correction had its own object, or before it timed backwards (its
@@ -243,12 +254,13 @@ class AutoPlanner:
         return self.correction.by_schedule.get(self.running_schedule, self.correction.pooled)
 
     def _priced(
-        self, flow_WE: np.ndarray, placements: dict[str, Placement], cost_model, hidden=None
+        self, flow_WE: np.ndarray, placements: dict[str, Placement], cost_model, hidden=None, memo=None
     ) -> dict[str, tuple[Terms, float]]:
         """Each placement's terms and corrected price on `flow_WE` (`layer_terms`, `price`). The
         planners often propose the same placement (plain EP, most of all, on an even load): each
-        distinct one is priced once — pricing is on the layer's critical path."""
-        memo: dict[bytes, tuple[Terms, float]] = {}
+        distinct one is priced once — pricing is on the layer's critical path (`memo`: the prices
+        already made on this flow with the same `hidden`)."""
+        memo = {} if memo is None else memo
         out = {}
         for name, p in placements.items():
             key = p.owner_E.tobytes() + p.holders_EW.tobytes()
@@ -321,10 +333,14 @@ class AutoPlanner:
             self._planned if self._planned and np.array_equal(self._planned[1].owner_E, placement.owner_E) else None
         )
         with searches_deferred() as searches:  # the planners' next searches wait until this one is priced
+            ep = Placement.owners_only(placement.owner_E, placement.world_size)
+            memo: dict = {}  # prices of the placements with their copies sent now
+            ep_price = self._priced(flow_WE, {"ep": ep}, cost_model, memo=memo)["ep"][1]
+            self._wake(ep_price)
             proposals = self._proposals(flow_WE, placement, cost_model)
             resting = [n for n in self.planners if self.rest.get(n, [0, 0])[0] > 0]
             proposals = {n: p for n, p in proposals.items() if n not in resting}
-            proposals.setdefault("ep", Placement.owners_only(placement.owner_E, placement.world_size))
+            proposals.setdefault("ep", ep)
             priced = {}
             if planned is not None:  # sent ahead: its copies hidden as far as the prefetch hides them
                 name = f"{planned[0]}+prefetch"
@@ -333,15 +349,16 @@ class AutoPlanner:
                 # the same price, and the tie goes to the name that says so (first).
                 priced |= {n: priced[name] for n, p in proposals.items() if p == planned[1]}
                 proposals = {name: planned[1], **proposals}
-            priced |= self._priced(flow_WE, {n: p for n, p in proposals.items() if n not in priced}, cost_model)
+            unpriced = {n: p for n, p in proposals.items() if n not in priced}
+            priced |= self._priced(flow_WE, unpriced, cost_model, memo=memo)
             priced = {n: priced[n] for n in proposals}
             terms = {name: t for name, (t, _) in priced.items()}
             prices = {name: price for name, (_, price) in priced.items()}
             best = min(prices, key=lambda name: (prices[name], name != "ep"))
             if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
                 best = "ep"
-            as_ep = [n for n, p in proposals.items() if p.is_owners_only()]
-            self._update_rest(prices, resting, as_ep, self._duplicates(proposals, best))
+            as_ep = [n for n, p in proposals.items() if p == ep]
+            self._update_rest(prices, resting, as_ep, self._duplicates(proposals, best, planned is not None))
             # First the searches whose plans the next call prices: `next_placement()` waits for those only.
             rests = {id(getattr(self.planners[n], "next_plan", None)) for n, (left, _) in self.rest.items() if left > 0}
             searches.sort(key=lambda plan: id(plan) in rests)
@@ -366,32 +383,33 @@ class AutoPlanner:
             out[name] = planner(flow_WE, placement, cost_model)
         return out
 
-    def _duplicates(self, proposals: dict[str, Placement], best: str) -> list[str]:
-        """The planners that proposed the winner's placement under another name (module docstring,
-        "Pricing less"): they add nothing to the call. Not one whose plan ahead may be the next one
-        sent ahead while the winner's cannot (the layer is prefetched, it plans ahead, the winner
-        does not): resting it would leave the prefetch nothing to send."""
+    def _duplicates(self, proposals: dict[str, Placement], best: str, sent_ahead: bool) -> list[str]:
+        """The planners that proposed the winner's placement under another name — plain EP's too
+        (module docstring, "Pricing less"): they add nothing to the call. Not one whose plan ahead
+        the prefetch may need: in a prefetched layer, one that plans ahead while the winner does not,
+        unless the winner is EP and nothing was `sent_ahead` to this call (no plan ahead was worth
+        sending: resting it leaves the prefetch nothing it would have sent)."""
         base = best.removesuffix("+prefetch")
-        if base == "ep":
-            return []
-        winner_ahead = getattr(self.planners[base], "plans_ahead", False)
+        winner_ahead = getattr(self.planners.get(base), "plans_ahead", False)
+        prefetch_needs_ahead = self._prefetched and not winner_ahead and (base != "ep" or sent_ahead)
         return [
             name
             for name, p in proposals.items()
             if name in self.planners
             and name != base
             and p == proposals[best]
-            and (winner_ahead or not self._prefetched or not getattr(self.planners[name], "plans_ahead", False))
+            and not (prefetch_needs_ahead and getattr(self.planners[name], "plans_ahead", False))
         ]
 
     def _update_rest(
-        self, prices: dict[str, float], resting: list[str], as_ep: list[str], duplicates: list[str] = ()
+        self, prices: dict[str, float], resting: list[str], as_ep: list[str], duplicates: list[str]
     ) -> None:
         """Count down the resting candidates; rest those priced above the winner by more than
         `rest_margin`, and the winner's `duplicates` (1, 2, 4, ... calls, at most `max_rest`); a
-        candidate within the margin is priced every call again (module docstring). Not rested for
-        it: those that proposed plain EP's placement (`as_ep`: free to price, and a planner without
-        history yet proposes that)."""
+        candidate within the margin is priced every call again (module docstring). Not rested as a
+        loser: one that proposed plain EP's placement (`as_ep`: a planner without history yet proposes
+        that); rested as the winner's duplicate, it wakes when EP's price rises by `rest_margin`
+        (`_wake`)."""
         for name in resting:
             self.rest[name][0] -= 1
         if self.options.max_rest == 0:
@@ -400,14 +418,26 @@ class AutoPlanner:
         best_of: dict[str, float] = {}  # a planner's best price: its proposal, or its prefetched plan
         for name, price in prices.items():
             base = name.removesuffix("+prefetch")
-            if base in self.planners and name not in as_ep:
+            if base in self.planners and (name not in as_ep or name in duplicates):
                 best_of[base] = min(price, best_of.get(base, price))
         for name, price in best_of.items():
             state = self.rest.setdefault(name, [0, 1])
+            self.wake_above.pop(name, None)
             if price > limit or name in duplicates:
                 state[0], state[1] = state[1], min(2 * state[1], self.options.max_rest)
+                if name in as_ep:
+                    self.wake_above[name] = (1.0 + self.options.rest_margin) * prices["ep"]
             else:
                 state[:] = [0, 1]
+
+    def _wake(self, ep_price: float) -> None:
+        """End the rest of the planners resting on plain EP's placement (`_update_rest`) once EP's
+        price on the current flow is above what it was then by `rest_margin`: the load changed, and
+        what they propose may too."""
+        for name, above in list(self.wake_above.items()):
+            if ep_price > above:
+                self.rest[name] = [0, 1]
+                del self.wake_above[name]
 
     def model_error(self) -> float | None:
         """Mean relative error of the corrected forecasts of the layer's forward + backward, each made
