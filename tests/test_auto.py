@@ -14,6 +14,7 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.strategies import PLANNERS
 from moeflow.strategies.planners.auto import AutoOptions, AutoPlanner, layer_terms
+from moeflow.strategies.planners.auto_rest import duplicates
 
 SHAPE = ExpertShape(8, 16)
 OWNERS = Placement.expert_parallel(4, 4)
@@ -245,7 +246,7 @@ def test_a_planner_that_proposes_the_winners_placement_rests():
         # A plan ahead was sent and lost to EP on the real flow: those that plan ahead keep being asked.
         proposals = {"ep": OWNERS, "prophet": OWNERS, "shadow": OWNERS}
         rested = ["shadow"] if prefetched else ["prophet", "shadow"]
-        assert auto._duplicates(proposals, "ep", sent_ahead=True) == rested
+        assert duplicates(proposals, "ep", auto.planners, prefetched, sent_ahead=True) == rested
 
 
 def test_options_name_the_bad_value():

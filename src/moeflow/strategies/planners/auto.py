@@ -27,32 +27,9 @@ schedule ran (with `schedule="auto"` that arbiter then picks the schedule for th
 placement's plan). A current proposal equal to the placement the prefetch sent ahead runs on those
 copies, and is priced as sent ahead.
 
-Pricing less. Pricing a proposal is on the layer's critical path: about 2 ms per distinct placement
-at 16 devices (a profile of `benchmarks/planner_overhead.py`, FasterMoE's johnny cluster). A
-candidate whose price came out more than `rest_margin` above the winner's rests: it is not priced
-(nor run) for the next 1, 2, 4, ... calls (doubling each time it loses again, at most `max_rest`),
-then priced again; a candidate within the margin or winning is priced every call. While it rests its
-planner is not asked for a placement, except at the call before it is priced again (a planner that
-plans ahead runs its search then); one that plans ahead records every flow meanwhile (`observe`: its
-history stays whole). So does a planner that proposed the winner's placement under another name
-(on a strongly skewed load every planner proposes the one placement that copies the hot experts):
-asking it (its search: Pro-Prophet's 3 ms a call at the testbed's size, on a first layer inline)
-adds nothing to the call, its price is the winner's — except one that plans ahead, in a prefetched
-layer, while the winner does not, whose plan ahead the prefetch may need. (On the 2 × 1 testbed at
-Zipf 1.6–2 `auto`'s first layer asked four planners a call for one placement; now one.)
-
-On an even load every planner proposes plain EP's placement: when EP wins those rest too (in a
-prefetched layer those that plan ahead only if nothing was sent ahead to the call: no plan ahead was
-worth sending), and all wake as soon as EP's own price on the current flow rises `rest_margin` above
-what it was when they began to rest — the load has changed, and so may what they propose. Asking
-them all cost 10–18 and 27–28 ms of CPU a call at 8 and 16 GPUs (Pro-Prophet's LPWNV and FasterMoE's
-johnny presets, searches inline), now 0.8 and 1.0 ms (`benchmarks/planner_overhead.py --load even
---hidden-share 0`); on the 2 × 1 testbed at Zipf 0, 1.7% of the iteration against `auto` with EP
-alone as candidate (one run of 100 iterations; after: 0.1%). A planner proposing EP's placement
-while another placement wins is not rested as a loser: one without history yet proposes that. Plain
-EP, the guard's reference, is always priced. Every rank rests the same candidates: the prices are
-global numbers. The planning thread runs the searches of the candidates priced at the next call
-first, so the planned-ahead choice (`next_placement()`) does not wait for the resting ones.
+Pricing less (`planners.auto_rest`). Pricing a proposal, and asking a planner for one, is on the
+layer's critical path: a candidate that loses by more than `rest_margin`, or proposes the winner's
+placement under another name (plain EP's on an even load), rests for 1, 2, 4, ... calls.
 
 `AutoDecision` (`planner.last`) records each candidate's corrected price, the choice and the
 model's current error; `MoEStats.strategy` names the planner chosen, per layer and step.
@@ -73,6 +50,7 @@ from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.strategies.planners.ahead import searches_deferred
 from moeflow.strategies.planners.auto_correction import Correction, Observation, OnlineCorrection, Terms
+from moeflow.strategies.planners.auto_rest import calls_left, duplicates, update_rest, wake
 from moeflow.strategies.planners.prophet_model import overlapped_copies, placement_times
 
 CANDIDATES = ("ep", "shadow", "prophet", "eplb", "fssdp")
@@ -175,7 +153,7 @@ class AutoPlanner:
         self._planned: tuple[str, Placement] | None = None
         self._plan_after: tuple[Placement, object] | None = None  # the call to plan ahead from, not yet done
         self.rest: dict[str, list[int]] = {}  # name -> [calls it rests now, calls it rests after its next loss]
-        self.wake_above: dict[str, float] = {}  # name -> EP's price that ends its rest on EP (`_wake`)
+        self.wake_above: dict[str, float] = {}  # name -> EP's price that ends its rest on EP (`auto_rest.wake`)
         self.running_schedule: str | None = None
         """The schedule that ran the layer's last forward: placements are priced with the correction
         fitted on its layers (`price`)."""
@@ -313,7 +291,7 @@ class AutoPlanner:
         options = {
             n: p.next_placement()
             for n, p in self.planners.items()
-            if getattr(p, "plans_ahead", False) and self.rest.get(n, [0, 0])[0] == 0  # resting: not priced next call
+            if getattr(p, "plans_ahead", False) and calls_left(self.rest, n) == 0  # resting: not priced next call
         }
         options = {n: p for n, p in options.items() if p is not None and not p.is_owners_only()}
         if not options:
@@ -336,9 +314,9 @@ class AutoPlanner:
             ep = Placement.owners_only(placement.owner_E, placement.world_size)
             memo: dict = {}  # prices of the placements with their copies sent now
             ep_price = self._priced(flow_WE, {"ep": ep}, cost_model, memo=memo)["ep"][1]
-            self._wake(ep_price)
+            wake(self.rest, self.wake_above, ep_price)
             proposals = self._proposals(flow_WE, placement, cost_model)
-            resting = [n for n in self.planners if self.rest.get(n, [0, 0])[0] > 0]
+            resting = [n for n in self.planners if calls_left(self.rest, n) > 0]
             proposals = {n: p for n, p in proposals.items() if n not in resting}
             proposals.setdefault("ep", ep)
             priced = {}
@@ -358,7 +336,8 @@ class AutoPlanner:
             if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
                 best = "ep"
             as_ep = [n for n, p in proposals.items() if p == ep]
-            self._update_rest(prices, resting, as_ep, self._duplicates(proposals, best, planned is not None))
+            same = duplicates(proposals, best, self.planners, self._prefetched, planned is not None)
+            update_rest(self.rest, self.wake_above, prices, resting, as_ep, same, self.options)
             # First the searches whose plans the next call prices: `next_placement()` waits for those only.
             rests = {id(getattr(self.planners[n], "next_plan", None)) for n, (left, _) in self.rest.items() if left > 0}
             searches.sort(key=lambda plan: id(plan) in rests)
@@ -376,68 +355,12 @@ class AutoPlanner:
         alone (shadowing) is skipped."""
         out = {}
         for name, planner in self.planners.items():
-            if self.rest.get(name, [0, 0])[0] > 1:
+            if calls_left(self.rest, name) > 1:
                 if getattr(planner, "plans_ahead", False):
                     planner.observe(flow_WE)
                 continue
             out[name] = planner(flow_WE, placement, cost_model)
         return out
-
-    def _duplicates(self, proposals: dict[str, Placement], best: str, sent_ahead: bool) -> list[str]:
-        """The planners that proposed the winner's placement under another name — plain EP's too
-        (module docstring, "Pricing less"): they add nothing to the call. Not one whose plan ahead
-        the prefetch may need: in a prefetched layer, one that plans ahead while the winner does not,
-        unless the winner is EP and nothing was `sent_ahead` to this call (no plan ahead was worth
-        sending: resting it leaves the prefetch nothing it would have sent)."""
-        base = best.removesuffix("+prefetch")
-        winner_ahead = getattr(self.planners.get(base), "plans_ahead", False)
-        prefetch_needs_ahead = self._prefetched and not winner_ahead and (base != "ep" or sent_ahead)
-        return [
-            name
-            for name, p in proposals.items()
-            if name in self.planners
-            and name != base
-            and p == proposals[best]
-            and not (prefetch_needs_ahead and getattr(self.planners[name], "plans_ahead", False))
-        ]
-
-    def _update_rest(
-        self, prices: dict[str, float], resting: list[str], as_ep: list[str], duplicates: list[str]
-    ) -> None:
-        """Count down the resting candidates; rest those priced above the winner by more than
-        `rest_margin`, and the winner's `duplicates` (1, 2, 4, ... calls, at most `max_rest`); a
-        candidate within the margin is priced every call again (module docstring). Not rested as a
-        loser: one that proposed plain EP's placement (`as_ep`: a planner without history yet proposes
-        that); rested as the winner's duplicate, it wakes when EP's price rises by `rest_margin`
-        (`_wake`)."""
-        for name in resting:
-            self.rest[name][0] -= 1
-        if self.options.max_rest == 0:
-            return
-        limit = (1.0 + self.options.rest_margin) * min(prices.values())
-        best_of: dict[str, float] = {}  # a planner's best price: its proposal, or its prefetched plan
-        for name, price in prices.items():
-            base = name.removesuffix("+prefetch")
-            if base in self.planners and (name not in as_ep or name in duplicates):
-                best_of[base] = min(price, best_of.get(base, price))
-        for name, price in best_of.items():
-            state = self.rest.setdefault(name, [0, 1])
-            self.wake_above.pop(name, None)
-            if price > limit or name in duplicates:
-                state[0], state[1] = state[1], min(2 * state[1], self.options.max_rest)
-                if name in as_ep:
-                    self.wake_above[name] = (1.0 + self.options.rest_margin) * prices["ep"]
-            else:
-                state[:] = [0, 1]
-
-    def _wake(self, ep_price: float) -> None:
-        """End the rest of the planners resting on plain EP's placement (`_update_rest`) once EP's
-        price on the current flow is above what it was then by `rest_margin`: the load changed, and
-        what they propose may too."""
-        for name, above in list(self.wake_above.items()):
-            if ep_price > above:
-                self.rest[name] = [0, 1]
-                del self.wake_above[name]
 
     def model_error(self) -> float | None:
         """Mean relative error of the corrected forecasts of the layer's forward + backward, each made
