@@ -87,8 +87,15 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     models["eplb"] = TwoBlocks(world, "eplb", cost_model, {"min_gain": 0.0, "window": 1})
     models["auto"] = TwoBlocks(world, "auto", cost_model)
     models["autopf"] = TwoBlocks(world, "auto", cost_model)
-    # The schedule arbiter: each candidate tried once, then the cheapest corrected price per forward.
-    models["autos"] = TwoBlocks(world, "auto", cost_model, schedule="auto", schedule_options={"trials": 1})
+    # The schedule arbiter: each candidate tried once, then the cheapest corrected price per forward
+    # and, from the 5th forward, a re-trial round of all three.
+    models["autos"] = TwoBlocks(
+        world,
+        "auto",
+        cost_model,
+        schedule="auto",
+        schedule_options={"trials": 1, "retrial_every": 1, "retrial_band": 9.0},
+    )
     assert share_schedule_choice([models["autos"].moe1, models["autos"].moe2]) is not None  # one schedule
     for name in ("auto", "autopf", "autos"):  # one machine correction over both layers
         assert len(share_correction([models[name].moe1, models[name].moe2])) == 2
@@ -181,4 +188,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     first = models["autos"].moe1
     forward_s, backward_s = first.schedule.timings[first.stats.schedule].measured_s[-1]
     assert backward_s is not None and backward_s > 0.0, (forward_s, backward_s)
+    # The trial round (forwards 0-2), then a re-trial round (forwards 4-6), agreed at the next forward.
+    (models["autos"](x) * g).sum().backward()
+    assert [sorted(r) for r in first.schedule.rounds] == [["pairwise", "pipeline", "sync"]] * 2, first.schedule.rounds
     assert first.times.backward_s > 0.0  # the layer's own, for `strategy="auto"`

@@ -18,7 +18,10 @@ from moeflow.strategies.dispatchers import A2ADispatcher
 from moeflow.strategies.schedules.auto import (
     AutoSchedule,
     AutoScheduleOptions,
+    ScheduleDecision,
     preferred,
+    retrial_members,
+    round_factors,
     share_schedule_choice,
     step_load,
 )
@@ -47,12 +50,12 @@ def test_trials_round_robin_then_the_cheapest_corrected_price():
     predicted = {"sync": 1.0, "pairwise": 0.5}
     chosen = []
     for _ in range(4):
-        decision = auto.choose(predicted)
+        decision = _call(auto, predicted, {"sync": 1.0, "pairwise": 0.5})
         assert decision.exploring
         chosen.append(decision.chosen)
-        auto.calls += 1
     assert chosen == ["sync", "pairwise", "pairwise", "sync"]  # rounds alternate direction
-    # Before any measurement: the model's prices decide.
+    auto.finish_round(None)
+    # Both measured at their predictions: the model's prices decide.
     assert auto.choose(predicted).chosen == "pairwise" and not auto.choose(predicted).exploring
     # Measured: pairwise's overlap is not there on this machine (3x its prediction) → sync.
     auto.timings["sync"].factor, auto.timings["pairwise"].factor = 1.0, 3.0
@@ -102,36 +105,86 @@ def test_layers_sharing_a_board_run_the_schedule_cheapest_over_the_model():
         share_schedule_choice([_Layer(first), _Layer(other)])
 
 
-def test_agreement_points_after_the_trials_then_every_few_forwards():
-    auto = _arbiter(trials=2)
-    points = []
-    for call in range(1, 20):
-        auto.calls = call
-        points.append(call) if auto._agreement_point() else None
-    assert points == [4, 8, 12, 16]
-    with pytest.raises(ValueError, match="agree_every=0"):
-        AutoScheduleOptions(agree_every=0)
+def _call(auto: AutoSchedule, predicted: dict[str, float], cost_s: dict[str, float]) -> ScheduleDecision:
+    """One call as `execute` makes it, without a group: a round that has run is agreed, then the
+    choice, measured at `cost_s` when in a round."""
+    if auto.round is not None and auto.calls >= auto.round.end:
+        auto.finish_round(None)
+    decision = auto.choose(predicted)
+    if decision.exploring:
+        auto.round.timed[decision.chosen] = ([cost_s[decision.chosen], 0.0], predicted[decision.chosen])
+    auto.calls += 1
+    return decision
 
 
-def test_the_factor_is_the_median_ratio_per_call():
-    """Calls of different flows, two of three measured twice their prediction: the factor is 2; the
-    ratio of the medians (3 / 1) mixes the calls. The first call, a warm-up, is left out."""
-    timing = _arbiter().timings["sync"]
-    timing.measured_s.extend([[9.0, 9.0], [0.5, 0.5], [1.5, 1.5], [2.0, 2.0]])
-    timing.predicted_s.extend([1.0, 0.5, 1.0, 2.0])
-    assert timing.medians() == (3.0, 1.0) and timing.ratio() == pytest.approx(2.0)
+def _run_round(auto: AutoSchedule, predicted: dict[str, float], cost_s: dict[str, float]) -> list[str]:
+    """The calls of the round due now, and its agreement; returns the round's order."""
+    orders = [_call(auto, predicted, cost_s).chosen]
+    while auto.calls < auto.round.end:
+        orders.append(_call(auto, predicted, cost_s).chosen)
+    auto.finish_round(None)
+    return orders
 
 
-def test_factors_skip_the_warm_up_call_and_count_the_backward():
-    auto = _arbiter()
-    timing = auto.timings["sync"]
-    timing.measured_s.extend([[9.0, 9.0], [1.0, 1.0], [1.2, 1.0], [0.8, 1.0], [5.0, None]])
-    timing.predicted_s.extend([1.0, 1.0, 1.0, 1.0, 1.0])
-    assert timing.medians() == (2.0, 1.0)  # forward + backward; the call without backward left out
-    forward_only = auto.timings["pairwise"]  # evaluation: no backward ever ran
-    forward_only.measured_s.extend([[3.0, None], [1.0, None], [2.0, None]])
-    forward_only.predicted_s.extend([1.0, 2.0, 2.0])
-    assert forward_only.medians() == (1.5, 2.0)
+def test_rounds_after_the_trials_every_few_forwards_among_the_close_candidates():
+    """Trials: every candidate, each round reversed; then a re-trial round every `retrial_every`
+    forwards of the chosen schedule and the candidates priced within `retrial_band` of it."""
+    cm = CostModel(Topology.homogeneous(4, 1e9), gemm_flops_per_s=1e9)
+    options = AutoScheduleOptions(trials=2, retrial_every=3, retrial_band=0.1)
+    schedules = {"sync": SyncSchedule(), "pairwise": PairwiseSchedule(), "pipeline": PairwiseSchedule()}
+    auto = AutoSchedule(schedules, SHAPE, cm, options)
+    predicted = {"sync": 1.0, "pairwise": 1.0, "pipeline": 1.0}
+    orders = [_run_round(auto, predicted, {"sync": 1.3, "pairwise": 1.0, "pipeline": 1.05}) for _ in range(2)]
+    assert orders == [["sync", "pairwise", "pipeline"], ["pipeline", "pairwise", "sync"]]
+    assert len(auto.rounds) == 1  # the first round: a warm-up
+    assert auto.timings["pipeline"].factor == pytest.approx(1.05)
+    between = []
+    while not (decision := auto.choose(predicted)).exploring:
+        between.append(decision.chosen)
+        auto.calls += 1
+    assert between == ["pairwise"] * 3  # 3 forwards, then a round
+    assert auto.round.order == ["pairwise", "pipeline"]  # sync priced 30% above pairwise: not re-tried
+    assert retrial_members({"sync": 1.3, "pairwise": 1.0, "pipeline": 1.2}, "pairwise", 0.1) == []
+    with pytest.raises(ValueError, match="retrial_every=0"):
+        AutoScheduleOptions(retrial_every=0)
+    with pytest.raises(ValueError, match="retrial_band=-0.1"):
+        AutoScheduleOptions(retrial_band=-0.1)
+
+
+def test_a_slow_spell_of_the_running_schedule_moves_every_factor_alike():
+    """pairwise is 10% cheaper than sync on this machine; after the trials the machine slows by 30%
+    for a while, then recovers. Factors from each candidate's own latest calls priced the running
+    pairwise at its slow-spell times against sync's trial times and switched; compared within
+    rounds, pairwise keeps running throughout."""
+    auto = _arbiter(trials=3)
+    auto.options = AutoScheduleOptions(trials=3, retrial_every=4, retrial_band=0.5)
+    predicted = {"sync": 1.0, "pairwise": 1.0}
+    chosen = []
+    for forward in range(60):
+        speed = 1.3 if 10 <= forward < 40 else 1.0
+        decision = _call(auto, predicted, {"sync": speed * 1.0, "pairwise": speed * 0.9})
+        if not decision.exploring:
+            chosen.append(decision.chosen)
+    assert set(chosen) == {"pairwise"} and len(chosen) > 20
+    assert auto.timings["sync"].factor / auto.timings["pairwise"].factor == pytest.approx(1 / 0.9)
+
+
+def test_the_factors_are_paired_within_rounds():
+    """Each round's ratios (measured / predicted per call: the calls ran different flows); the
+    reference (in most rounds) at its median, the others at theirs over it in the rounds both ran."""
+    rounds = [{"sync": 2.0, "pairwise": 1.0}, {"sync": 4.0, "pairwise": 2.2}, {"pairwise": 9.0}, {"pairwise": 1.1}]
+    factors = round_factors(rounds, ["sync", "pairwise"])
+    assert factors["pairwise"] == pytest.approx(1.65)  # median of 1.0, 2.2, 9.0, 1.1
+    assert factors["sync"] == pytest.approx(1.65 * np.median([2.0, 4.0 / 2.2]))
+    assert round_factors([], ["sync"]) == {}
+    assert round_factors([{"sync": 2.0}], ["sync", "pairwise"]) == {"sync": 2.0}  # pairwise: none yet
+    # A round's backward: counted when every member's ran, else forward only for all (evaluation).
+    from moeflow.strategies.schedules.auto import _Round
+
+    whole = _Round(0, 0, ["sync", "pairwise"], {"sync": ([1.0, 1.0], 1.0), "pairwise": ([1.0, 0.5], 0.5)})
+    assert whole.ratios() == {"sync": 2.0, "pairwise": 3.0}
+    partial = _Round(0, 0, ["sync", "pairwise"], {"sync": ([1.0, 1.0], 1.0), "pairwise": ([1.0, None], 0.5)})
+    assert partial.ratios() == {"sync": 1.0, "pairwise": 2.0}
 
 
 def test_placements_are_priced_with_the_running_schedules_correction():
