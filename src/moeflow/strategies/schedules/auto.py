@@ -14,19 +14,20 @@ the opposite direction of the one before (so that a drift of the machine's speed
 the first iterations run slower — favours no candidate). The first `trials` rounds run every
 candidate (the first of them a warm-up, left out); after them, every `retrial_every` forwards, a
 re-trial round runs the schedule chosen and every candidate priced at most `retrial_band` above it
-(those whose price a better measurement could bring below it; the others are not run again). A
-round's forwards are timed: the block's forward wall time, and its backward from the gradient
-reaching the block's outputs to the gradient leaving its sent rows (an identity mark on each), or,
-when nothing before the block needs a gradient (a first layer fed by data), to the end of the
-backward pass (an autograd engine callback; what runs after the block's own nodes — the copies'
-gradient sums, the gate — is then timed with it): cheap, no synchronisation. (A first layer's
+(those whose price a better measurement could bring below it; the others are not run again and
+keep the factor of their last round). A round's forwards are timed: the block's forward wall time,
+and its backward from the gradient reaching the block's outputs to the gradient leaving its sent
+rows (an identity mark on each), or, when nothing before the block needs a gradient (a first layer
+fed by data), to the end of the backward pass (an autograd engine callback; what runs after the
+block's own nodes — the copies' gradient sums, the gate — is then timed with it): cheap, no
+synchronisation. (A first layer's
 backward used to go untimed: its factors were forward-only, and put `pipeline` 9–34% under
 `pairwise` there while whole iterations measured it slower.) When a round has run (at the next
 forward, its backwards done), the ranks take the maximum of each candidate's measured / predicted
 over the group (one all-reduce of C numbers: the block ends with its slowest rank); of the last
 `_ROUNDS` rounds, each candidate's factor `s_c` is the reference's median measured / predicted times
 the median, over the rounds both ran, of the candidate's over the reference's (`round_factors`; the
-reference: the candidate in most rounds, the running schedule). Per call, because the calls ran
+reference: the candidate in most rounds, usually the running schedule). Per call, because the calls ran
 different flows and placements; paired within rounds, because only forwards run side by side
 compare: a slow spell of the machine moves every factor alike. (The factors used to be each
 candidate's own median over its latest calls, agreed every 4 forwards: the running schedule's
