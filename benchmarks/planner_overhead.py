@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeflow.core.checks import finite_number
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
 from moeflow.core.registry import LayerContext
@@ -124,6 +125,7 @@ def main() -> int:
         help="auto: the share of its copies the prefetch hides (Pro-Prophet Eq. 8's h; 0: none, plain EP wins more)",
     )
     args = parser.parse_args()
+    finite_number("--hidden-share", args.hidden_share, 0.0, 1.0)
     result = {
         "command": " ".join(["python", *sys.argv]),
         "gap_ms": args.gap_ms,

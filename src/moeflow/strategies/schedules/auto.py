@@ -140,8 +140,7 @@ class ScheduleBoard:
     their last forward), and the members of a re-trial round when one is due; the later layers run
     those decisions and post their prices for the next."""
 
-    def __init__(self, min_gain: float) -> None:
-        self.min_gain = min_gain
+    def __init__(self) -> None:
         self.prices: dict[int, dict[str, float]] = {}
         """The latest corrected prices of each member (by id)."""
         self.call: int | None = None
@@ -164,11 +163,6 @@ class ScheduleBoard:
             self.decided[kind] = decide()
         return self.decided[kind]
 
-    def choose(self, member: int, prices: dict[str, float], call: int) -> str:
-        """Post `member`'s prices; the candidate every member runs in forward `call`."""
-        self.post(member, prices)
-        return self.once(call, "choice", lambda: preferred(self.total(member, prices), self.min_gain))
-
 
 def share_schedule_choice(layers) -> ScheduleBoard | None:
     """Link the `schedule="auto"` arbiters of `layers` (one model's MoE layers) to one board: every
@@ -180,7 +174,7 @@ def share_schedule_choice(layers) -> ScheduleBoard | None:
     names = [list(a.candidates) for a in arbiters]
     if any(n != names[0] for n in names):
         raise ValueError(f"schedule='auto' layers with different candidates {names}: one choice needs the same ones")
-    board = ScheduleBoard(arbiters[0].options.min_gain)
+    board = ScheduleBoard()
     for arbiter in arbiters:
         arbiter.board = board
     return board
