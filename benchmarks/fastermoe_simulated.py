@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/fastermoe_simulated.py --out results/fastermoe_simulated.json
 
 johnny (16 V100, 2 nodes, IB degraded to 50 Gb/s) replays the real 16-rank, 32-expert SmartMoE
-GPT trace excerpt that ships with the package (`moeflow.perf.traces.SMARTMOE_TRACE`: MoE layers 0,
+GPT trace excerpt that ships with the package (`moeflow.sim.traces.SMARTMOE_TRACE`: MoE layers 0,
 8, 16 and 23 of 24, docs/traces.md); trevor (64 V100, 16 nodes) replays Zipf(1.2) routing over 64
 experts. Per-iteration speedup over synchronous EP of shadowing (moeflow's planner, and
 Algorithm 1's stop rule as `shadow_alg1`), the smart schedule (pairwise groups = the ranks of a
@@ -21,8 +21,8 @@ import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.simulator import SimulatedLayer, simulate
-from moeflow.perf.traces import Trace, resolve_trace, synthetic_trace
+from moeflow.sim.simulator import SimulatedLayer, simulate
+from moeflow.sim.traces import Trace, resolve_trace, synthetic_trace
 from moeflow.strategies.schedules.pairwise import default_group_size
 
 # FasterMoE §5.6 / Fig. 13 (speedup over FastMoE's synchronous EP).

@@ -17,7 +17,7 @@ results/profile-testbed-2x1.json and results/profile-testbed.json, made first if
 profile's link and collectives with the link's bandwidth halved (the two EP groups share each node's
 link), the 2 x 2 profile's GEMM rate (4 ranks on 2 cores), and the cost of one more pipeline chunk
 measured on the 2 x 2 testbed with this very layout (`moeflow profile --ops chunk_forward,chunk_backward
---chunk-esp-size 2`, results/profile-testbed-chunks-esp2.json; `moeflow.perf.chunk_profile`: a layer
+--chunk-esp-size 2`, results/profile-testbed-chunks-esp2.json; `moeflow.profiling.chunk_profile`: a layer
 of this shape, 512 tokens per rank, d_model 128, d_hidden 1024, at degrees 1, 2, 4, 8), with the
 share of the pipeline's overlap the testbed realises (`pipeline_overlap`, η). Written next to the
 result. `--esp-size 1` prices with the 2 x 2 profile itself (its chunk fit is plain EP).

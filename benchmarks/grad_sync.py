@@ -1,6 +1,6 @@
 """train.grad_sync on 2 gloo processes: step time of `ddp` and `fsmoe` buckets relative to
 `after_backward`, and the time waited for outstanding all-reduces after the backward
-(docs/training.md, docs/benchmarks.md). Same seed; modes interleaved over the repetitions.
+(docs/training.md, docs/fsmoe.md). Same seed; modes interleaved over the repetitions.
 
     .venv/bin/python benchmarks/grad_sync.py --out results/grad_sync.json
 """

@@ -28,8 +28,8 @@ import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.simulator import SimulatedLayer, simulate
-from moeflow.perf.traces import Trace, resolve_trace, synthetic_trace
+from moeflow.sim.simulator import SimulatedLayer, simulate
+from moeflow.sim.traces import Trace, resolve_trace, synthetic_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prophet_simulated import attention_forward_s  # noqa: E402

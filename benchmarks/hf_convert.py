@@ -102,7 +102,8 @@ def single_process(rounds: int) -> list[dict]:
 def _worker(rank: int, world: int, init: str, cost_model: str, steps: int, inter: int, out: str) -> None:
     import torch.distributed as dist
 
-    from moeflow.core.parallel import ParallelLayout, all_reduce_gradients
+    from moeflow.core.parallel import ParallelLayout
+    from moeflow.model_step import all_reduce_gradients
     from moeflow.perf.costmodel import CostModel
 
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ all-to-all, layout transforms, inter-node all-to-all among equal local indices),
 two interleaved. Each size is timed on the slowest rank (median of the repeats) and priced by the
 dispatchers' own `price` with the testbed's profile — the numbers the simulator and the planners
 use. With `--latency-ms` the inter-node links also get a delay (tc netem: needs the kernel's
-sch_netem module, which the machine of docs/benchmarks.md lacks): the regime (many small messages
+sch_netem module, which the machine of docs/fsmoe.md lacks): the regime (many small messages
 over a slow, high-latency network) in which hierarchical exchange is meant to win.
 
     sudo .venv/bin/python benchmarks/hierarchical_a2a.py --cost-model results/profile-testbed.json \

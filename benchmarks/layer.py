@@ -4,7 +4,7 @@ measured interleaved round by round (`moeflow.bench.layer`).
 
     .venv/bin/python benchmarks/layer.py --out results/layer.json
     .venv/bin/python benchmarks/layer.py --quick          # one small config, for a smoke run
-    # ffn experts next to Tutel (built as in docs/benchmarks.md, "Layer speed") and a baseline tree:
+    # ffn experts next to Tutel (built as in docs/performance.md) and a baseline tree:
     /work/tutel-venv/bin/python benchmarks/layer.py --expert ffn --dtype float32 --rounds 5 \
         --baseline-src /tmp/moeflow-base/src --out results/layer_tutel.json
 

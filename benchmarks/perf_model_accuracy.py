@@ -5,7 +5,7 @@ testbed (namespaces + a tc-shaped inter-node link, ``scripts/testbed.py``) — e
 1. runs the real ``MoELayer`` (expert parallel over the group) forward+backward for several
    (d, h, E, T, skew) configurations and records the median step time (slowest rank) and the
    flow matrix the gate produced (``layer.stats.flow``);
-2. profiles its own backend (``moeflow.perf.profiler.run_profile``: GEMM on the workload's expert
+2. profiles its own backend (``moeflow.profiling.profiler.run_profile``: GEMM on the workload's expert
    shapes, a memory-bound kernel, all-to-all, point-to-point intra/inter node) -> ``CostModel``,
    in rounds interleaved with the measurements (one sweep, then one step of every configuration)
    so that both see the same machine load; per size the median over rounds is fitted;
@@ -85,7 +85,7 @@ def worker(out_path: str | None) -> list[dict] | None:
     import torch.distributed as dist
 
     from moeflow import MoELayer
-    from moeflow.perf.profiler import ProfileConfig, run_profile
+    from moeflow.profiling.profiler import ProfileConfig, run_profile
 
     torch.set_num_threads(1)
     created = not dist.is_initialized()
@@ -161,7 +161,7 @@ def worker(out_path: str | None) -> list[dict] | None:
 def pool_profiles(runs: list[dict]) -> dict:
     """One profile from several runs of the same sweep: per size the median over runs, refitted."""
     from moeflow.perf.alpha_beta import AlphaBeta
-    from moeflow.perf.profiler import topology_from_fits
+    from moeflow.profiling.profiler import topology_from_fits
 
     first = runs[0]
     measurements, fits = {}, {}
@@ -184,8 +184,8 @@ def predict(record: dict, profile: dict, a2a_calibration: bool) -> dict:
     """Sync-EP prediction of one measured configuration from its flow and the group's profile."""
     from moeflow.core.expert_shape import ExpertShape
     from moeflow.perf.costmodel import CostModel
-    from moeflow.perf.simulator import SimulatedLayer, simulate
-    from moeflow.perf.traces import Trace
+    from moeflow.sim.simulator import SimulatedLayer, simulate
+    from moeflow.sim.traces import Trace
 
     cost_model = CostModel.from_dict({**profile, "a2a_calibration": a2a_calibration})
     flow = np.asarray(record["flow"], dtype=np.int64)

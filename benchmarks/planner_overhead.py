@@ -1,5 +1,5 @@
 """Time each planner spends on the layer's critical path per call, planning inline vs on the planning
-thread (`strategies/planners/ahead.py`), side by side (docs/benchmarks.md, "Planning off the
+thread (`strategies/planners/ahead.py`), side by side (docs/performance.md, "Planning off the
 critical path").
 
     .venv/bin/python benchmarks/planner_overhead.py --out results/planner_overhead.json
@@ -15,9 +15,7 @@ source rank, or `--load even`, every expert equally likely (there, with `--hidde
 wins every call: what `auto`'s planners cost it when nothing is to be gained), 4096 tokens per rank,
 seeded; priced on two cluster presets (Pro-Prophet's LPWNV, 8 GPUs; FasterMoE's johnny, 16 GPUs), 2
 experts per GPU, d = 256, h = 1024. Modes alternate call by call (each planner object keeps its own
-state); medians over `--calls` calls after 5 warm-up calls. `auto` rests candidates that keep losing
-(`rest_margin`, `max_rest`); `auto_all` prices every candidate every call: the JSON gives both, the
-candidates each priced per call, and the share of calls where the two chose the same planner.
+state); medians over `--calls` calls after 5 warm-up calls; for `auto`, which planner it chose.
 """
 
 from __future__ import annotations
@@ -36,23 +34,22 @@ from moeflow.core.placement import Placement
 from moeflow.core.registry import LayerContext
 from moeflow.perf.costmodel import CostModel
 from moeflow.strategies import PLANNERS
+from moeflow.strategies.planners.auto import AutoPlanner
+from moeflow.strategies.planners.base import PlanAheadPlanner, PrefetchWindow
 
 CLUSTERS = {"prophet_lpwnv": 2, "johnny": 2}
 """Cluster presets (moeflow.perf.topology_presets) and experts per device."""
-PLANNER_NAMES = ("shadow", "prophet", "eplb", "fssdp", "auto", "auto_all")
-"""`auto_all`: `auto` pricing every candidate every call (`max_rest=0`), beside `auto`, which rests
-the candidates that keep losing."""
+PLANNER_NAMES = ("shadow", "prophet", "eplb", "fssdp", "auto")
 
 
-def _build(row: str, ctx: LayerContext, background: bool, hidden_share: float):
-    name, options = ("auto", {"max_rest": 0}) if row == "auto_all" else (row, {})
-    planner = PLANNERS.build(name, ctx, options)
-    inner = getattr(planner, "planners", {}).values() if name == "auto" else [planner]
+def _build(name: str, ctx: LayerContext, background: bool, hidden_share: float):
+    planner = PLANNERS.build(name, ctx)
+    inner = planner.planners.values() if isinstance(planner, AutoPlanner) else [planner]
     for p in inner:
-        if hasattr(p, "next_plan"):
+        if isinstance(p, PlanAheadPlanner):
             p.next_plan.background = background
     if name == "auto":  # as in a layer with the prefetch
-        planner.prefetched, planner.nonmoe_forward_s, planner.hidden_share = True, 0.01, hidden_share
+        planner.use_prefetch(PrefetchWindow(0.01, hidden_share))
     return planner
 
 
@@ -84,14 +81,14 @@ def measure(
                 planner(flow, owners, cost_model)
                 spent[mode].append(time.perf_counter() - start)
                 time.sleep(gap_s)  # the layer's exchanges and experts; then the block before the next call
-                if name.startswith("auto"):  # where the prefetch asks for the planned-ahead choice
+                if name == "auto":  # where the prefetch asks for the placement to send ahead
                     start = time.perf_counter()
                     planner.next_placement()
                     spent[mode][-1] += time.perf_counter() - start
                 cpu[mode].append(time.process_time() - cpu_start)
-            if name.startswith("auto"):
+            if name == "auto":
                 priced.append(len(planners["thread"].last.prices_s))
-                chosen.append(planners["thread"].chosen)
+                chosen.append(planners["thread"].choice())
         med = {mode: float(np.median(v[5:])) for mode, v in spent.items()}
         out[name] = {
             "inline_ms": 1e3 * med["inline"],
@@ -105,10 +102,6 @@ def measure(
             f"{cluster} {name:8s} inline {out[name]['inline_ms']:6.2f} ms  thread {out[name]['thread_ms']:6.2f} ms"
             f"  cpu {out[name]['cpu_ms']['inline']:6.2f} / {out[name]['cpu_ms']['thread']:6.2f} ms"
         )
-    if "auto" in out and "auto_all" in out:  # the calls where resting changed the choice
-        pairs = list(zip(out["auto"]["chosen"], out["auto_all"]["chosen"]))
-        out["auto"]["same_choice_as_auto_all"] = sum(a == b for a, b in pairs) / len(pairs)
-        print(f"{cluster} auto chose as auto_all in {100 * out['auto']['same_choice_as_auto_all']:.0f}% of calls")
     return {"world": world, "experts": experts, "planners": out}
 
 

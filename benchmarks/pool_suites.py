@@ -1,7 +1,7 @@
 """Pool several runs of the testbed suite (`benchmarks/strategies.py --where testbed`): per workload,
 each variant's speedup over EP as the geometric mean over the runs, the best single strategy chosen
 on the pooled speedups, and `auto`'s distance to it; beside it, what the measurement itself
-resolves (docs/benchmarks.md, "What one run resolves, and duplicates rest").
+resolves (docs/auto.md).
 
     .venv/bin/python benchmarks/pool_suites.py results/strategies-testbed-2x1{z,z2,aa,ab}.json \
         --out results/strategies-testbed-2x1-pooled.json

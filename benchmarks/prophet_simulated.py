@@ -23,8 +23,8 @@ from pathlib import Path
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.simulator import SimulatedLayer, simulate
-from moeflow.perf.traces import Trace, resolve_trace, synthetic_trace
+from moeflow.sim.simulator import SimulatedLayer, simulate
+from moeflow.sim.traces import Trace, resolve_trace, synthetic_trace
 
 PAPER = {"over_ep": (1.36, 2.66), "over_fastermoe": (1.01, 1.50)}
 CLUSTERS = ("prophet_hpwnv", "prophet_hpnv", "prophet_lpwnv", "johnny")

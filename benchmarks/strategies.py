@@ -35,8 +35,8 @@ import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.simulator import SimulatedLayer, simulate
-from moeflow.perf.traces import Trace, resolve_trace, synthetic_trace
+from moeflow.sim.simulator import SimulatedLayer, simulate
+from moeflow.sim.traces import Trace, resolve_trace, synthetic_trace
 
 SKEWS = (0.0, 0.8, 1.2, 1.6, 2.0)
 SCHEDULES = ("sync", "pairwise", "auto")

@@ -8,7 +8,7 @@ inter-node link. Every rank then
      `run_profile`) -> a `CostModel` with α-β fits (TA-MoE §4.1 Eq. 2: α, β of every pair, here
      measured rather than assumed);
   2. solves the TA-MoE LP for the layer shape (E experts, top-k, S tokens of d_model fp32 per rank;
-     `moeflow.strategies.topology_aware.target_dispatch_pattern`) -> target ĉ, smoothed with λ;
+     `moeflow.routing.topology_aware.target_dispatch_pattern`) -> target ĉ, smoothed with λ;
      turns it into per-destination row counts;
   3. times `moeflow.core.dispatch.all_to_all_v` (gloo `all_to_all_single` with uneven splits) for the
      even pattern, TA-MoE Table 1's uneven pattern and the TA-MoE target(s), interleaved, slowest
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from moeflow.strategies.topology_aware import TABLE1_UNEVEN
+from moeflow.routing.topology_aware import TABLE1_UNEVEN
 from testbed_run import run_workers, write_result
 
 
@@ -58,8 +58,8 @@ def worker(args: argparse.Namespace) -> None:
     from moeflow.core.dispatch import all_to_all_v
     from moeflow.core.placement import cross_node_share, plain_ep_owners
     from moeflow.perf.costmodel import CostModel
-    from moeflow.perf.profiler import ProfileConfig, run_profile
-    from moeflow.strategies.topology_aware import flow_from_target, target_dispatch_pattern
+    from moeflow.profiling.profiler import ProfileConfig, run_profile
+    from moeflow.routing.topology_aware import flow_from_target, target_dispatch_pattern
 
     torch.set_num_threads(1)  # 4 ranks share 2 cores (torchrun's default policy)
     dist.init_process_group("gloo")

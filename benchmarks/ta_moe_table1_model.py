@@ -22,8 +22,8 @@ import sys
 
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import GBIT, Topology
-from moeflow.strategies.topology_aware import TABLE1_EVEN as EVEN
-from moeflow.strategies.topology_aware import TABLE1_UNEVEN as UNEVEN
+from moeflow.routing.topology_aware import TABLE1_EVEN as EVEN
+from moeflow.routing.topology_aware import TABLE1_UNEVEN as UNEVEN
 
 MB = 2**20
 

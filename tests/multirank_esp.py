@@ -14,7 +14,8 @@ import torch
 
 from moeflow import MoELayer
 from moeflow.core.expert_sharding import to_expert_sharding
-from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
+from moeflow.core.parallel import ParallelLayout, dense_parameters, expert_parameters
+from moeflow.model_step import all_reduce_gradients
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.strategies.schedules.pipeline_pricing import agree_over_esp

@@ -10,11 +10,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.core.parallel import ParallelLayout, all_reduce_gradients
-from moeflow.core.prefetch import BlockPrefetch
-from moeflow.core.resharding import maybe_reshard, reshard_experts
+from moeflow.core.parallel import ParallelLayout
+from moeflow.core.resharding import reshard_experts
+from moeflow.model_step import all_reduce_gradients, maybe_reshard
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
+from moeflow.strategies.prefetch import BlockPrefetch
 
 from .equivalence import TOL
 from .multirank_prophet import TwoBlocks, _batch

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moeflow.core.parallel import ParallelLayout, all_reduce_gradients
+from moeflow.core.parallel import ParallelLayout
 from moeflow.hf import convert_moe_blocks, export_moe_blocks
+from moeflow.model_step import all_reduce_gradients
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 

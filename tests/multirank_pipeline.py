@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
-from moeflow.core.parallel import ParallelLayout, all_reduce_gradients
-from moeflow.core.prefetch import BlockPrefetch
+from moeflow.core.parallel import ParallelLayout
+from moeflow.model_step import all_reduce_gradients
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
+from moeflow.strategies.prefetch import BlockPrefetch
 
 from .equivalence import TOL, D, H, forward_backward, inputs
 from .multirank_prophet import TwoBlocks, _batch

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moeflow import cli
-from moeflow.perf.traces import load_trace
+from moeflow.sim.traces import load_trace
 from moeflow.training import checkpoint
 from moeflow.training.config import ModelConfig, MoEConfig
 from moeflow.training.config_files import load_config

@@ -6,8 +6,8 @@ import pytest
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.perf.costmodel import AlphaBeta, CostModel
 from moeflow.perf.topology import Topology
+from moeflow.routing.topology_aware import TABLE1_EVEN, TABLE1_UNEVEN
 from moeflow.strategies.planners.prophet_model import prophet_layer_times
-from moeflow.strategies.topology_aware import TABLE1_EVEN, TABLE1_UNEVEN
 
 
 def lat_comp(m, tokens_W, d, h, kind="ffn"):

@@ -1,5 +1,5 @@
 """On a CUDA device (skipped where there is none, as in CI): the layer computes on the GPU what it
-computes on the CPU, forward and backward; the timers `strategy="auto"` learns from measure the GPU's
+computes on the CPU, forward and backward; the timer `strategy="auto"` learns from measures the GPU's
 work (kernels run asynchronously: a host clock around a launch reads the launch, not the work); and a
 short training run on the GPU checkpoints and resumes."""
 
@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from moeflow import MoELayer
-from moeflow.core.layer_times import LayerTimes
+from moeflow.perf.costmodel import CostModel
+from moeflow.perf.topology import Topology
+from moeflow.strategies import timing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -31,7 +33,7 @@ def _no_tf32():
 
 
 def test_compute_timer_reads_the_kernels_not_their_launch():
-    times = LayerTimes()
+    forward = timing._Forward(cuda=True)
     a_DD = torch.randn(4096, 4096, device="cuda") / 64
 
     def compute(x_RD, counts_SJ):
@@ -42,15 +44,14 @@ def test_compute_timer_reads_the_kernels_not_their_launch():
     x_RD = torch.randn(4096, 4096, device="cuda")
     compute(x_RD, None)  # warm-up: cuBLAS handles, allocator
     torch.cuda.synchronize()
-    times.computes_from_here()
     started = time.perf_counter()
-    times.timed_compute(compute, x_RD, None)
+    forward.timed("compute", compute, x_RD, None)
     launched_s = time.perf_counter() - started
     torch.cuda.synchronize()
     wall_s = time.perf_counter() - started
-    times.take_rows(1, "cuda")  # reads the events
-    assert times.compute_s > 0.5 * wall_s, (times.compute_s, wall_s, launched_s)
-    assert times.compute_s <= wall_s * 1.05, (times.compute_s, wall_s)
+    compute_s = forward.seconds("compute")  # reads the events
+    assert compute_s > 0.5 * wall_s, (compute_s, wall_s, launched_s)
+    assert compute_s <= wall_s * 1.05, (compute_s, wall_s)
 
 
 @pytest.mark.parametrize("expert", ["ffn", "swiglu"])
@@ -75,17 +76,15 @@ def test_layer_on_cuda_equals_cpu(expert):
         torch.testing.assert_close(grads_gpu[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_layer_times_its_step_on_cuda():
+def test_auto_learns_from_the_timed_gpu_forwards():
     torch.manual_seed(0)
-    layer = MoELayer(256, 1024, 4, top_k=2).cuda()
-    for _ in range(2):
+    cm = CostModel(Topology.homogeneous(1, 1e11), gemm_flops_per_s=1e13)
+    layer = MoELayer(256, 1024, 4, top_k=2, strategy="auto", cost_model=cm).cuda()
+    for _ in range(timing.AGREE_EVERY + 1):  # the first AGREE_EVERY forwards' times agreed at the next
         x = torch.randn(2048, 256, device="cuda", requires_grad=True)
         layer(x).square().sum().backward()
-    torch.cuda.synchronize()
-    layer.times.take_rows(4, "cuda")
-    times = layer.times
-    assert times.forward_s > 0 and times.compute_s > 0
-    assert times.compute_s <= times.forward_s * 1.05  # the computes are inside the forward
+    factor = layer.planner.factors["compute"].value
+    assert factor is not None and factor > 0 and layer.planner.model_error() is not None
 
 
 def test_train_on_cuda_checkpoints_and_resumes(tmp_path: Path):

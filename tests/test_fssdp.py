@@ -12,6 +12,7 @@ from moeflow.core.registry import LayerContext
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.strategies import PLANNERS
+from moeflow.strategies.planners.base import PrefetchWindow
 from moeflow.strategies.planners.fssdp import FSSDPOptions, FSSDPPlanner
 from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
 
@@ -162,7 +163,7 @@ def test_planning_thread_plans_what_inline_planning_plans(name):
     flows = [hot, hot[:, [1, 0, 2, 3]], np.full((4, 4), 30), hot]
     for i, flow in enumerate(flows):
         for planner in (threaded, inline):
-            planner.prefetched, planner.nonmoe_forward_s, planner.hidden_share = i % 2 == 1, 0.01, 0.5
+            planner.use_prefetch(PrefetchWindow(0.01, 0.5) if i % 2 == 1 else None)
         assert threaded(flow, owners, cm) == inline(flow, owners, cm)
     clone = copy.deepcopy(threaded)
     assert clone.next_placement() == threaded.next_placement() == inline.next_placement()
@@ -170,27 +171,4 @@ def test_planning_thread_plans_what_inline_planning_plans(name):
     if name == "fssdp":
         assert threaded.last.predicted_s == inline.last.predicted_s and threaded.last.accepted == inline.last.accepted
     else:
-        assert threaded.predicted_s == inline.predicted_s
-
-
-def test_searches_deferred_start_when_the_block_ends():
-    """`searches_deferred`: a search submitted inside waits (the caller's pricing keeps the GIL),
-    starts on the planning thread at the block's end, and one asked for before then runs inline."""
-    import threading
-
-    from moeflow.strategies.planners.ahead import PlanAhead, searches_deferred
-
-    threads = []
-
-    def search(x):
-        threads.append(threading.current_thread().name)
-        return 2 * x
-
-    late, early = PlanAhead(), PlanAhead()
-    with searches_deferred():
-        late.submit(search, 1)
-        early.submit(search, 2)
-        with searches_deferred():  # nested: still the outer block's
-            assert threads == []
-        assert early.result() == 4 and threads == [threading.current_thread().name]
-    assert late.result() == 2 and threads[1].startswith("moeflow-plan")
+        assert threaded.last == inline.last  # the predicted times of the copies prefixes

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from moeflow import MoELayer
-from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters, expert_parameters
+from moeflow.core.parallel import ParallelLayout, dense_parameters, expert_parameters
+from moeflow.model_step import all_reduce_gradients
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 

@@ -97,7 +97,7 @@ def test_predict_is_pipeline_degree_priced_time():
 
 
 def test_measured_chunk_cost_is_priced_per_chunk_and_moves_auto_to_fewer_chunks():
-    """`moeflow profile`'s chunk_* fits add to the experts' α of their pass (perf.chunk_profile):
+    """`moeflow profile`'s chunk_* fits add to the experts' α of their pass (profiling.chunk_profile):
     each chunk pays it, so degree 1 costs sync + one chunk per pass, and a chunk cost of the size
     the CPU testbed measured (milliseconds) turns auto's choice from many chunks to few."""
     base = CostModel(Topology.homogeneous(4, 1e7), gemm_flops_per_s=1e9)

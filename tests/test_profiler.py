@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scri
 
 from moeflow.cli import main
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.profiler import ProfileConfig
+from moeflow.profiling.profiler import ProfileConfig
 
 
 @pytest.mark.multirank
@@ -96,9 +96,9 @@ def test_profile_argument_errors(capsys):
 
 
 def test_chunk_fit_and_layout():
-    """`perf.chunk_profile`: t(r) = a + b/r + c·r recovered exactly (c = cost of one more chunk),
+    """`profiling.chunk_profile`: t(r) = a + b/r + c·r recovered exactly (c = cost of one more chunk),
     the realised overlap η from it; an ESP group must lie inside one node."""
-    from moeflow.perf.chunk_profile import check_chunk_layout, chunk_fit, overlap_share
+    from moeflow.profiling.chunk_profile import check_chunk_layout, chunk_fit, overlap_share
 
     r = np.array([1, 2, 4, 8])
     fit = chunk_fit(r, 0.010 + 0.006 / r + 0.002 * r)

@@ -60,9 +60,9 @@ def test_best_prefix_and_growing_transfer_count_eq_1_to_6():
     for k, (expert, to) in enumerate([(None, [])] + decision.steps):
         if expert is not None:
             holders[expert, to] = True
-        plan_SED = dispatch_counts(flow.astype(np.int64), Placement(OWNERS.owner_E, holders))
-        H_W = plan_SED.sum((0, 1))
-        R_W = H_W - np.einsum("ses->s", plan_SED)
+        plan_SEW = dispatch_counts(flow.astype(np.int64), Placement(OWNERS.owner_E, holders))
+        H_W = plan_SEW.sum((0, 1))
+        R_W = H_W - np.einsum("ses->s", plan_SEW)
         bbar, size = cm.mean_bandwidth_bytes_per_s, SHAPE.param_bytes(4)
         copies = int(holders.sum() - 4)
         fec = H_W.max() * SHAPE.forward_flops_per_token / 1e9
@@ -93,8 +93,8 @@ def test_eq8_overlap_and_links_model_use_the_shared_cost_model():
     extra[0, [1, 2]] = True
     placement = OWNERS.with_holders(extra)
     cm = _cm(1e8)
-    plan_SED = dispatch_counts(flow.astype(np.int64), placement)
-    compute, a2a = cm.sync_step_times(plan_SED.sum(1), plan_SED.sum(0).T, SHAPE)
+    plan_SEW = dispatch_counts(flow.astype(np.int64), placement)
+    compute, a2a = cm.sync_step_times(plan_SEW.sum(1), plan_SEW.sum(0).T, SHAPE)
     size = SHAPE.param_bytes(4)
     copies = sum(cm.copies_time(size, placement.holders_EW, placement.owner_E, d) for d in ("materialize", "reduce"))
     options = ProphetOptions()

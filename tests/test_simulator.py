@@ -8,12 +8,12 @@ import pytest
 from moeflow.cli import main
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.registry import Component
-from moeflow.perf import simulator as sim
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.roofline import curves, points_from_simulation, throughput
 from moeflow.perf.topology import Topology
-from moeflow.perf.traces import Trace, load_trace, synthetic_trace
 from moeflow.routing.hierarchical import cross_node_ratios
+from moeflow.sim import simulator as sim
+from moeflow.sim.roofline import curves, points_from_simulation, throughput
+from moeflow.sim.traces import Trace, load_trace, synthetic_trace
 from moeflow.strategies import PLANNERS, SCHEDULES
 from moeflow.strategies.planners.ep import plan_ep
 

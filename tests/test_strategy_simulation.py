@@ -9,10 +9,10 @@ from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
 from moeflow.perf.alpha_beta import AlphaBeta
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.roofline import points_from_simulation
-from moeflow.perf.simulator import SimulatedLayer, simulate
 from moeflow.perf.topology import Topology
-from moeflow.perf.traces import synthetic_trace
+from moeflow.sim.roofline import points_from_simulation
+from moeflow.sim.simulator import SimulatedLayer, simulate
+from moeflow.sim.traces import synthetic_trace
 from moeflow.strategies.planners.shadow import ShadowPlanner
 
 SHAPE = ExpertShape(d_model=1024, d_hidden=4096)
@@ -81,8 +81,8 @@ def test_planner_and_simulator_price_a_step_alike():
 def test_prophet_in_the_simulator_sees_only_the_past_and_prefetch_hides_copies():
     from moeflow.core.expert_shape import ExpertShape
     from moeflow.perf.costmodel import CostModel
-    from moeflow.perf.simulator import SimulatedLayer, simulate
-    from moeflow.perf.traces import synthetic_trace
+    from moeflow.sim.simulator import SimulatedLayer, simulate
+    from moeflow.sim.traces import synthetic_trace
 
     cm = CostModel.from_preset("prophet_lpwnv")
     trace = synthetic_trace("zipf", 4, 2, 8, 16, 8192, 2, skew=1.6)

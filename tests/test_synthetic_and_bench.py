@@ -153,8 +153,9 @@ def test_strategy_bench_on_two_ranks(tmp_path, capsys):
         )
         assert a2a == hier == 2 * bf16 > 0
     assert all(r["median_s"] > 0 and len(r["times_s"]) == 2 for r in rows)
-    # The shadow planner's own prediction sits next to the measurement (>= 1: EP is a candidate).
-    assert all((r["planner_predicted_speedup"] is None) == (r["strategy"] == "ep") for r in rows)
+    # The cost model's speedup of what ran over the owners alone sits next to the measurement (shadowing
+    # takes copies only when they are predicted faster; EP is the owners alone).
+    assert all(r["planner_predicted_speedup"] == pytest.approx(1.0) for r in rows if r["strategy"] == "ep")
     assert all(r["planner_predicted_speedup"] >= 1.0 for r in rows if r["strategy"] == "shadow")
     _print_strategy_rows(rows)
     printed = capsys.readouterr().out
@@ -186,7 +187,6 @@ def test_suite_blocks_prefetch_trace_replay_drift_and_ceiling_on_two_ranks(tmp_p
     assert len(rows) == 3 * per_case
     for r in rows:
         assert r["median_s"] > 0 and r["load_std_mean"] >= 0 and len(r["times_s"]) == 3
-        assert 0.0 <= r["layer_spread"] < float("inf")  # the layers' forwards and backwards timed (training mode)
         if r["strategy"] == "prophet":
             assert r["copies_mean"] > 0 and r["prefetch"], r  # fast network, slow GEMMs
             assert all(0.0 <= h <= 1.0 for h in r["prefetch_hidden_share"])
@@ -201,4 +201,3 @@ def test_suite_blocks_prefetch_trace_replay_drift_and_ceiling_on_two_ranks(tmp_p
     auto = [r for r in rows if (r["strategy"], r["schedule"]) == ("auto", "auto")]
     assert all(sum(r["chosen_schedule"].values()) == 2 * 3 for r in auto)  # two layers, three iterations
     assert all(set(r["chosen_schedule"]) <= {"sync", "pairwise", "pipeline"} for r in auto)
-    assert all(len(r["schedule_timings"]) == 2 and r["schedule_timings"][0] for r in auto)  # per layer, what ran

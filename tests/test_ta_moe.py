@@ -19,8 +19,8 @@ from moeflow.routing import BALANCES
 from moeflow.routing.balance import GShardBalance
 from moeflow.routing.gates import TopKGate
 from moeflow.routing.ta_moe import TAMoEBalance, TAMoEOptions
-from moeflow.strategies.topology_aware import flow_from_target, solve_dispatch_lp
-from moeflow.strategies.topology_aware import target_dispatch_pattern as _target
+from moeflow.routing.topology_aware import flow_from_target, solve_dispatch_lp
+from moeflow.routing.topology_aware import target_dispatch_pattern as _target
 
 
 def links(topo: Topology) -> CostModel:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moeflow import cli
-from moeflow.perf.traces import TraceRecorder, load_trace
+from moeflow.sim.traces import TraceRecorder, load_trace
 from moeflow.training.config_files import load_config
 from moeflow.training.optim import clip_gradients, lr_factor
 from moeflow.training.trainer import Trainer
@@ -234,7 +234,7 @@ def test_user_data_trains(tmp_path):
 
 def test_trace_file_is_what_the_simulator_reads(tmp_path):
     """docs/traces.md is a contract with `moeflow simulate`: its reader must accept our file."""
-    traces = pytest.importorskip("moeflow.perf.traces")
+    traces = pytest.importorskip("moeflow.sim.traces")
     trace = TraceRecorder(
         {
             "num_experts": 4,

@@ -1,6 +1,6 @@
 """The model a strategy benchmark times: `blocks` MoE layers, each followed by a dense residual part
 (the non-MoE layer of Pro-Prophet's block, §V), so that a planner that plans ahead can prefetch
-the copies of layer i+1 during block i (`core.prefetch.BlockPrefetch`). One block is one bare
+the copies of layer i+1 during block i (`strategies.prefetch.BlockPrefetch`). One block is one bare
 MoE layer (no dense part): what the benchmark timed before blocks existed.
 
 Shape suffixes: T tokens on this rank, D d_model, W ranks, E experts.
@@ -12,10 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.core.layer import MoELayer
-from moeflow.core.prefetch import BlockPrefetch
-from moeflow.strategies.planners.auto import share_correction
-from moeflow.strategies.schedules.auto import share_schedule_choice
+from moeflow.layer import MoELayer
+from moeflow.strategies.prefetch import BlockPrefetch
 
 
 class BenchBlocks(nn.Module):
@@ -32,8 +30,6 @@ class BenchBlocks(nn.Module):
                 linear.weight.copy_(torch.randn(d, d, generator=gen) / d**0.5)
                 linear.bias.zero_()
         self.prefetch = BlockPrefetch(layers) if prefetch else None
-        share_schedule_choice(layers)  # schedule="auto": one schedule for every layer
-        share_correction(layers)  # strategy="auto": one machine correction
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         if len(self.moe) == 1:

@@ -9,7 +9,7 @@ often.
 
 It does not remove noise that has nothing to do with order: on the 2 × 2 network testbed two
 identical sync layers still measured 0.83–0.97× of each other over 20–40 rounds in this order
-(0.78–1.34× in fixed and rotated ones; docs/benchmarks.md, "FasterMoE on the network testbed").
+(0.78–1.34× in fixed and rotated ones; docs/fastermoe.md).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 from moeflow.bench.interleave import balanced_order
-from moeflow.core.layer import MoELayer
+from moeflow.layer import MoELayer
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def load_moeflow_layer_class(src_dir: str) -> type:
         del sys.modules[name]
     sys.path.insert(0, src_dir)
     try:
-        cls = importlib.import_module("moeflow.core.layer").MoELayer
+        cls = importlib.import_module("moeflow.layer").MoELayer
         if not cls.__module__ or not sys.modules[cls.__module__].__file__.startswith(src_dir):
             raise ImportError(f"moeflow under {src_dir!r} did not load (got {sys.modules[cls.__module__].__file__})")
     finally:

@@ -16,16 +16,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.bench.arbiters import arbiter_fields, forget_forecasts, layer_spread
 from moeflow.bench.blocks import BenchBlocks
 from moeflow.bench.interleave import balanced_order
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.heap import HeapTrim
-from moeflow.core.layer import MoELayer
-from moeflow.core.resharding import maybe_reshard
-from moeflow.perf.traces import Trace, resolve_trace, synthetic_trace
+from moeflow.core.hooks import MoEHook
+from moeflow.core.placement import Placement
+from moeflow.layer import MoELayer
+from moeflow.model_step import maybe_reshard
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
-from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
+from moeflow.sim.traces import Trace, resolve_trace, synthetic_trace
+from moeflow.strategies.planners.auto import AutoPlanner
+from moeflow.strategies.planners.prophet_model import Pricing, price_placement
 
 
 class Variant(NamedTuple):
@@ -91,7 +93,7 @@ class StrategyBenchConfig:
     the last iterations that fit)."""
     drift_period: int = 0
     """Also a drifting load: two hot experts with half the load, moving to the next experts every
-    this many iterations (`perf.traces.synthetic_trace("drift")`); 0: off."""
+    this many iterations (`sim.traces.synthetic_trace("drift")`); 0: off."""
     ceiling: bool = False
     """Also time, beside every routing case, plain EP on perfectly even routing with the same tokens
     (`SampledGate(even=True)`): the force-balanced ceiling, and each row's `share_of_ceiling`."""
@@ -127,7 +129,7 @@ class StrategyBenchConfig:
                 raise ValueError(f"variant {str(v)!r}: a prefetch needs a block before the layer (--blocks >= 2)")
 
 
-class PhaseTimer:
+class PhaseTimer(MoEHook):
     """Hook recording forward wall-clock times of dispatch, expert compute and combine (sync)."""
 
     def __init__(self) -> None:
@@ -229,7 +231,7 @@ def _model(
             hooks=[timer] if variant.schedule == "sync" and b == 0 else None,
         )
         layers.append(layer.to_expert_parallel(dist.group.WORLD))
-    if variant.prefetch and not getattr(layers[0].planner, "plans_ahead", False):
+    if variant.prefetch and not layers[0].planner.plans_ahead:
         raise ValueError(
             f"variant {str(variant)!r}: strategy {variant.strategy!r} does not plan ahead; nothing to prefetch"
         )
@@ -261,33 +263,29 @@ class _Run:
     """The schedule each layer ran, every timed iteration (`schedule="auto"` chooses)."""
     reshards: list[tuple[int, float]] = field(default_factory=list)
     """(experts moved, seconds) of every re-sharding (FSSDP, `core.resharding`)."""
-    layer_times: list[list[float]] = field(default_factory=list)
-    """Each layer's forward + backward time (the slowest rank's), every timed iteration."""
 
     def record(self, elapsed_s: float) -> None:
         """One timed iteration (collective: every rank calls it). Per layer, averaged over the blocks:
-        copies beyond the owners, the balance metric (Pro-Prophet Fig. 12), and the planner's own
-        predicted speedup for the placement it chose; summed over the blocks, the cost model's time
-        for the flows and placements the layers ran (its error against the measured time)."""
+        copies beyond the owners, experts held everywhere (shadowed), the balance metric (Pro-Prophet
+        Fig. 12), and the cost model's speedup of the placement that ran over the owners alone on
+        the same flow; summed over the blocks, the cost model's time for the flows and placements
+        the layers ran (its error against the measured time)."""
         self.times.append(_max_over_ranks(elapsed_s))
-        layer_L = torch.tensor(
-            [t.forward_s + t.backward_s for t in (m.times for m in self.model.moe)], dtype=torch.float64
-        )
-        dist.all_reduce(layer_L, op=dist.ReduceOp.MAX)
-        self.layer_times.append(layer_L.tolist())
         if self.variant.schedule == "sync":
             self.phases.append({k: _max_over_ranks(v) for k, v in self.timer.phases().items()})
         layers = list(self.model.moe)
-        decisions = [getattr(layer.planner, "last", None) for layer in layers]  # shadow, prophet decisions
-        self.shadowed.append(np.mean([len(getattr(d, "shadowed", ())) for d in decisions]))
-        self.copies.append(np.mean([layer.stats.placement.materialized_EW().sum() for layer in layers]))
+        placements = [layer.stats.placement for layer in layers]
+        self.shadowed.append(np.mean([(p.materialized_EW().sum(1) == p.world_size - 1).sum() for p in placements]))
+        self.copies.append(np.mean([p.materialized_EW().sum() for p in placements]))
         self.load_std.append(np.mean([layer.stats.load_std for layer in layers]))
-        # The planners' predicted speedups over plain EP (a price of 0: `auto`'s correction fitted
-        # only its fixed cost, on layers too small to time: no speedup to report).
-        if all(d is not None and d.best_s > 0 for d in decisions):
-            self.predicted.append(np.mean([d.predicted_s[0] / d.best_s for d in decisions]))
-        if self.cost_model is not None and self.variant.schedule == "sync":
-            self.model_predicted.append(sum(_layer_price(layer, self.cost_model) for layer in layers))
+        if self.cost_model is not None:
+            prices = [
+                (_layer_price(layer, self.cost_model, owners=True), _layer_price(layer, self.cost_model))
+                for layer in layers
+            ]
+            self.predicted.append(np.mean([ep / ran for ep, ran in prices]))
+            if self.variant.schedule == "sync":
+                self.model_predicted.append(sum(ran for _, ran in prices))
         self.bytes.append(_sum_over_ranks(float(sum(layer.stats.bytes_sent.sum() for layer in layers))))
         self.memory.append({k: _max_over_ranks(v) for k, v in _expert_memory(layers).items()})
         self.chosen += [layer.stats.strategy for layer in layers]
@@ -320,11 +318,11 @@ class _Run:
         }
         if self.even:
             row["ceiling"] = True
-        row.update(arbiter_fields(list(self.model.moe)))
+        errors = [layer.planner.model_error() for layer in self.model.moe if isinstance(layer.planner, AutoPlanner)]
+        if errors and None not in errors:  # `auto`: its corrected forecasts' error on the forwards it measured
+            row["auto_model_error"] = float(np.mean(errors))
         if self.model.prefetch is not None:  # what the prefetch measured its windows to hide (layers > 0)
             row["prefetch_hidden_share"] = [float(h) for h in self.model.prefetch.hidden_share[1:]]
-        row["layer_spread"] = layer_spread(self.layer_times)
-        row["layer_median_s"] = np.median(self.layer_times, axis=0).tolist()  # per layer, forward + backward
         if self.phases:
             row["forward_a2a_s"] = float(np.median([p["a2a_s"] for p in self.phases]))
             row["forward_compute_s"] = float(np.median([p["compute_s"] for p in self.phases]))
@@ -348,12 +346,15 @@ def _expert_memory(layers: list[MoELayer]) -> dict[str, float]:
     }
 
 
-def _layer_price(layer: MoELayer, cost_model) -> float:
+def _layer_price(layer: MoELayer, cost_model, owners: bool = False) -> float:
     """The cost model's forward + backward time of `layer`'s last step (Pro-Prophet Eq. 6 over the
-    shared cost model: the terms every planner prices placements with)."""
-    stats = layer.stats
+    shared cost model: the terms every planner prices placements with); `owners`: of the owners
+    alone on the same flow."""
+    stats, placement = layer.stats, layer.stats.placement
+    if owners:
+        placement = Placement.owners_only(placement.owner_E, placement.world_size)
     shape = ExpertShape(layer.d_model, layer.d_hidden, layer.experts.kind)
-    return price_placement(stats.flow.numpy(), stats.placement, cost_model, shape, ProphetOptions(), layer.node_of)
+    return price_placement(stats.flow.numpy(), placement, cost_model, shape, Pricing(), layer.node_of)
 
 
 def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
@@ -373,16 +374,12 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
             model = _model(cfg, ceiling, probs_IBWE[0], cost_model, timer, even=True)
             runs.append(_Run(ceiling, model, timer, cost_model, even=True))
         # The input needs its gradient, as the first MoE layer's does in a model (embeddings and
-        # attention before it): without one the first layer's backward skipped its experts' input
-        # gradients and half its exchanges, and, priced like the others, its forecasts came out high
-        # (run r of docs/benchmarks.md: layer 0's forecasts +13% biased on average, layer 1's +2%).
+        # attention before it): without one the first layer's backward skips half its exchanges.
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
         x.requires_grad_(True)
         heap = HeapTrim()
         for it in range(cfg.warmup + cfg.iterations):
             for run in balanced_order(runs, it):
-                if it == cfg.warmup:
-                    forget_forecasts(run.model.moe)
                 if probs_IBWE.shape[0] > 1:
                     run.model.set_popularity(probs_IBWE[it], rank)
                 dist.barrier()

@@ -62,7 +62,7 @@ def run(args) -> int:
 
     import torch
 
-    from moeflow.perf.profiler import ProfileConfig, launch
+    from moeflow.profiling.profiler import ProfileConfig, launch
 
     kw = {"repeats": args.repeats, "warmup": args.warmup}
     if args.ops:

@@ -10,7 +10,7 @@ HELP = "DDL-Roofline (R_CC vs achieved FLOP/s) of a workload per strategy; write
 
 
 def add_arguments(parser):
-    from moeflow.perf.workload import add_workload_arguments
+    from moeflow.sim.workload import add_workload_arguments
 
     add_workload_arguments(parser)
     parser.add_argument("--out", default="results/roofline", help="directory for roofline.png and roofline.json")
@@ -22,9 +22,9 @@ def run(args) -> int:
     import json
     from dataclasses import asdict
 
-    from moeflow.perf import roofline
-    from moeflow.perf.simulator import simulate
-    from moeflow.perf.workload import workload_from_args
+    from moeflow.sim import roofline
+    from moeflow.sim.simulator import simulate
+    from moeflow.sim.workload import workload_from_args
 
     trace, cost_model, layer, strategies, schedules = workload_from_args(args)
     results = simulate(trace, cost_model, layer, strategies, schedules)

@@ -12,7 +12,7 @@ HELP = "predict per-iteration time of a routing trace on a cluster, per strategy
 
 
 def add_arguments(parser):
-    from moeflow.perf.workload import add_workload_arguments
+    from moeflow.sim.workload import add_workload_arguments
 
     add_workload_arguments(parser)
     parser.add_argument(
@@ -29,7 +29,7 @@ def degree_sweep(trace, cost_model, layer, strategies, degrees: str) -> list:
     other schedule options kept), each result's schedule renamed `pipe/r=R` or `pipe/auto`."""
     from dataclasses import replace
 
-    from moeflow.perf.simulator import simulate
+    from moeflow.sim.simulator import simulate
 
     out = []
     for item in [d.strip() for d in degrees.split(",") if d.strip()]:
@@ -46,8 +46,8 @@ def run(args) -> int:
     import json
     import time
 
-    from moeflow.perf.simulator import format_table, simulate
-    from moeflow.perf.workload import workload_from_args
+    from moeflow.sim.simulator import format_table, simulate
+    from moeflow.sim.workload import workload_from_args
 
     trace, cost_model, layer, strategies, schedules = workload_from_args(args)
     t0 = time.perf_counter()

@@ -123,21 +123,21 @@ def position_in_expert(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor
     return position_A
 
 
-def assignment_destinations(expert_A: torch.Tensor, plan_ED: np.ndarray) -> torch.Tensor:
+def assignment_destinations(expert_A: torch.Tensor, plan_EW: np.ndarray) -> torch.Tensor:
     """Destination rank of each assignment of this rank, following its row of the dispatch plan.
 
-    `plan_ED[e, d]` of this rank's assignments to expert e go to rank d; they are taken in
-    assignment order (the priority order), the first `plan_ED[e, 0]` to rank 0, and so on.
+    `plan_EW[e, d]` of this rank's assignments to expert e go to rank d; they are taken in
+    assignment order (the priority order), the first `plan_EW[e, 0]` to rank 0, and so on.
     """
-    num_experts, world = plan_ED.shape
+    num_experts, world = plan_EW.shape
     if world == 1 or expert_A.numel() == 0:
         return torch.zeros_like(expert_A)
-    single_dest_E = plan_ED.argmax(1)
-    if ((plan_ED > 0).sum(1) <= 1).all():  # owners only (plain EP): one destination per expert
+    single_dest_E = plan_EW.argmax(1)
+    if ((plan_EW > 0).sum(1) <= 1).all():  # owners only (plain EP): one destination per expert
         return torch.as_tensor(single_dest_E, device=expert_A.device)[expert_A]
     position_A = position_in_expert(expert_A, num_experts)
-    bounds_ED = torch.as_tensor(np.cumsum(plan_ED, axis=1), device=expert_A.device)
-    return (position_A[:, None] >= bounds_ED[expert_A]).sum(1)
+    bounds_EW = torch.as_tensor(np.cumsum(plan_EW, axis=1), device=expert_A.device)
+    return (position_A[:, None] >= bounds_EW[expert_A]).sum(1)
 
 
 def source_major_to_expert_major(counts_SJ: np.ndarray) -> np.ndarray | None:

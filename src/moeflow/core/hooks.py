@@ -1,7 +1,11 @@
 """FSMoE §3.1 hook points: non-invasive changes at six named places of the MoE step.
 
-A hook object implements any of the methods below; each receives the layer and the tensor at that
-point and returns a replacement tensor, or None to leave it unchanged. Hooks run in list order.
+A hook is a `MoEHook` overriding any of the six points; each receives the layer and the tensor at
+that point and returns a replacement tensor, or None to leave it unchanged. Hooks run in list order.
+Two more points wrap a step instead of a tensor: `wrap_copies(layer, gather)` and
+`wrap_compute(layer, compute)` return the function the layer calls to get the weights of the
+experts it holds this iteration (the block-wise prefetch supplies copies it sent ahead) and to run
+them (the timer `auto` learns from measures them); the first hook's wrapper is the outermost.
 
 Pieces. A schedule that exchanges the block in pieces (`pairwise`: one per step) runs the points
 between the exchanges once per piece — a hook that transforms the rows (the wire casts) must see
@@ -9,8 +13,7 @@ every piece. A hook that marks the block (`once_per_block = True`: the block-wis
 sends copies after the first rows arrived and waits for them once all are computed) runs at the
 first piece's `after_dispatch` and the last piece's `before_combine` only: on every step of
 `pairwise` the prefetch waited for the copies after the first step's compute, half the window it
-hides them behind (2 × 1 testbed, Zipf 1.6, `strategy=auto`: the prefetched layer 0.283 s under
-`pairwise` against 0.232 under `sync`, runs s of docs/benchmarks.md).
+hides them behind.
 
 FSMoE's motivating use, compressing what crosses the network, is built in: `wire_hooks(dtype)`
 (`MoELayer(dispatch_dtype="bfloat16")`) sends the dispatched rows and the expert outputs in a
@@ -22,7 +25,7 @@ all-to-all bytes of fp32 training and changes the numbers by the rounding of the
 
 from __future__ import annotations
 
-import time
+import operator
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,8 +40,23 @@ HOOK_POINTS = (
 )
 
 
+_POINTS = {point: operator.attrgetter(point) for point in HOOK_POINTS}
+
+
 class MoEHook:
     """Base class with every hook point a no-op; override the ones you need."""
+
+    once_per_block: bool = False
+    """Under a schedule that exchanges in pieces, run `after_dispatch` at the first piece and
+    `before_combine` at the last only (module docstring, "Pieces")."""
+
+    def wrap_copies(self, layer, gather: Callable) -> Callable:
+        """The function that returns the held experts' weights (`gather(placement, held_J)`)."""
+        return gather
+
+    def wrap_compute(self, layer, compute: Callable) -> Callable:
+        """The function that runs the held experts on received rows (`compute(x_RD, counts_SJ)`)."""
+        return compute
 
     def before_moe_start(self, layer, x):
         return None
@@ -66,12 +84,10 @@ def run_hooks(
     "Pieces": a `once_per_block` hook runs at the first piece's dispatch points and the last's
     combine points only)."""
     once = first if point in ("before_dispatch", "after_dispatch") else last
+    method = _POINTS[point]
     for hook in hooks:
-        if not once and getattr(hook, "once_per_block", False):
-            continue
-        fn = getattr(hook, point, None)
-        if fn is not None:
-            out = fn(layer, tensor)
+        if once or not hook.once_per_block:
+            out = method(hook)(layer, tensor)
             if out is not None:
                 tensor = out
     return tensor
@@ -117,13 +133,13 @@ def wire_hooks(dtype_name: str) -> tuple[MoEHook, MoEHook]:
     return restore, _WireCompress(WIRE_DTYPES[dtype_name], restore)
 
 
-def layer_hooks(hooks: Sequence[object] | None, dispatch_dtype: str | None) -> list[object]:
-    """A layer's hooks in running order: each checked to implement some hook point, and with a
+def layer_hooks(hooks: Sequence[MoEHook] | None, dispatch_dtype: str | None) -> list[MoEHook]:
+    """A layer's hooks in running order: each checked to be a `MoEHook`, and with a
     `dispatch_dtype` the wire pair around them (`wire_hooks`)."""
     hooks = list(hooks or [])
     for hook in hooks:
-        if not any(hasattr(hook, point) for point in HOOK_POINTS):
-            raise TypeError(f"hooks entry {hook!r} implements none of {list(HOOK_POINTS)}")
+        if not isinstance(hook, MoEHook):
+            raise TypeError(f"hooks entry {hook!r}: expected a moeflow MoEHook (override the points it needs)")
     if dispatch_dtype is None:
         return hooks
     restore, compress = wire_hooks(dispatch_dtype)
@@ -132,8 +148,7 @@ def layer_hooks(hooks: Sequence[object] | None, dispatch_dtype: str | None) -> l
 
 class Mark(torch.autograd.Function):
     """Identity; runs `on_forward()` in forward and `on_backward()` when its gradient arrives (the
-    block-wise prefetch posts and waits transfers at such points; `schedule="auto"` times the
-    block's backward between two of them)."""
+    block-wise prefetch posts and waits transfers at such points)."""
 
     @staticmethod
     def forward(ctx, x, on_forward, on_backward):
@@ -145,29 +160,3 @@ class Mark(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.on_backward()
         return grad, None, None
-
-
-def time_backward(entry: torch.Tensor, record: Callable[[float], None]):
-    """Time the backward of a span of the graph, from its output's gradient arriving to its input's
-    gradient leaving: returns `entry` marked (use it in place of the span's input) and `close(exit)`,
-    which marks the span's output. When `entry` needs no gradient (a first layer fed by data), the
-    span's backward ends the backward pass: it is timed to the autograd engine's end-of-pass callback
-    (the point DDP hooks), which also counts what runs after the span's own nodes. `record(seconds)`
-    runs once per backward. Cheap: two identity nodes, no synchronisation."""
-    started = [0.0]
-    needs_grad = entry.requires_grad
-
-    def ends() -> None:
-        record(time.perf_counter() - started[0])
-
-    def starts() -> None:
-        started[0] = time.perf_counter()
-        if not needs_grad:  # nothing before the span needs a gradient: it ends the backward pass
-            torch.autograd.Variable._execution_engine.queue_callback(ends)
-
-    marked = Mark.apply(entry, _nothing, ends) if needs_grad else entry
-    return marked, lambda exit_: Mark.apply(exit_, _nothing, starts)
-
-
-def _nothing() -> None:
-    pass

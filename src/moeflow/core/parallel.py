@@ -11,7 +11,7 @@ parameters only over their replicas — never across EP ranks, whose experts dif
 
     layout = ParallelLayout(ep_size=4)          # after dist.init_process_group
     model = parallelize(model, layout)          # moeflow.training.model
-    loss.backward(); all_reduce_gradients(model, layout); opt.step()
+    loss.backward(); all_reduce_gradients(model, layout); opt.step()   # moeflow.model_step
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from moeflow.core.checks import positive_int
 from moeflow.core.experts import GroupedExperts
-from moeflow.core.layer import MoELayer
-from moeflow.core.prefetch import BlockPrefetch
 
 
 @dataclass
@@ -164,45 +162,3 @@ def _all_reduce_mean(params: list[nn.Parameter], group, world_size: int) -> None
         flat.div_(world_size)
         for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             g.copy_(synced)
-
-
-def finish_prefetch(model: nn.Module) -> None:
-    """Land the gradient sums of prefetched copies still in flight (`core.prefetch.BlockPrefetch`)
-    before anything reads expert gradients; `all_reduce_gradients` calls it."""
-    prefetches = {}
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            prefetches.update({id(h): h for h in module.hooks if isinstance(h, BlockPrefetch)})
-    for prefetch in prefetches.values():
-        prefetch.finish()
-
-
-def all_reduce_gradients(model: nn.Module, layout: ParallelLayout, dense: bool = True) -> None:
-    """Once per optimizer step, after backward: make gradients those of the mean loss over the
-    global batch, and move every MoE layer's balance state (`MoELayer.update_balance`).
-
-    Each rank's loss is the mean over its own tokens. A dense parameter's gradient is the average
-    over all ranks. An expert's gradient already sums every rank's contribution (the all-to-all
-    backward brought them to the owner), so it is summed over its replicas only and divided by the
-    same world size. Balance terms see the step's expert choices summed over the data-parallel
-    replicas, so their state stays identical on every rank. ``dense=False``: the dense gradients
-    were already averaged (``training.grad_buckets``).
-    """
-    finish_prefetch(model)
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.update_balance(layout.balance_group, layout.dp_size * layout.esp_size)
-    experts = [p for _, p in expert_parameters(model)]
-    for p in experts:  # every shard steps, even one without rows (Hecate §4.3): equal step counts
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if layout.world_size == 1:
-        return
-    if dense:
-        _all_reduce_mean([p for _, p in dense_parameters(model)], None, layout.world_size)
-    if layout.dp_size > 1:
-        _all_reduce_mean(experts, layout.expert_dp_group, layout.world_size)
-    else:
-        for p in experts:
-            if p.grad is not None:
-                p.grad.div_(layout.world_size)

@@ -7,11 +7,12 @@ expert, how many assignments go to each holder — local first, then the same no
 spread evenly (Hecate §4.4). Both are pure functions of numbers: every rank computes the same
 plan from the same global flow matrix, so no extra communication is needed.
 
-Shape suffixes: W ranks in the expert-parallel group, E experts, S source rank, D destination rank.
+Shape suffixes: W ranks in the expert-parallel group (in a plan `[S, E, W]`: the destination), E experts,
+S source rank.
     owner_E     home rank of each expert (holds its optimizer state)
     holders_EW  True where expert e is materialized on rank w this iteration (owner included)
     flow_WE     assignments rank w sends to expert e (global, after the count exchange)
-    plan_SED    assignments source s sends for expert e to destination d
+    plan_SEW    assignments source s sends for expert e to destination d
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class Placement:
 
 
 def dispatch_counts(flow_WE: np.ndarray, placement: Placement, node_of: Sequence[int] | None = None) -> np.ndarray:
-    """Split every (source, expert) flow over the expert's holders → `plan_SED` int64 `[W, E, W]`.
+    """Split every (source, expert) flow over the expert's holders → `plan_SEW` int64 `[W, E, W]`.
 
     Hecate §4.4 order: the source itself if it holds the expert; else the holders on the source's
     node, spread evenly; only if there are none, every holder, spread evenly. The remainder of an
@@ -143,7 +144,7 @@ def dispatch_counts(flow_WE: np.ndarray, placement: Placement, node_of: Sequence
         raise ValueError(
             f"flow_WE shape {tuple(flow.shape)} does not match the placement's (W, E) = ({world}, {num_experts})"
         )
-    holders_SED = np.broadcast_to(placement.holders_EW[None, :, :], (world, num_experts, world))
+    holders_SEW = np.broadcast_to(placement.holders_EW[None, :, :], (world, num_experts, world))
     if placement.is_owners_only():
         plan = np.zeros((world, num_experts, world), dtype=np.int64)
         plan[:, np.arange(num_experts), placement.owner_E] = flow
@@ -152,27 +153,27 @@ def dispatch_counts(flow_WE: np.ndarray, placement: Placement, node_of: Sequence
     node = np.zeros(world, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
     if node.shape != (world,):
         raise ValueError(f"node_of has {node.size} entries, expected one per rank ({world})")
-    eye_SD = np.eye(world, dtype=bool)
-    same_node_SD = node[:, None] == node[None, :]
+    eye_SW = np.eye(world, dtype=bool)
+    same_node_SW = node[:, None] == node[None, :]
     local_SE = placement.holders_EW.T  # [W, E]: source s holds e itself
-    near_SED = holders_SED & same_node_SD[:, None, :]
-    any_near_SE = near_SED.any(-1)
-    cand_SED = np.where(
+    near_SEW = holders_SEW & same_node_SW[:, None, :]
+    any_near_SE = near_SEW.any(-1)
+    cand_SEW = np.where(
         local_SE[:, :, None],
-        eye_SD[:, None, :],
-        np.where(any_near_SE[:, :, None], near_SED, holders_SED),
+        eye_SW[:, None, :],
+        np.where(any_near_SE[:, :, None], near_SEW, holders_SEW),
     )
 
     # Rotate destinations so that index j means rank (s + j) mod W, split evenly, un-rotate.
-    rot_SD = (np.arange(world)[:, None] + np.arange(world)[None, :]) % world
-    cand_rot = np.take_along_axis(cand_SED, rot_SD[:, None, :], axis=2)
+    rot_SW = (np.arange(world)[:, None] + np.arange(world)[None, :]) % world
+    cand_rot = np.take_along_axis(cand_SEW, rot_SW[:, None, :], axis=2)
     n_cand = cand_rot.sum(-1)
     base = flow // n_cand
     rem = flow % n_cand
     rank_among = np.cumsum(cand_rot, axis=-1) - 1
     share_rot = cand_rot * (base[:, :, None] + (rank_among < rem[:, :, None]))
     plan = np.zeros_like(share_rot)
-    np.put_along_axis(plan, rot_SD[:, None, :], share_rot, axis=2)
+    np.put_along_axis(plan, rot_SW[:, None, :], share_rot, axis=2)
     return plan.astype(np.int64)
 
 

@@ -12,7 +12,7 @@ backward, which runs before the combine's and the experts' backward). The refill
 same point in the same order, so the refill's collectives meet.
 
 The refill is synchronous: Hecate overlaps it with the dense backward before the layer; here it
-is on the critical path (measured: docs/benchmarks.md, Hecate).
+is on the critical path (measured: docs/hecate.md, Hecate).
 
 Shape suffixes: J experts held (computed) by this rank, T tokens, D d_model.
 """

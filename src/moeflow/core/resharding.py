@@ -94,28 +94,3 @@ def _replace_in_optimizer(optimizer: torch.optim.Optimizer, old: nn.Parameter, n
         group["params"] = [new if p is old else p for p in group["params"]]
     if old in optimizer.state:
         optimizer.state[new] = {**optimizer.state.pop(old), **rows}
-
-
-def fssdp_layers(model: nn.Module) -> list:
-    """The MoE layers whose planner re-shards (Hecate's FSSDP), in module order."""
-    from moeflow.core.layer import MoELayer
-
-    return [
-        m
-        for m in model.modules()
-        if isinstance(m, MoELayer) and getattr(getattr(m.planner, "options", None), "reshard_interval", 0) > 0
-    ]
-
-
-def maybe_reshard(model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> int | None:
-    """After optimizer step `step` (1-based): re-shard the model's FSSDP layers together when due
-    (`strategies.planners.fssdp.plan_resharding`); returns the experts moved (None when not due).
-    Every rank calls it at every step."""
-    from moeflow.strategies.planners.fssdp import plan_resharding
-
-    layers = [m for m in fssdp_layers(model) if m.group is not None and not m.cluster_mismatch]
-    if not layers:
-        return None
-    world = layers[0].placement.world_size
-    owner_LE = plan_resharding([m.planner for m in layers], layers[0].cost_model, world, layers[0].node_of, step)
-    return None if owner_LE is None else reshard_experts(layers, owner_LE, optimizer)

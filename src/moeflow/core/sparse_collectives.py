@@ -15,8 +15,7 @@ parameters of one expert, M messages (copies received by this rank).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,7 +81,7 @@ def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, bac
 
 
 def prefetch_transfers(placement: Placement, me: int) -> _Transfers:
-    """The copies of `placement` as `core.prefetch` launches them asynchronously: partial replica
+    """The copies of `placement` as `strategies.prefetch` launches them asynchronously: partial replica
     sets point-to-point, experts held everywhere one broadcast / reduce per owner — never the
     two-stage tree, whose second stage would have to wait for the first."""
     return _transfers(placement, me, None, "nccl")
@@ -176,9 +175,9 @@ class _Materialize(torch.autograd.Function):
     experts that travel)."""
 
     @staticmethod
-    def forward(ctx, plan, group, layout, timed, *local_params):
+    def forward(ctx, plan, group, layout, *local_params):
         me, row_of = plan.me, layout.row_of
-        ctx.plan, ctx.group, ctx.layout, ctx.timed = plan, group, layout, timed
+        ctx.plan, ctx.group, ctx.layout = plan, group, layout
         ctx.shapes = [p.shape for p in local_params]
         sent_index = layout.sent_index
         flat_sent = layout.flat_sent(list(local_params))
@@ -209,7 +208,6 @@ class _Materialize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_held):
-        started = time.perf_counter()
         plan, group, layout, me = ctx.plan, ctx.group, ctx.layout, ctx.plan.me
         grads, grad_MP = split_held_gradients(layout, ctx.shapes, grad_held)
         width = grad_MP.shape[1]
@@ -246,9 +244,7 @@ class _Materialize(torch.autograd.Function):
                     partial[owner] += buf
         if me in plan.everywhere:
             add_rows(layout.rows(plan.everywhere[me]), partial[me])
-        if ctx.timed is not None:
-            ctx.timed(time.perf_counter() - started)
-        return (None, None, None, None, *grads)
+        return (None, None, None, *grads)
 
 
 def materialize(
@@ -258,7 +254,6 @@ def materialize(
     expert_ids: Sequence[int],
     held_J: np.ndarray,
     node_of: Sequence[int] | None = None,
-    timed: Callable[[float], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Weights `[J, ...]` of the experts this rank holds (in `held_J` order), differentiable:
     owned experts (`expert_ids`: the global id of each local row) are this rank's own rows; the
@@ -268,13 +263,13 @@ def materialize(
     `node_of` (node of every rank; None: one node) routes copies of experts held everywhere through
     a two-level tree when the ranks span nodes on gloo (`placement.copies_by_tree`). Every rank of
     the group must call this, in the same order and with the same `node_of`, whenever the placement
-    has any copy. `timed(seconds)`, if given, receives the time of the backward's gradient sums.
+    has any copy.
     """
     names = list(weights)
     local = [weights[n] for n in names]
     plan = _transfers(placement, dist.get_rank(group), node_of, dist.get_backend(group))
     layout = flat_layout(weights, plan, expert_ids, held_J)
-    return dict(zip(names, _Materialize.apply(plan, group, layout, timed, *local)))
+    return dict(zip(names, _Materialize.apply(plan, group, layout, *local)))
 
 
 def flat_layout(

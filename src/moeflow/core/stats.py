@@ -54,23 +54,23 @@ class MoEStats:
         cls,
         flow_WE: np.ndarray,
         choices_WE: np.ndarray,
-        plan_SED: np.ndarray,
+        plan_SEW: np.ndarray,
         send_splits: Sequence[int],
         me: int,
         row_bytes: int,
         node_of: Sequence[int] | None,
         **named,
     ) -> MoEStats:
-        """The stats of a forward from its global flow, choices and dispatch plan `[S, E, D]`, this
+        """The stats of a forward from its global flow, choices and dispatch plan `[S, E, W]`, this
         rank's send splits (rows per destination) and the bytes of a row on the wire; `named`: the
         remaining fields as they are."""
         bytes_sent = torch.tensor(send_splits, dtype=torch.int64).index_fill(0, torch.tensor(me), 0) * row_bytes
         return cls(
             flow=torch.from_numpy(flow_WE),
             choices=torch.from_numpy(choices_WE),
-            device_loads=torch.from_numpy(plan_SED.sum((0, 1))),
+            device_loads=torch.from_numpy(plan_SEW.sum((0, 1))),
             bytes_sent=bytes_sent,
-            cross_node_share=cross_node_share(plan_SED.sum(1), node_of),
+            cross_node_share=cross_node_share(plan_SEW.sum(1), node_of),
             **named,
         )
 

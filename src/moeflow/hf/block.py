@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.core.layer import MoELayer
+from moeflow.layer import MoELayer
 
 
 class MoEBlock(nn.Module):

@@ -13,13 +13,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moeflow.core.layer import MoELayer
 from moeflow.hf.archs import SUPPORTED, BlockSpec, find_blocks
 from moeflow.hf.block import MoEBlock
 from moeflow.hf.router import HFRouterGate, check_semantics
 from moeflow.hf.weights import swiglu_from_fused
-from moeflow.strategies.planners.auto import share_correction
-from moeflow.strategies.schedules.auto import share_schedule_choice
+from moeflow.layer import MoELayer
 
 FROM_THE_BLOCK = ("d_model", "d_hidden", "num_experts", "top_k", "gate", "expert")
 """`MoELayer` arguments each block determines (its shapes, its router, its SwiGLU experts)."""
@@ -93,7 +91,7 @@ def convert_moe_blocks(model: nn.Module, **layer_kwargs) -> int:
     `layer_kwargs` go to every `MoELayer` (`group`, `strategy`, `schedule`, `cost_model`, `hooks`,
     `balance`, ...). With `group=`, build or load the same model on every rank first: rank r keeps
     experts `[r·E/W, (r+1)·E/W)`, everything else stays replicated (average its gradients with
-    `moeflow.core.parallel.all_reduce_gradients`). moeflow's balance term is off by default: the
+    `moeflow.model_step.all_reduce_gradients`). moeflow's balance term is off by default: the
     model's own auxiliary loss (`output_router_logits=True`) keeps working.
     """
     clash = sorted(set(layer_kwargs) & set(FROM_THE_BLOCK))
@@ -113,6 +111,4 @@ def convert_moe_blocks(model: nn.Module, **layer_kwargs) -> int:
     built = [_build(name, block, SUPPORTED[type(block).__name__], group, layer_kwargs) for name, _, _, block in blocks]
     for (_, parent, attr, _), moe_block in zip(blocks, built):
         setattr(parent, attr, moe_block)
-    share_schedule_choice([moe_block.moe for moe_block in built])  # schedule="auto": one for all layers
-    share_correction([moe_block.moe for moe_block in built])  # strategy="auto": one machine correction
     return len(blocks)

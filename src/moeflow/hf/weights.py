@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moeflow.core.layer import MoELayer
+from moeflow.layer import MoELayer
 
 
 def swiglu_from_fused(gate_up_EiD: torch.Tensor, down_EDI: torch.Tensor) -> dict[str, torch.Tensor]:

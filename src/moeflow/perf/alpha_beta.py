@@ -30,7 +30,7 @@ OP_KINDS = (
     "chunk_backward",
 )
 """Operation kinds the profiler measures and the cost model prices. ``chunk_*``: the cost of one
-more chunk of FSMoE's pipelined block, forward and backward (``perf.chunk_profile``; n = chunks)."""
+more chunk of FSMoE's pipelined block, forward and backward (``profiling.chunk_profile``; n = chunks)."""
 UNITS = ("byte", "flop", "chunk")
 CHUNK_KINDS = ("chunk_forward", "chunk_backward")
 

@@ -56,7 +56,7 @@ class CopiesPricing:
         (`_tree_stage_time`). Partial replica sets go point-to-point
         (``materialize_time``; the gradients retrace the same routes reversed). ``tree=False``: one
         broadcast / reduce per owner whatever the backend (the block-wise prefetch of
-        ``core.prefetch`` launches them asynchronously: a two-stage tree would block in between)."""
+        ``strategies.prefetch`` launches them asynchronously: a two-stage tree would block in between)."""
         if direction not in ("materialize", "reduce"):
             raise ValueError(f"direction={direction!r}: expected 'materialize' or 'reduce'")
         holders = np.asarray(holders_EW, dtype=bool)
@@ -83,7 +83,7 @@ class CopiesPricing:
         link carries as much each way; on the 2 × 1 testbed one expert crossing one way arrived at
         about the wire's speed (24–26 ms for 21 ms at 800 Mbit/s) and one crossing another going the
         other way at η's (42–43 ms, η = 1.96): the links are shaped per direction, the two
-        directions' transfers share the hosts' cores (docs/benchmarks.md, "One-way copies at the link's time")."""
+        directions' transfers share the hosts' cores (docs/performance.md)."""
         traffic_L = self.topology.link_traffic(bytes_WW)
         reverse_L = self.topology.reverse_L
         crossing_L = np.where(reverse_L >= 0, np.minimum(traffic_L, traffic_L[reverse_L]), 0.0)

@@ -72,7 +72,7 @@ class CostModel(CopiesPricing):
     how copies of shadowed experts travel (``copies_time``)."""
     pipeline_overlap: tuple[float, float] = (1.0, 1.0)
     """η, forward and backward: the share of what FSMoE's pipelined block overlaps that this machine
-    hides (``moeflow profile``'s chunk sweep, ``perf.chunk_profile.overlap_share``; 1: the paper's
+    hides (``moeflow profile``'s chunk sweep, ``profiling.chunk_profile.overlap_share``; 1: the paper's
     assumption, and the default)."""
 
     def __post_init__(self) -> None:

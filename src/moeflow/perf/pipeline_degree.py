@@ -27,17 +27,17 @@ Deviations, recorded:
 * Predicates are non-strict as SLSQP constraints (``≥ 0``); the case formulas agree on every
   boundary, so this changes no time.
 * A measured per-chunk cost (``PipelineFits.chunk_ms``, ``moeflow profile``'s ``chunk_*`` fits,
-  ``perf.chunk_profile``) is added to α_exp of its pass: where the chunks' collectives share the
+  ``profiling.chunk_profile``) is added to α_exp of its pass: where the chunks' collectives share the
   computing cores (CPU ranks on gloo) one more chunk costs milliseconds, not the ops' µs α, and that
   cost lands on the experts' critical path r times (Case 2). 0 for FSMoE's constants.
 * Overlap realised (``PassModel.overlap``, η): the case formulas assume that what the chunks
   overlap is hidden. Where the machine hides only a share η of it (CPU ranks on gloo: the
-  transfers run on the computing cores; ``perf.chunk_profile`` measures η), an integer r is priced
+  transfers run on the computing cores; ``profiling.chunk_profile`` measures η), an integer r is priced
   ``η·case formula + (1 − η)·serial``, serial = ``r·(2·t_a2a,r + t_ag,r + t_rs,r + t_exp,r) + t_gar``
   (every stage of every chunk one after another), and every candidate degree is priced (the SLSQP
   optima are those of η = 1). η = 1 (FSMoE's constants, GPUs): the paper's model unchanged.
   Measured on the 2 × 2 CPU testbed: without η the model priced r = 1 and 2 within 2%, r = 2 ran
-  11% slower (docs/benchmarks.md, "FSMoE, part 2").
+  11% slower (docs/fsmoe.md).
 * Not reproduced: the tool's shortcuts (forward degree 1 when one unchunked all-to-all takes
   < 1 ms, backward degree 1 whenever the forward one is 1).
 """

@@ -171,7 +171,7 @@ class PipelineFits:
 
 def chunk_cost_ms(cost_model: Any) -> tuple[float, float]:
     """What one more chunk of the pipelined block costs beyond the ops' α, forward and backward, in
-    ms: β of the cost model's ``chunk_forward`` / ``chunk_backward`` fits (``perf.chunk_profile``),
+    ms: β of the cost model's ``chunk_forward`` / ``chunk_backward`` fits (``profiling.chunk_profile``),
     0 where it has none."""
     fits = getattr(cost_model, "fits", {})
     return tuple(1e3 * fits[k].beta_s_per_unit if k in fits else 0.0 for k in CHUNK_KINDS)

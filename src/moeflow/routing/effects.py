@@ -24,7 +24,7 @@ from moeflow.core.registry import LayerContext
 from moeflow.routing.hierarchical import HierarchicalOptions, cross_node_ratios
 from moeflow.routing.soft import SoftOptions
 from moeflow.routing.ta_moe import TAMoEOptions
-from moeflow.strategies.topology_aware import flow_from_target, target_dispatch_pattern
+from moeflow.routing.topology_aware import flow_from_target, target_dispatch_pattern
 
 
 def ta_moe_routing(flow_ILWE: np.ndarray, ctx: LayerContext, options: TAMoEOptions) -> np.ndarray:

@@ -1,8 +1,8 @@
 """`balance="ta_moe"`: TA-MoE's topology-aware auxiliary loss (TA-MoE §4.1-4.2), with a bounded
-per-rank selection steering that makes its target reachable (docs/strategies.md, "TA-MoE").
+per-rank selection steering that makes its target reachable (docs/ta-moe.md).
 
 The target dispatch pattern ĉ (a linear program over the cost model's pair costs) is
-`moeflow.strategies.topology_aware.target_dispatch_pattern`; this module is the balance term
+`moeflow.routing.topology_aware.target_dispatch_pattern`; this module is the balance term
 that pulls the gate towards it.
 
 Shape suffixes: W ranks in the expert-parallel group, E experts, T tokens on this rank.
@@ -23,7 +23,7 @@ import torch
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.routing.balance import BalanceTerm, gshard_loss
 from moeflow.routing.gates import Routing
-from moeflow.strategies.topology_aware import check_owner, target_dispatch_pattern
+from moeflow.routing.topology_aware import check_owner, target_dispatch_pattern
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class TAMoEBalance(BalanceTerm):
 
     Steering (our addition): the gate is a dense parameter averaged over all ranks and every rank
     sees i.i.d. tokens, so the loss's rank-dependent pulls cancel on a symmetric topology and the
-    dispatch does not move (measured, docs/strategies.md). A per-rank selection bias, updated like
+    dispatch does not move (measured, docs/ta-moe.md). A per-rank selection bias, updated like
     DeepSeek-V3's aux-free bias but towards the target, `b_ie += u · sign(ĉ_ie · S_i − c_ie)`, makes
     the target reachable. It changes which experts are *selected*, never the combine weights; it
     keeps every expert's global load balanced because ĉ is (TA-MoE constraint 4). It is training-

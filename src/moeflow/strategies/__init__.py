@@ -10,11 +10,11 @@ schedules run a block and predict its time; dispatchers move rows and price the 
 from __future__ import annotations
 
 from moeflow.core.registry import Component, Registry
-from moeflow.strategies.dispatchers import A2ADispatcher
+from moeflow.strategies.dispatchers import A2ADispatcher, Dispatcher
 from moeflow.strategies.hierarchical_a2a import HierarchicalDispatcher
-from moeflow.strategies.planners import Planner
 from moeflow.strategies.planners.auto import AutoOptions, AutoPlanner
-from moeflow.strategies.planners.ep import plan_ep
+from moeflow.strategies.planners.base import Planner
+from moeflow.strategies.planners.ep import EPPlanner
 from moeflow.strategies.planners.eplb import EPLBOptions, EPLBPlanner
 from moeflow.strategies.planners.fssdp import FSSDPOptions, FSSDPPlanner
 from moeflow.strategies.planners.prophet import ProphetOptions, ProphetPlanner
@@ -28,7 +28,7 @@ from moeflow.strategies.schedules.sync import SyncSchedule
 PLANNERS = Registry(
     "strategy",
     [
-        Component("ep", lambda ctx, o: plan_ep, summary="plain expert parallelism: every expert only on its owner"),
+        Component("ep", lambda ctx, o: EPPlanner(), summary="plain expert parallelism: every expert only on its owner"),
         Component(
             "shadow",
             lambda ctx, o: ShadowPlanner(ctx.expert, o),
@@ -66,9 +66,9 @@ PLANNERS = Registry(
         ),
         Component(
             "auto",
-            lambda ctx, o: AutoPlanner(ctx.expert, {n: PLANNERS.build(n, ctx) for n in o.names() if n != "ep"}, o),
+            lambda ctx, o: AutoPlanner(ctx.expert, {n: PLANNERS.build(n, ctx) for n in o.names()}, o),
             AutoOptions,
-            "one arbiter over the planners: the cheapest placement under a cost model corrected online",
+            "the cheapest of the planners' placements under the cost model, corrected by measured times",
             needs_cost_model=True,
         ),
     ],
@@ -114,7 +114,7 @@ SCHEDULES.register(
         "auto",
         _auto_schedule,
         AutoScheduleOptions,
-        "the cheapest schedule per forward: each candidate's predicted time, corrected by its measured time",
+        "the cheapest schedule per forward: each candidate's predicted time times its measured factor",
         needs_cost_model=True,
     )
 )
@@ -129,8 +129,8 @@ DISPATCHERS = Registry(
             summary="2D-hierarchical all-to-all: inside nodes, then across nodes among equal local ranks",
         ),
     ],
-    is_object=lambda value: hasattr(value, "exchange") and hasattr(value, "price"),
+    is_object=lambda value: isinstance(value, Dispatcher),
 )
 """The `dispatch` axis: token transports by name."""
 
-__all__ = ["DISPATCHERS", "PLANNERS", "SCHEDULES", "Planner", "Schedule"]
+__all__ = ["DISPATCHERS", "PLANNERS", "SCHEDULES", "Dispatcher", "Planner", "Schedule"]

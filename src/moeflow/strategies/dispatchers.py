@@ -17,7 +17,19 @@ import torch
 from moeflow.core import dispatch
 
 
-class A2ADispatcher:
+class Dispatcher:
+    """Interface of the `dispatch` axis (module docstring); `name` is what schedules check."""
+
+    name: str = ""
+
+    def exchange(self, x_AD: torch.Tensor, send_WW: np.ndarray, me: int, group: Any, node_of=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def price(self, cost_model: Any, bytes_WW: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class A2ADispatcher(Dispatcher):
     """`dispatch="a2a"`: one `all_to_all_single` with uneven splits each way (FSMoE §3.1's plain
     all-to-all), priced by the cost model's link model (FasterMoE Eq. 2)."""
 

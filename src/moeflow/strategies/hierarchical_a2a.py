@@ -16,7 +16,7 @@ Each rank sends M−1 + N−1 messages instead of W−1, and every inter-node me
 a whole node: fewer, larger messages across the slow links — a win when messages are small
 (start-up-bound), at the price of moving the intra-node rows twice. With few ranks it does not
 pay: on the 2 × 2 gloo testbed it lost to `a2a` at every size from 1 KiB to 16 MiB per pair
-(docs/benchmarks.md, "FSMoE, part 1"). Both exchanges are point-to-point among the peers with
+(docs/fsmoe.md). Both exchanges are point-to-point among the peers with
 rows (`core.dispatch.peer_exchange`), inside autograd; the permutations are gathers both ways.
 Numerics equal the plain all-to-all's exactly (tested).
 
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from moeflow.core import dispatch
+from moeflow.strategies.dispatchers import Dispatcher
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def hierarchical_bytes(bytes_WW: np.ndarray, grid: NodeGrid) -> tuple[np.ndarray
     return stage1, stage2
 
 
-class HierarchicalDispatcher:
+class HierarchicalDispatcher(Dispatcher):
     """`dispatch="hierarchical"` (module docstring)."""
 
     name = "hierarchical"
@@ -157,7 +158,7 @@ class HierarchicalDispatcher:
         """Both stages, one after the other, each with one message per peer of its stage, plus the
         three layout transforms: each a pass over the busiest rank's rows, priced as an
         elementwise op (on the testbed they cost as much as the intra-node stage;
-        docs/benchmarks.md, "Hierarchical vs plain all-to-all on the testbed"). Not modelled: gloo's
+        docs/fsmoe.md). Not modelled: gloo's
         fixed cost per round (two rounds here, one for `a2a`) and the lower throughput of one TCP
         flow per rank across nodes — the price is optimistic by both (0.83–0.88× predicted, 0.15–0.97×
         measured on the 2 × 2 testbed)."""

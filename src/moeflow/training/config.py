@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moeflow.core.hooks import WIRE_DTYPES
-from moeflow.core.layer import AXES
+from moeflow.layer import AXES
 from moeflow.routing import check_balance_fits_gate, default_balance, routing_kind
 
 PRECISIONS = ("fp32", "bf16")
@@ -126,7 +126,7 @@ class MoEConfig:
     dispatch_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen dispatcher."""
     prefetch: bool = False
-    """Pro-Prophet §V block-wise prefetch (`moeflow.core.prefetch.BlockPrefetch`): copies of the experts of a
+    """Pro-Prophet §V block-wise prefetch (`moeflow.strategies.prefetch.BlockPrefetch`): copies of the experts of a
     planner that plans ahead (`prophet`) travel during the block before, their gradient sums during its backward."""
     dispatch_dtype: str | None = None
     """Send dispatched rows and expert outputs in this precision (`bfloat16`, `float16`;

@@ -5,7 +5,7 @@ The dense parameters are taken in backward order (reverse of registration order,
 model's layer order) and cut into buckets. Each bucket's ``dist.all_reduce(async_op=True)`` is
 launched from ``register_post_accumulate_grad_hook`` once every gradient it holds exists (asserted);
 ``finish`` waits all handles, unflattens, divides by the world size, then hands expert gradients and
-MoE balance state to ``core.parallel.all_reduce_gradients(dense=False)``, so the final gradients are
+MoE balance state to ``model_step.all_reduce_gradients(dense=False)``, so the final gradients are
 those of ``all_reduce_gradients``.
 
 Deviations, recorded:
@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from moeflow.core.parallel import ParallelLayout, all_reduce_gradients, dense_parameters
+from moeflow.core.parallel import ParallelLayout, dense_parameters
+from moeflow.model_step import all_reduce_gradients
 
 
 def backward_order(model: nn.Module) -> list[nn.Parameter]:

@@ -10,7 +10,7 @@ Single-device code; expert parallelism is applied afterwards, the torchtitan way
 
 Pre-norm blocks (LayerNorm → causal self-attention → residual, LayerNorm → FFN → residual), learned
 absolute position embeddings, untied output head. Dense parameters are replicated on every rank
-and averaged by `moeflow.core.parallel.all_reduce_gradients`; expert parameters live on their owner.
+and averaged by `moeflow.model_step.all_reduce_gradients`; expert parameters live on their owner.
 
 Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim, V vocabulary (256).
 """
@@ -25,11 +25,9 @@ from torch import nn
 
 from moeflow import MoELayer
 from moeflow.core.expert_sharding import to_expert_sharding
-from moeflow.core.prefetch import BlockPrefetch
 from moeflow.perf.costmodel import CostModel
 from moeflow.routing import routing_kind
-from moeflow.strategies.planners.auto import share_correction
-from moeflow.strategies.schedules.auto import share_schedule_choice
+from moeflow.strategies.prefetch import BlockPrefetch
 from moeflow.training.config import ModelConfig, MoEConfig
 
 
@@ -135,9 +133,6 @@ class MoEGPT(nn.Module):
         self._init_dense()
         # A hook on every MoE layer (not a module: it holds no parameters); all_reduce_gradients lands it.
         self.prefetch = BlockPrefetch([layer for _, layer in self.moe_layers()]) if moe.prefetch else None
-        moe = [layer for _, layer in self.moe_layers()]
-        share_schedule_choice(moe)  # schedule="auto": one for all layers
-        share_correction(moe)  # strategy="auto": one machine correction
 
     def _init_dense(self) -> None:
         # GPT-2 initialisation for the dense parts (normal, std 0.02); MoELayer initialises its own.
@@ -173,7 +168,7 @@ def parallelize(model: MoEGPT, layout) -> MoEGPT:
 
     The model must have been built with the same seed on every rank, so the kept slices are slices
     of one and the same full model. Dense parameters stay replicated; their gradients are averaged
-    by `moeflow.core.parallel.all_reduce_gradients(model, layout)` after backward.
+    by `moeflow.model_step.all_reduce_gradients(model, layout)` after backward.
     """
     layout.validate_experts(model.moe_layers()[0][1].num_experts)
     for _, layer in model.moe_layers():

@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moeflow.core.parallel import ParallelLayout, all_reduce_gradients
-from moeflow.core.resharding import fssdp_layers, maybe_reshard, reshard_experts
+from moeflow.core.parallel import ParallelLayout
+from moeflow.core.resharding import reshard_experts
+from moeflow.model_step import all_reduce_gradients, fssdp_layers, maybe_reshard
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.traces import TraceRecorder
+from moeflow.sim.traces import TraceRecorder
 from moeflow.training import checkpoint, faults
 from moeflow.training.config import RunConfig
 from moeflow.training.config_files import config_to_dict

@@ -1,15 +1,9 @@
-"""Planners: pure functions `plan(flow_WE, placement, cost_model=None) -> Placement`.
-
-A planner sees the global flow matrix of this iteration (or a prediction of it), the current
-placement (owners) and the cost model, and returns where every expert is materialized. The
-registry of names is `moeflow.strategies.PLANNERS`; the layer and the simulator both look them up
-there, so a strategy added once runs in both.
+"""Planners (the `strategy` axis): pure functions of numbers, `planner(flow_WE, placement,
+cost_model) -> Placement`, with their capabilities declared (`base.Planner`). The registry of names
+is `moeflow.strategies.PLANNERS`; the layer and the simulator both look them up there, so a
+strategy added once runs in both.
 """
 
-from __future__ import annotations
+from moeflow.strategies.planners.base import PlanAheadPlanner, Planner, PrefetchWindow
 
-from collections.abc import Callable
-
-from moeflow.core.placement import Placement
-
-Planner = Callable[..., Placement]
+__all__ = ["PlanAheadPlanner", "Planner", "PrefetchWindow"]

@@ -25,7 +25,6 @@ Shape suffixes: W devices (ranks of the expert-parallel group), E experts, N nod
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,8 +33,8 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
-from moeflow.strategies.planners.ahead import PlanAhead
-from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
+from moeflow.strategies.planners.base import PlanAheadPlanner
+from moeflow.strategies.planners.prophet_model import Pricing, price_placement
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ def eplb_plan(
     cost_model,
     shape: ExpertShape,
     redundant_slots: int,
-    pricing: ProphetOptions,
+    pricing: Pricing,
     min_gain: float,
 ) -> tuple[Placement, list[float]]:
     """EPLB's copies for `flow_WE` (`replicate_experts`, `pack_copies`) and the best-priced prefix
@@ -132,55 +131,18 @@ def eplb_plan(
     return candidates[best], predicted_s
 
 
-class EPLBPlanner:
+class EPLBPlanner(PlanAheadPlanner):
     """`strategy="eplb"`: iteration j runs on the placement planned from the iterations < j."""
 
-    needs_cost_model = True
-    plans_ahead = True
+    name = "eplb"
 
     def __init__(self, shape: ExpertShape, options: EPLBOptions | None = None, background: bool = True):
         self.shape = shape
         self.options = options or EPLBOptions()
-        self.history: deque[np.ndarray] = deque(maxlen=self.options.window)
-        self.prefetched = False  # set by `core.prefetch.BlockPrefetch`
-        self.nonmoe_forward_s = 0.0
-        self.hidden_share = 0.0
-        self.predicted_s: list[float] = []
+        super().__init__(self.options.window, background)
+        self.last: list[float] = []
         """The predicted times of the prefixes of the copies the running plan chose among."""
-        self.next_plan = PlanAhead(background)  # (placement, predicted_s), planned off the critical path
 
-    def plan_inputs(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
-        """Everything `eplb_plan` runs on, read from the planner now."""
-        pricing = ProphetOptions(
-            overlap=self.prefetched, nonmoe_forward_s=self.nonmoe_forward_s, hidden_share=self.hidden_share
-        )
+    def search(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
         o = self.options
-        return (flow_WE, placement, cost_model, self.shape, o.redundant_slots, pricing, o.min_gain)
-
-    def plan(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> Placement:
-        """EPLB's copies for `flow_WE`, the best-priced prefix (`eplb_plan`), inline."""
-        placement, self.predicted_s = eplb_plan(*self.plan_inputs(flow_WE, placement, cost_model))
-        return placement
-
-    def next_placement(self) -> Placement | None:
-        plan = self.next_plan.result()
-        if plan is None:
-            return None
-        placement, self.predicted_s = plan
-        return placement
-
-    def observe(self, flow_WE: np.ndarray) -> None:
-        """Record a call's flow (every call does; called alone when `strategy="auto"` rests this
-        planner: the history stays whole, no search runs)."""
-        self.history.append(np.asarray(flow_WE, dtype=np.float64))
-
-    def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
-        if cost_model is None:
-            raise ValueError("strategy='eplb' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
-        planned = self.next_placement()
-        if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
-            planned = Placement.owners_only(placement.owner_E, placement.world_size)
-        self.observe(flow_WE)
-        estimate = np.mean(np.stack(self.history), axis=0)
-        self.next_plan.submit(eplb_plan, *self.plan_inputs(estimate, placement, cost_model))
-        return planned
+        return eplb_plan, (flow_WE, placement, cost_model, self.shape, o.redundant_slots, self.pricing(), o.min_gain)

@@ -7,7 +7,7 @@ iteration the planner materializes experts where the estimated load needs them (
 a token to its own device if it holds the expert, else to a holder on its node, else across nodes
 (§4.4, `core.placement.dispatch_counts`). The load is the mean of the last `window` iterations
 (w = 5), so the placement of iteration j is known before it runs: with `moe.prefetch` the copies
-travel during the dense compute before the layer (`core.prefetch.BlockPrefetch`, shared with
+travel during the dense compute before the layer (`strategies.prefetch.BlockPrefetch`, shared with
 Pro-Prophet). Every `reshard_interval` iterations `core.resharding` moves whole shards between
 devices (Algorithm 2, `hecate.heterogeneous_sharding`).
 
@@ -15,13 +15,12 @@ Deviations, recorded: (1) of Algorithm 1's plan, experts in load order, the plan
 prefix with the lowest predicted time under the shared cost model (copies priced as hidden by the
 share the prefetch measured, Eq. 8 with h), and none unless it is predicted `min_gain` faster than
 the owners alone — as every moeflow planner. Hecate trusts t to keep copies off the critical path;
-on gloo over CPUs the prefetch hides copies but frees no time (docs/benchmarks.md, Pro-Prophet on
-the testbed), so an unpriced plan would be paid in full. (2) By default (`overlap="priced"`) every
-expert is a candidate (t = E, bounded by the memory m) and the price decides; Eq. 1's t
-(`overlap="eq1"`, from the non-MoE time the prefetch measures) is offered but is 0-2 experts at
-realistic sizes — on `hecate_a`, a 33 MB expert over 100 Gb/s takes 2.7 ms, about one attention
-forward — which turns the strategy into plain EP where copies on the critical path still pay
-(`moeflow simulate`, docs/benchmarks.md). (3) The
+on gloo over CPUs the prefetch hides copies but frees no time (docs/pro-prophet.md), so an unpriced
+plan would be paid in full. (2) By default (`overlap="priced"`) every expert is a candidate (t = E,
+bounded by the memory m) and the price decides; Eq. 1's t (`overlap="eq1"`, from the non-MoE time
+the prefetch measures) is offered but is 0-2 experts at realistic sizes — on `hecate_a`, a 33 MB
+expert over 100 Gb/s takes 2.7 ms, about one attention forward — which turns the strategy into
+plain EP where copies on the critical path still pay (`moeflow simulate`, docs/hecate.md). (3) The
 calibration (§4.2, after the gate) re-runs Algorithm 1 on the real flow with the memory left and
 accepts the result only if predicted faster with all its copies on the critical path (under the
 prefetch a changed placement is materialized again, synchronously).
@@ -31,8 +30,7 @@ Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -40,9 +38,9 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
-from moeflow.strategies.planners.ahead import PlanAhead
+from moeflow.strategies.planners.base import PlanAheadPlanner
 from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
-from moeflow.strategies.planners.prophet import ProphetOptions, price_placement
+from moeflow.strategies.planners.prophet_model import Pricing, price_placement
 
 OVERLAPS = ("priced", "eq1")
 
@@ -117,27 +115,21 @@ class FSSDPDecision:
         return self.predicted_s[self.accepted]
 
 
-class FSSDPPlanner:
+class FSSDPPlanner(PlanAheadPlanner):
     """`strategy="fssdp"`: iteration j runs on the placement planned from iterations < j."""
 
-    needs_cost_model = True
-    plans_ahead = True
+    name = "fssdp"
+    reshards_owners = True
 
     def __init__(self, shape: ExpertShape, options: FSSDPOptions | None = None, background: bool = True):
         self.shape = shape
         self.options = options or FSSDPOptions()
-        self.history: deque[np.ndarray] = deque(maxlen=self.options.window)
-        self.prefetched = False  # set by `core.prefetch.BlockPrefetch`: copies may be hidden
-        self.nonmoe_forward_s = 0.0  # measured by the prefetch (agreed across ranks)
-        self.hidden_share = 0.0  # share of the prefetch windows that hid copies; 0 until measured
+        super().__init__(self.options.window, background)
+        self.rematerializes = self.options.rematerialize
+        self.reshard_interval = self.options.reshard_interval
         self.last: FSSDPDecision | None = None
-        self.next_plan = PlanAhead(background)  # (placement, decision), planned off the critical path
 
     # ---- the numbers Algorithm 1 runs with ---------------------------------------------------------
-    def estimate(self) -> np.ndarray:
-        """The next iteration's flow `[W, E]`: mean of the window (Hecate §4.2)."""
-        return np.mean(np.stack(self.history), axis=0)
-
     def degrees(self, cost_model, num_experts: int, world: int) -> tuple[int, int]:
         """(t, m) for this cluster and expert size (options, Eq. 1)."""
         o = self.options
@@ -148,7 +140,7 @@ class FSSDPPlanner:
             memory = int(o.memory_bytes // size)
         else:
             memory = num_experts // world
-        nonmoe = o.nonmoe_forward_s or self.nonmoe_forward_s
+        nonmoe = o.nonmoe_forward_s or (self.prefetch.nonmoe_forward_s if self.prefetch else 0.0)
         if o.overlap_degree is not None:
             overlap = o.overlap_degree
         elif o.overlap == "eq1" and nonmoe > 0:
@@ -158,28 +150,22 @@ class FSSDPPlanner:
             overlap = num_experts
         return overlap, memory
 
-    def pricing(self) -> ProphetOptions:
+    def pricing(self) -> Pricing:
         """How copies are priced: hidden by the measured share under the prefetch, else in full."""
-        if not self.prefetched:
-            return ProphetOptions(min_gain=self.options.min_gain)
-        nonmoe = self.options.nonmoe_forward_s or self.nonmoe_forward_s
-        return ProphetOptions(
-            min_gain=self.options.min_gain, overlap=True, nonmoe_forward_s=nonmoe, hidden_share=self.hidden_share
-        )
+        pricing = super().pricing()
+        if pricing.overlap and self.options.nonmoe_forward_s:
+            return replace(pricing, nonmoe_forward_s=self.options.nonmoe_forward_s)
+        return pricing
 
     # ---- planning ------------------------------------------------------------------------------------
-    def plan_inputs(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
-        """Everything `fssdp_plan` runs on, read from the planner now (a plan made on the planning
-        thread never reads the planner while it runs)."""
+    def search(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
         degrees = self.degrees(cost_model, placement.num_experts, placement.world_size)
-        return (flow_WE, placement, cost_model, self.shape, *degrees, self.pricing(), self.options.min_gain)
+        return fssdp_plan, (flow_WE, placement, cost_model, self.shape, *degrees, self.pricing(), self.options.min_gain)
 
-    def plan(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple[Placement, FSSDPDecision]:
-        """Algorithm 1 on `flow_WE`, then the best-priced prefix (`fssdp_plan`), inline."""
-        return fssdp_plan(*self.plan_inputs(flow_WE, placement, cost_model))
-
-    def calibrate(self, flow_WE: np.ndarray, planned: Placement, cost_model) -> Placement:
-        """§4.2's calibration on the real flow (module docstring, deviation 3)."""
+    def adjust(self, flow_WE: np.ndarray, planned: Placement, cost_model) -> Placement:
+        """§4.2's calibration on the real flow (module docstring, deviation 3), when on."""
+        if not self.options.calibrate:
+            return planned
         flow = np.asarray(flow_WE, dtype=np.float64)
         world, num_experts = planned.world_size, planned.num_experts
         overlap, memory = self.degrees(cost_model, num_experts, world)
@@ -189,9 +175,8 @@ class FSSDPPlanner:
         candidate = planned.with_holders(extra)
         if candidate == planned:
             return planned
-        unhidden = ProphetOptions(min_gain=self.options.min_gain)
         now = price_placement(flow, planned, cost_model, self.shape, self.pricing(), node_of)
-        if price_placement(flow, candidate, cost_model, self.shape, unhidden, node_of) < now:
+        if price_placement(flow, candidate, cost_model, self.shape, Pricing(), node_of) < now:
             if self.last is not None:
                 self.last.calibrated = True
             return candidate
@@ -199,32 +184,11 @@ class FSSDPPlanner:
 
     def owners_changed(self, placement: Placement, cost_model) -> None:
         """The shards moved (`core.resharding`): plan the next iteration on the new owners."""
-        self.next_plan.set(self.plan(self.estimate(), placement, cost_model) if self.history else None)
-
-    def next_placement(self) -> Placement | None:
-        """The placement the next call will run (None before the first flow was seen)."""
-        plan = self.next_plan.result()
-        if plan is None:
-            return None
-        placement, self.last = plan
-        return placement
-
-    def observe(self, flow_WE: np.ndarray) -> None:
-        """Record a call's flow (every call does; called alone when `strategy="auto"` rests this
-        planner: the history stays whole, no search runs)."""
-        self.history.append(np.asarray(flow_WE, dtype=np.float64))
-
-    def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
-        if cost_model is None:
-            raise ValueError("strategy='fssdp' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
-        planned = self.next_placement()
-        if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
-            planned = Placement.owners_only(placement.owner_E, placement.world_size)  # first call, or re-sharded
-        if self.options.calibrate:
-            planned = self.calibrate(flow_WE, planned, cost_model)
-        self.observe(flow_WE)
-        self.next_plan.submit(fssdp_plan, *self.plan_inputs(self.estimate(), placement, cost_model))
-        return planned
+        if not self.history:
+            self.next_plan.set(None)
+            return
+        search, inputs = self.search(self.estimate(), placement, cost_model)
+        self.next_plan.set(search(*inputs))
 
     def expert_load(self) -> np.ndarray | None:
         """Estimated tokens per expert `[E]` (the window's mean), for Algorithm 2; None if unseen."""
@@ -238,7 +202,7 @@ def fssdp_plan(
     shape: ExpertShape,
     overlap: int,
     memory: int,
-    pricing: ProphetOptions,
+    pricing: Pricing,
     min_gain: float,
 ) -> tuple[Placement, FSSDPDecision]:
     """Algorithm 1 on `flow_WE` with overlap degree t = `overlap` and memory m = `memory`, then the
@@ -268,7 +232,7 @@ def plan_resharding(planners, cost_model, world: int, node_of, step: int) -> np.
     some layer has seen no load yet. The same on every rank: the loads are global flows."""
     if not planners:
         return None
-    interval = planners[0].options.reshard_interval
+    interval = planners[0].reshard_interval
     loads = [p.expert_load() for p in planners]
     if interval == 0 or step % interval or any(load is None for load in loads):
         return None

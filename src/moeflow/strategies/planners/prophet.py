@@ -30,12 +30,11 @@ from a prediction of its flow — the last iteration's (`predictor="last"`) or t
 exchanges run (§V: Plan overlaps the all-to-all); the layer runs iteration j+1 on that placement
 with its *real* flow, so a wrong prediction costs time, never correctness.
 
-Shape suffixes: W devices (ranks of the expert-parallel group), E experts; S source, D destination.
+Shape suffixes: W devices (ranks of the expert-parallel group), E experts; S source ranks (W: the destination).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -44,11 +43,10 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement, dispatch_counts
-from moeflow.strategies.planners.ahead import PlanAhead
-from moeflow.strategies.planners.prophet_model import overlapped_copies, placement_times, prophet_layer_times
+from moeflow.strategies.planners.base import PlanAheadPlanner
+from moeflow.strategies.planners.prophet_model import MODELS, Pricing, price_placement
 
 PREDICTORS = ("last", "mean")
-MODELS = ("links", "paper")
 
 
 @dataclass(frozen=True)
@@ -76,6 +74,9 @@ class ProphetOptions:
     """Share of Eq. 8's compute windows that hides copies (1: Eq. 8 as printed)."""
     model: Literal["links", "paper"] = "links"
     """`links`: the shared cost-model functions; `paper`: Eq. 1-8 as printed (mean bandwidth)."""
+
+    def pricing(self) -> Pricing:
+        return Pricing(self.overlap, self.nonmoe_forward_s, self.hidden_share, self.model)
 
     def __post_init__(self) -> None:
         if self.predictor not in PREDICTORS:
@@ -111,26 +112,6 @@ class ProphetDecision:
         return self.predicted_s[self.accepted]
 
 
-def price_placement(
-    flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, options: ProphetOptions, node_of=None
-) -> float:
-    """The planner's predicted time (seconds, forward + backward) of one layer running `flow_WE`
-    on `placement` (module docstring: Eq. 6, or Eq. 8 with `options.overlap`)."""
-    plan_SED = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
-    if options.model == "paper":
-        recv_W = plan_SED.sum((0, 1)) - np.einsum("ses->s", plan_SED)  # tokens from other devices
-        copies = int(placement.materialized_EW().sum())
-        t = prophet_layer_times(cost_model, recv_W, plan_SED.sum((0, 1)), copies, shape, options.nonmoe_forward_s)
-        return float(t["overlapped" if options.overlap else "total"])
-    t = placement_times(cost_model, plan_SED, placement.holders_EW, placement.owner_E, shape, options.overlap)
-    copies = (
-        overlapped_copies(t["trans"], t["agg"], t["fec"], options.nonmoe_forward_s, options.hidden_share)
-        if options.overlap
-        else t["trans"] + t["agg"]
-    )
-    return t["a2a"] + 3 * t["fec"] + float(copies)
-
-
 def prophet_search(
     flow_WE: np.ndarray,
     placement: Placement,
@@ -147,12 +128,14 @@ def prophet_search(
     node_of = cost_model.topology.node_of
     base = Placement.owners_only(owner_E, W)
 
+    pricing = options.pricing()
+
     def price(holders_EW: np.ndarray) -> float:
-        return price_placement(flow, Placement(owner_E, holders_EW), cost_model, shape, options, node_of)
+        return price_placement(flow, Placement(owner_E, holders_EW), cost_model, shape, pricing, node_of)
 
     def device_loads(holders_EW: np.ndarray) -> np.ndarray:
-        plan_SED = dispatch_counts(np.rint(flow).astype(np.int64), Placement(owner_E, holders_EW), node_of)
-        return plan_SED.sum(0)  # [E, W]: tokens each device computes for each expert
+        plan_SEW = dispatch_counts(np.rint(flow).astype(np.int64), Placement(owner_E, holders_EW), node_of)
+        return plan_SEW.sum(0)  # [E, W]: tokens each device computes for each expert
 
     holders = base.holders_EW.copy()
     predicted, steps, states = [price(holders)], [], [holders]
@@ -193,63 +176,43 @@ def _relief(flow_WE, holders_EW, load_EW, H_W, owner_E) -> tuple[int, list[int]]
     return None
 
 
-class ProphetPlanner:
+class ProphetPlanner(PlanAheadPlanner):
     """`strategy="prophet"`: runs iteration j on the placement planned from iterations < j."""
 
-    needs_cost_model = True
-    plans_ahead = True
+    name = "prophet"
 
     def __init__(self, shape: ExpertShape, options: ProphetOptions | None = None, background: bool = True):
         self.shape = shape
         self.options = options or ProphetOptions()
-        self.history: deque[np.ndarray] = deque(maxlen=self.options.window)
+        super().__init__(self.options.window, background)
         self.calls = 0
-        self.prefetched = False  # set by `core.prefetch.BlockPrefetch`: copies are hidden (Eq. 8)
-        self.nonmoe_forward_s = 0.0  # T_FNEC measured by the prefetch (agreed across ranks)
-        self.hidden_share = 0.0  # what the prefetch measured to hide; nothing until measured
-        self.last: ProphetDecision | None = None
-        self.next_plan = PlanAhead(background)  # (placement, decision), planned off the critical path
 
-    def predict(self) -> np.ndarray:
+    def estimate(self) -> np.ndarray:
         """The next iteration's flow from the history (module docstring)."""
         if self.options.predictor == "last":
             return self.history[-1]
-        return np.mean(np.stack(self.history), axis=0)
-
-    def next_placement(self) -> Placement | None:
-        """The placement the next call will return (None before the first flow was seen)."""
-        plan = self.next_plan.result()
-        if plan is None:
-            return None
-        placement, self.last = plan
-        return placement
+        return super().estimate()
 
     def search_options(self) -> ProphetOptions:
         """The options Algorithm 1 runs with: under the block-wise prefetch, copies priced as Eq. 8
         with the windows the prefetch measured — the non-MoE time (unless `nonmoe_forward_s` was
         given) and the share of the windows that really hid copies (0 until measured: a prefetch
         is trusted only once it has been seen to hide something)."""
-        if not self.prefetched:
+        if self.prefetch is None:
             return self.options
-        nonmoe = self.options.nonmoe_forward_s or self.nonmoe_forward_s
-        return replace(self.options, overlap=True, nonmoe_forward_s=nonmoe, hidden_share=self.hidden_share)
+        nonmoe = self.options.nonmoe_forward_s or self.prefetch.nonmoe_forward_s
+        return replace(self.options, overlap=True, nonmoe_forward_s=nonmoe, hidden_share=self.prefetch.hidden_share)
 
     def observe(self, flow_WE: np.ndarray) -> None:
-        """Record a call's flow (every call does; called alone when `strategy="auto"` rests this
-        planner: the history stays whole, no search runs)."""
-        self.history.append(np.asarray(flow_WE, dtype=np.float64))
+        super().observe(flow_WE)
         self.calls += 1
 
-    def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
-        if cost_model is None:
-            raise ValueError("strategy='prophet' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
-        planned = self.next_placement()
-        if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
-            planned = Placement.owners_only(placement.owner_E, placement.world_size)
-        self.observe(flow_WE)
+    def search(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
+        return prophet_search, (flow_WE, placement, cost_model, self.shape, self.search_options())
+
+    def plan_next(self, placement: Placement, cost_model) -> None:
+        """Every `plan_interval` calls (Pro-Prophet §IV-C); between re-plans the last plan stands."""
         if (self.calls - 1) % self.options.plan_interval == 0:
-            args = (self.predict(), placement, cost_model, self.shape, self.search_options())
-            self.next_plan.submit(prophet_search, *args)
+            super().plan_next(placement, cost_model)
         else:
-            self.next_plan.set((planned, self.last))  # between re-plans the last plan stands
-        return planned
+            self.next_plan.set((self.running, self.last))

@@ -20,11 +20,29 @@ Shape suffixes: W devices, E experts; ``...`` = any leading batch dims.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import Placement, dispatch_counts
+
+MODELS = ("links", "paper")
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How a placement's copies are priced (`price_placement`)."""
+
+    overlap: bool = False
+    """Copies hidden by the block-wise prefetch (Eq. 8), sent point-to-point as it sends them."""
+    nonmoe_forward_s: float = 0.0
+    """T_FNEC of Eq. 8: forward time of the dense part of a block (backward: twice)."""
+    hidden_share: float = 1.0
+    """Share of Eq. 8's compute windows that hides copies (1: Eq. 8 as printed)."""
+    model: Literal["links", "paper"] = "links"
+    """`links`: the shared cost-model functions; `paper`: Eq. 1-8 as printed (mean bandwidth)."""
 
 
 def overlapped_copies(
@@ -35,7 +53,7 @@ def overlapped_copies(
 
     ``hidden_share`` scales the compute windows: 1 is Eq. 8 as printed (communication costs the
     compute nothing, as with a GPU's copy engines); where transfers and compute share cores (gloo
-    on CPUs) less of a window hides them, and `core.prefetch` measures how much."""
+    on CPUs) less of a window hides them, and `strategies.prefetch` measures how much."""
     fec = np.asarray(fec_s, dtype=np.float64)
     h = np.asarray(hidden_share, dtype=np.float64)
     ptrans = np.maximum(0.0, np.asarray(trans_s, dtype=np.float64) - h * (fec + nonmoe_forward_s))
@@ -88,20 +106,40 @@ def prophet_layer_times(
 
 def placement_times(
     cost_model: Any,
-    plan_SED: np.ndarray,
+    plan_SEW: np.ndarray,
     holders_EW: np.ndarray,
     owner_E: np.ndarray,
     shape: ExpertShape,
     prefetched: bool = False,
 ) -> dict[str, float]:
-    """Eq. 6's terms for a dispatch plan ``plan_SED`` (`core.placement.dispatch_counts`) and the
+    """Eq. 6's terms for a dispatch plan ``plan_SEW`` (`core.placement.dispatch_counts`) and the
     placement it runs on, priced with the shared cost-model functions (module docstring): ``a2a``
     (the four exchanges), ``fec`` (one forward expert compute, slowest device), ``trans`` and
     ``agg`` (the sparse collectives' copies and gradient sums; ``prefetched``: as the block-wise
     prefetch sends them — one asynchronous broadcast / reduce per owner, never the two-stage tree)."""
-    compute, a2a = cost_model.sync_step_times(plan_SED.sum(1), plan_SED.sum(0).T, shape)
+    compute, a2a = cost_model.sync_step_times(plan_SEW.sum(1), plan_SEW.sum(0).T, shape)
     size = shape.param_bytes(cost_model.bytes_per_element)
     tree = False if prefetched else None
     trans = cost_model.copies_time(size, holders_EW, owner_E, "materialize", tree)
     agg = cost_model.copies_time(size, holders_EW, owner_E, "reduce", tree)
     return {"a2a": float(a2a), "fec": float(compute) / 3, "trans": trans, "agg": agg}
+
+
+def price_placement(
+    flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, pricing: Pricing, node_of=None
+) -> float:
+    """The predicted time (seconds, forward + backward) of one layer running `flow_WE` on
+    `placement`: Eq. 6, or Eq. 8 with `pricing.overlap`."""
+    plan_SEW = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
+    if pricing.model == "paper":
+        recv_W = plan_SEW.sum((0, 1)) - np.einsum("ses->s", plan_SEW)  # tokens from other devices
+        copies = int(placement.materialized_EW().sum())
+        t = prophet_layer_times(cost_model, recv_W, plan_SEW.sum((0, 1)), copies, shape, pricing.nonmoe_forward_s)
+        return float(t["overlapped" if pricing.overlap else "total"])
+    t = placement_times(cost_model, plan_SEW, placement.holders_EW, placement.owner_E, shape, pricing.overlap)
+    copies = (
+        overlapped_copies(t["trans"], t["agg"], t["fec"], pricing.nonmoe_forward_s, pricing.hidden_share)
+        if pricing.overlap
+        else t["trans"] + t["agg"]
+    )
+    return t["a2a"] + 3 * t["fec"] + float(copies)

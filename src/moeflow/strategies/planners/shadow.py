@@ -48,6 +48,7 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.strategies.planners.base import Planner
 
 
 @dataclass
@@ -99,9 +100,10 @@ class ShadowGreedyOptions(ShadowOptions):
     min_gain: float = 0.0
 
 
-class ShadowPlanner:
+class ShadowPlanner(Planner):
     """`strategy="shadow"`: a pure function of (flow, owners, cost model) → Placement."""
 
+    name = "shadow"
     needs_cost_model = True
 
     def __init__(self, shape: ExpertShape, options: ShadowOptions | None = None):

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from moeflow.core.checks import positive_int
-from moeflow.strategies.schedules.base import ExchangeBlock, PredictedBlock, Schedule, StepLoad
+from moeflow.core.exchange import ExchangeBlock
+from moeflow.strategies.schedules.base import PredictedBlock, Schedule, StepLoad
 from moeflow.strategies.schedules.sync import SyncSchedule
 
 # Tags: call (mod 2^20) × 64 + step × 4 + kind; kinds below. Steps are at most 16 (W / G <= 16).
@@ -244,13 +245,13 @@ class PairwiseSchedule(Schedule):
         return size
 
     def runs_with(self, dispatcher) -> bool:
-        return getattr(dispatcher, "name", None) == "a2a"
+        return dispatcher.name == "a2a"
 
     def check_dispatcher(self, dispatcher) -> None:
         if not self.runs_with(dispatcher):
             raise ValueError(
                 f"schedule='pairwise' exchanges point-to-point between groups and runs with dispatch='a2a' "
-                f"only (got dispatch={getattr(dispatcher, 'name', dispatcher)!r})"
+                f"only (got dispatch={dispatcher.name!r})"
             )
 
     def execute(self, block: ExchangeBlock) -> torch.Tensor:

@@ -45,8 +45,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from moeflow.core.exchange import ExchangeBlock
 from moeflow.perf.pipeline_degree import candidate_degrees, find_degree, priced_time
-from moeflow.strategies.schedules.base import ExchangeBlock, PredictedBlock, Schedule, StepLoad
+from moeflow.strategies.schedules.base import PredictedBlock, Schedule, StepLoad
 from moeflow.strategies.schedules.pipeline_pricing import agree_over_esp, pass_models, scalar_model
 from moeflow.strategies.schedules.sync import SyncSchedule
 
@@ -332,16 +333,18 @@ class PipelineSchedule(Schedule):
             )
         self.degrees: tuple[int, int] | None = None
         """(forward, backward) degrees that ran (set at the first forward)."""
-        self.chosen: str | None = None
+
+    def choice(self) -> str | None:
+        return None if self.degrees is None else f"pipeline(r_f={self.degrees[0]},r_b={self.degrees[1]})"
 
     def runs_with(self, dispatcher: Any) -> bool:
-        return getattr(dispatcher, "name", None) == "a2a"
+        return dispatcher.name == "a2a"
 
     def check_dispatcher(self, dispatcher: Any) -> None:
         if not self.runs_with(dispatcher):
             raise ValueError(
                 "schedule='pipeline' chunks one all-to-all per chunk and runs with dispatch='a2a' only "
-                f"(got dispatch={getattr(dispatcher, 'name', dispatcher)!r})"
+                f"(got dispatch={dispatcher.name!r})"
             )
 
     def candidates(self, send_WW: np.ndarray) -> tuple[int, ...]:
@@ -354,8 +357,6 @@ class PipelineSchedule(Schedule):
         fwd, bwd = self.options.forward, self.options.backward
         if "auto" not in (fwd, bwd):
             return int(fwd), int(bwd)
-        from moeflow.strategies.schedules.auto import step_load
-
         W, devices = len(block.send_WW), self.cost_model.topology.num_devices
         if devices != W:
             raise ValueError(
@@ -363,8 +364,8 @@ class PipelineSchedule(Schedule):
                 f"devices but the expert-parallel group has {W}; give a cost model of this group "
                 "(moeflow profile) or a fixed degree"
             )
-        if block.plan_SED is not None:
-            step = step_load(block.plan_SED, self.expert, block.node_of)
+        if block.plan_SEW is not None:
+            step = StepLoad.of_plan(block.plan_SEW, self.expert, block.node_of)
         else:  # one expert column per rank: rows each rank receives
             step = StepLoad(block.send_WW, block.send_WW.sum(0)[:, None], self.expert, block.node_of)
         models = pass_models(step, self.cost_model, block.dispatcher)
@@ -378,7 +379,6 @@ class PipelineSchedule(Schedule):
             return SyncSchedule().execute(block)
         if self.degrees is None:
             self.degrees = self.choose(block)
-            self.chosen = f"pipeline(r_f={self.degrees[0]},r_b={self.degrees[1]})"
             if "auto" in (self.options.forward, self.options.backward):
                 log.info("schedule=pipeline: degree auto chose forward %d, backward %d", *self.degrees)
         return pipelined_block(block, *self.degrees)

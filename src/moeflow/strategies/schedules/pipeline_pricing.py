@@ -25,7 +25,7 @@ def pass_models(step: StepLoad, cost_model: Any, dispatcher: Any) -> tuple[PassM
     price of the whole exchange; the experts' α from a fitted GEMM (one launch per GEMM of the
     slowest rank's experts with tokens, else 0) and their volume from the slowest rank's compute;
     backward doubles the experts (§4.4). The measured cost of one more chunk (``chunk_*`` fits of
-    ``moeflow profile``, ``perf.chunk_profile``; it includes an ESP layer's per-chunk collectives
+    ``moeflow profile``, ``profiling.chunk_profile``; it includes an ESP layer's per-chunk collectives
     when profiled with that layout) is added to the experts' α of its pass, and the overlap the
     machine realises (``CostModel.pipeline_overlap``, η) goes with each pass. All-gather and
     reduce-scatter cost 0: under ESP they run inside each chunk's compute (``_intra_node`` in

@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeflow.strategies.schedules.base import ExchangeBlock, PredictedBlock, Schedule, StepLoad
+from moeflow.core.exchange import ExchangeBlock
+from moeflow.strategies.schedules.base import PredictedBlock, Schedule, StepLoad
 
 
 class SyncSchedule(Schedule):

@@ -11,7 +11,7 @@ gate towards this target is `moeflow.routing.ta_moe.TAMoEBalance`.
 Closed forms (tested): homogeneous → uniform; 2-level symmetric tree with m devices per node,
 α = 0 → every pair is tight, β₁·x = β₂·y with m·x + (W−m)·y = k (x, y: volume per same-node and
 per remote device). A balance written as m·x·β₁ = (W−m)·y·β₂ agrees with this only for two nodes
-(W = 2m); for more nodes we follow Eq. 2, the problem the LP solves (docs/strategies.md).
+(W = 2m); for more nodes we follow Eq. 2, the problem the LP solves (docs/ta-moe.md).
 
 Units: a target ĉ is returned in **assignments per token of the sending rank** (the paper's
 `c_ie / S`): rows sum to k, columns to k·W/E, uniform = k/E. Multiply by S for assignments.

@@ -9,7 +9,7 @@ over sizes; ``send``/``recv`` between two ranks of one node and two ranks of dif
 (when the job spans both); across nodes on gloo, the shadow ``copies`` of
 ``moeflow.core.sparse_collectives`` (every rank owning one message, forward and backward); the cost
 of one more chunk of the pipelined MoE block (``chunk_forward``, ``chunk_backward``:
-``perf.chunk_profile``) and the share of its overlap the machine realises (``pipeline_overlap``). CPU ranks
+``profiling.chunk_profile``) and the share of its overlap the machine realises (``pipeline_overlap``). CPU ranks
 that all run on one machine record ``host_cores`` (the cores they share; ``CostModel.host_cores``).
 
 Nodes are discovered, not configured: ranks that share a host name *and* a network namespace
@@ -44,7 +44,7 @@ from moeflow.core.launch import init_distributed, launch_local, under_torchrun
 from moeflow.core.placement import Placement, copies_by_tree
 from moeflow.core.sparse_collectives import materialize
 from moeflow.perf.alpha_beta import CHUNK_KINDS, OP_KINDS, AlphaBeta
-from moeflow.perf.chunk_profile import chunk_fit, measure_chunks
+from moeflow.profiling.chunk_profile import chunk_fit, measure_chunks
 
 COMM_KINDS = tuple(kind for kind in OP_KINDS if kind not in ("gemm", "elementwise", *CHUNK_KINDS))
 
@@ -72,7 +72,7 @@ class ProfileConfig:
     """Free-form labels copied into the output (e.g. testbed bandwidth)."""
     chunk_layer: tuple[int, int, int] = (512, 128, 1024)
     """The layer whose pipelined block ``chunk_*`` times: tokens per rank, d_model, d_hidden
-    (``perf.chunk_profile``)."""
+    (``profiling.chunk_profile``)."""
     chunk_esp_size: int = 1
     """Expert-sharding group size of that layer (consecutive ranks inside a node; 1: plain EP)."""
     chunk_degrees: Sequence[int] = (1, 2, 4, 8)

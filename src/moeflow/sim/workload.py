@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from moeflow.core.expert_shape import EXPERT_KINDS, ExpertShape
-from moeflow.core.layer import AXES
 from moeflow.core.registry import LayerContext
+from moeflow.layer import AXES
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.simulator import SimulatedLayer
 from moeflow.perf.topology_presets import PRESETS
-from moeflow.perf.traces import SYNTHETIC, Trace, resolve_trace, synthetic_trace
 from moeflow.routing import BALANCES, GATES
+from moeflow.sim.simulator import SimulatedLayer
+from moeflow.sim.traces import SYNTHETIC, Trace, resolve_trace, synthetic_trace
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 
 

@@ -8,7 +8,7 @@ whose threads and the kernel's TCP stack run beside the expert GEMMs; under expe
 an all-gather of counts and rows and an all-reduce of outputs, synchronous inside the chunk's
 compute), plus the chunk's own Python and autograd work. On the 2 × 2 network testbed one more
 chunk measured 3.5–4.5 ms per block and pass without ESP and 5.5–8 ms with it, where the
-collectives' fitted α are ≤ 5 µs (docs/benchmarks.md, "FSMoE, part 2").
+collectives' fitted α are ≤ 5 µs (docs/fsmoe.md).
 
 So it is measured as the pipeline pays it: one `MoELayer` (``ProfileConfig.chunk_layer``: tokens
 per rank, d_model, d_hidden; 2 experts per expert-parallel rank, top-2, ffn) with
@@ -32,7 +32,7 @@ Priced ``η·overlapped + (1 − η)·serial`` (`perf.pipeline_degree`), the lay
 is t(1) minus it; η is clipped to [0, 1] per pass (the backward's exchanges move as many rows). The
 profile writes η as ``pipeline_overlap`` (``CostModel.pipeline_overlap``); 1 where nothing was
 measured. On GPUs η should come out near 1 (FSMoE's design point); on the 2 × 2 CPU testbed it is
-far below (docs/benchmarks.md, "FSMoE, part 2").
+far below (docs/fsmoe.md).
 
 Shape suffixes: T tokens of this rank, D d_model.
 """
@@ -47,8 +47,8 @@ import torch.distributed as dist
 from scipy import optimize
 
 from moeflow.core.expert_sharding import to_expert_sharding
-from moeflow.core.layer import MoELayer
 from moeflow.core.parallel import ParallelLayout
+from moeflow.layer import MoELayer
 from moeflow.perf.alpha_beta import CHUNK_KINDS, AlphaBeta
 
 

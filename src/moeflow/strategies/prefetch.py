@@ -1,5 +1,5 @@
-"""Block-wise prefetch of expert copies (Pro-Prophet §V, Algorithm 2), for any planner that knows
-its next placement ahead (`planner.plans_ahead`, `planner.next_placement()`).
+"""Block-wise prefetch of expert copies (Pro-Prophet §V, Algorithm 2), for any planner that plans
+ahead (`Planner.plans_ahead`: `next_placement()`, `use_prefetch(window)`).
 
 A *block* is a MoE layer and the dense layers that follow it. Because layer i+1's placement is
 known before it runs, its copies (Trans: owner → holders) travel during block i's forward compute,
@@ -15,8 +15,9 @@ FNEC forward, BNEC vs BEC backward): timers at the four marks below, agreed acro
 all-reduce of the maxima after steps 1, 2, 4, 8, …, so that every rank splits every message
 alike; 0.5 before). The same all-reduce agrees, per layer, the share of those windows that really
 hid copies — 1 − (time waited on the copies) / (the cost model's time for them) — and hands it and
-the dense time to the layer's planner, which prices copies with them (Eq. 8). The first MoE layer
-has no block before it: its copies run in its own forward.
+the dense time to the layer's planner (`use_prefetch(PrefetchWindow)`), which prices copies with
+them (Eq. 8). The first MoE layer has no block before it: its copies run in its own forward. The
+layer takes its prefetched copies through the hook's `wrap_copies`.
 
 Mechanism: `BlockPrefetch` is a `MoEHook` (FSMoE §3.1) on every MoE layer; at the layer's start,
 after its dispatch, before its combine and at its end it returns the tensor through `core.hooks.Mark`, an
@@ -53,6 +54,7 @@ from moeflow.core.sparse_collectives import (
     prefetch_transfers,
     split_held_gradients,
 )
+from moeflow.strategies.planners.base import PrefetchWindow
 
 TAG_BASE = 1 << 27
 """Message tags of prefetched copies start here (the pairwise schedule's stay below 2²⁶)."""
@@ -242,13 +244,13 @@ class BlockPrefetch(MoEHook):
         self._stamps: dict[tuple[int, str], float] = {}
         self._trans: dict[int, _Trans] = {}
         self._agg: dict[int, _Agg] = {}
+        self._index = {id(layer): i for i, layer in enumerate(self.layers)}
         for i, layer in enumerate(self.layers):
             if any(isinstance(h, BlockPrefetch) for h in layer.hooks):
                 raise ValueError(f"layers[{i}] already has a BlockPrefetch")
             layer.hooks.append(self)
-            layer.prefetch_index = i
-            if i > 0 and getattr(layer.planner, "plans_ahead", False):
-                layer.planner.prefetched = True  # its planner prices copies as hidden (Eq. 8)
+            if i > 0:
+                layer.planner.use_prefetch(PrefetchWindow())  # its planner prices copies as hidden (Eq. 8)
 
     # ---- which layers prefetch -------------------------------------------------------------------
     def _ahead(self, i: int) -> Placement | None:
@@ -256,23 +258,28 @@ class BlockPrefetch(MoEHook):
         if not 0 < i < len(self.layers):
             return None
         layer = self.layers[i]
-        if layer.group is None or layer.cluster_mismatch or not getattr(layer.planner, "plans_ahead", False):
+        if layer.group is None or layer.cluster_mismatch or not layer.planner.plans_ahead:
             return None
         placement = layer.planner.next_placement()
         return None if placement is None or placement.is_owners_only() else placement
 
-    def held_weights(self, layer, placement: Placement) -> dict[str, torch.Tensor] | None:
-        """The prefetched weights of `layer` for `placement` (None: not prefetched; materialize now)."""
-        trans = self._trans.pop(getattr(layer, "prefetch_index", -1), None)
-        if trans is None:
-            return None
-        if trans.placement != placement:  # the plan changed under it: drain the messages, run sync
-            trans.wait_all()
-            self.exposed_s[layer.prefetch_index] += trans.exposed_s
-            return None
-        weights = trans.weights(self, layer.prefetch_index)
-        self.exposed_s[layer.prefetch_index] += trans.exposed_s
-        return weights
+    def wrap_copies(self, layer, gather):
+        """The layer's held weights: those prefetched for its placement, else `gather`'s (sent now)."""
+        index = self._index[id(layer)]
+
+        def held(placement: Placement, held_J: np.ndarray) -> dict[str, torch.Tensor]:
+            trans = self._trans.pop(index, None)
+            if trans is None:
+                return gather(placement, held_J)
+            if trans.placement != placement:  # the plan changed under it: drain the messages, run sync
+                trans.wait_all()
+                self.exposed_s[index] += trans.exposed_s
+                return gather(placement, held_J)
+            weights = trans.weights(self, index)
+            self.exposed_s[index] += trans.exposed_s
+            return weights
+
+        return held
 
     @staticmethod
     def _copies_price(layer, placement: Placement) -> float:
@@ -285,7 +292,7 @@ class BlockPrefetch(MoEHook):
 
     # ---- the four marks of layer i -----------------------------------------------------------------
     def _mark(self, layer, x: torch.Tensor, point: str) -> torch.Tensor:
-        i = layer.prefetch_index
+        i = self._index[id(layer)]
         return Mark.apply(x, lambda: self._forward_point(i, point), lambda: self._backward_point(i, point))
 
     def before_moe_start(self, layer, x):
@@ -310,7 +317,7 @@ class BlockPrefetch(MoEHook):
                 self._trans[i + 1].post(0)
                 self.predicted_s[i + 1] += 2 * self._copies_price(self.layers[i + 1], placement)
         elif point == "computed" and (i + 1) in self._trans:
-            self._waited(i + 1, i, False, self._trans[i + 1], lambda: self._trans[i + 1].wait(0))
+            self._trans[i + 1].wait(0)
         elif point == "end" and (i + 1) in self._trans:  # SubTrans2_{i+1} ∥ FNEC_i
             self._trans[i + 1].post(1)
 
@@ -320,26 +327,16 @@ class BlockPrefetch(MoEHook):
         if point == "start" and i in self._agg:  # layer i's backward is over: SubAgg1_i ∥ BNEC_{i-1}
             self._agg[i].post(0)
         elif point == "end" and agg is not None:
-            self._waited(i + 1, i, True, agg, lambda: agg.wait(0))
+            agg.wait(0)
         elif point == "computed" and agg is not None:  # SubAgg2_{i+1} ∥ BEC_i
             agg.post(1)
         elif point == "dispatched" and agg is not None:
-            self._finish_agg(i + 1, waiting=i)
+            self._finish_agg(i + 1)
 
-    def _finish_agg(self, index: int, waiting: int | None = None) -> None:
+    def _finish_agg(self, index: int) -> None:
         agg = self._agg.pop(index)
-        self._waited(index, waiting, True, agg, agg.finish)
+        agg.finish()
         self.exposed_s[index] += agg.exposed_s
-
-    def _waited(self, owner: int, waiting: int | None, backward: bool, parts: _TwoParts, wait) -> None:
-        """Run `wait` (on layer `owner`'s copies or their gradients, `parts`); what it exposed counts as
-        the owner's, not the waiting layer's (`LayerTimes.lend`/`borrow`; None: after the backward)."""
-        before = parts.exposed_s
-        wait()
-        seconds = parts.exposed_s - before
-        if waiting is not None:
-            self.layers[waiting].times.lend(seconds, backward)
-        self.layers[owner].times.borrow(seconds, backward)
 
     def start_agg(self, index: int, trans: _Trans, grad_MP: torch.Tensor) -> None:
         self._agg[index] = _Agg(trans, grad_MP, self.split_backward[index - 1])
@@ -385,7 +382,5 @@ class BlockPrefetch(MoEHook):
         # Layers whose copies were priced and sent since the last time: what they hid.
         self.hidden_share = np.where(predicted > 0, measured_share, self.hidden_share)
         self.exposed_s[:], self.predicted_s[:] = 0.0, 0.0
-        for i, layer in enumerate(self.layers[1:], start=1):
-            if getattr(layer.planner, "plans_ahead", False):
-                layer.planner.nonmoe_forward_s = float(m[i - 1, 1])  # T_FNEC of Eq. 8
-                layer.planner.hidden_share = float(self.hidden_share[i])
+        for i, layer in enumerate(self.layers[1:], start=1):  # T_FNEC of Eq. 8, and what hid copies
+            layer.planner.use_prefetch(PrefetchWindow(float(m[i - 1, 1]), float(self.hidden_share[i])))

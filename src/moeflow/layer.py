@@ -18,7 +18,6 @@ this rank this iteration, S source ranks.
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,13 +29,12 @@ from torch import nn
 
 from moeflow.core import dispatch
 from moeflow.core.checks import check_layer_input, finite_number, positive_int
+from moeflow.core.exchange import ExchangeBlock
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.expert_sharding import sharded_compute
 from moeflow.core.experts import GroupedExperts
 from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
-from moeflow.core.layer_times import LayerTimes
 from moeflow.core.placement import Placement, dispatch_counts
-from moeflow.core.prefetch import BlockPrefetch
 from moeflow.core.registry import LayerContext
 from moeflow.core.rematerialize import release_held
 from moeflow.core.sparse_collectives import materialize
@@ -45,8 +43,9 @@ from moeflow.routing import BALANCES, GATES, check_balance_fits_gate, default_ba
 from moeflow.routing.balance import router_z_loss
 from moeflow.routing.gates import Routing, RoutingLayout
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
+from moeflow.strategies.planners.base import as_planner
 from moeflow.strategies.planners.ep import plan_ep
-from moeflow.strategies.schedules.base import ExchangeBlock
+from moeflow.strategies.timing import LayerTimer
 
 AXES = {"gate": GATES, "balance": BALANCES, "strategy": PLANNERS, "schedule": SCHEDULES, "dispatch": DISPATCHERS}
 """The axes of a MoE layer and the registry of names of each (docs/architecture.md)."""
@@ -150,6 +149,9 @@ class MoELayer(nn.Module):
         )
         self.experts = GroupedExperts(num_experts, d_model, d_hidden, kind=expert)
         self.hooks = layer_hooks(hooks, dispatch_dtype)
+        observers = [c for c in (self.planner, self.schedule) if c.observes_time]
+        if observers:  # what `auto` learns from (`strategies.timing`): first, its copies' span outermost
+            self.hooks.insert(0, LayerTimer(observers))
         self.dispatch_dtype = dispatch_dtype
         self.cost_model = cost_model
         self._node_of_arg = None if node_of is None else list(node_of)
@@ -160,7 +162,6 @@ class MoELayer(nn.Module):
         self.stats: MoEStats | None = None
         self._held: dict[str, torch.Tensor] | None = None  # this forward's held weights (copies)
         self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
-        self.times = LayerTimes()  # of its last training forward and backward (strategy="auto" learns from them)
         self.group: dist.ProcessGroup | None = None
         self.esp_group: dist.ProcessGroup | None = None  # expert sharding (core.expert_sharding)
         self._bind(Placement.expert_parallel(num_experts, 1))
@@ -170,11 +171,11 @@ class MoELayer(nn.Module):
     def _build_axes(self, ctx: LayerContext, **axes: tuple[Any, Any]) -> None:
         """One component per axis, by name from its registry (with its options) or as an object."""
         built = {axis: AXES[axis].build(value, ctx, options) for axis, (value, options) in axes.items()}
-        self.gate, self.balance, self.planner = built["gate"], built["balance"], built["strategy"]
+        self.gate, self.balance, self.planner = built["gate"], built["balance"], as_planner(built["strategy"])
         self.schedule, self.dispatcher = built["schedule"], built["dispatch"]
         self.schedule.check_dispatcher(self.dispatcher)
         self.axes = {axis: v if isinstance(v, str) else type(v).__name__ for axis, (v, _) in axes.items()}
-        if getattr(self.planner, "needs_cost_model", False) and ctx.cost_model is None:
+        if self.planner.needs_cost_model and ctx.cost_model is None:
             raise ValueError(f"strategy={self.axes['strategy']!r} needs cost_model= (a moeflow CostModel)")
 
     @property
@@ -213,7 +214,7 @@ class MoELayer(nn.Module):
         if placement.world_size != self.placement.world_size:
             raise ValueError(f"rebind: {placement} has another group size than {self.placement}")
         self._bind(placement)
-        if hasattr(self.planner, "owners_changed") and not self.cluster_mismatch:
+        if not self.cluster_mismatch:
             self.planner.owners_changed(placement, self.cost_model)  # re-plan what it had planned ahead
 
     def _bind(self, placement: Placement) -> None:
@@ -251,12 +252,10 @@ class MoELayer(nn.Module):
         return routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        started = time.perf_counter()
         check_layer_input(x, self.d_model, self.check_finite)
         if self.cluster_mismatch:
             self._notice_mismatch()
         x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
-        x_TD, close_timed_span = self.times.time_backward(x_TD, self.training)  # `core.layer_times`
         me = dispatch.group_rank(self.group)
         routing = self._route(x_TD, me)
         choices_E = torch.bincount(routing.expert_A, minlength=self.num_experts)
@@ -267,29 +266,27 @@ class MoELayer(nn.Module):
         # (Both rows whenever capacity may drop, on every rank alike: the gather's size must agree.)
         may_drop = self.capacity_factor is not None
         counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
-        timed = getattr(self.planner, "observes_time", False) and not self.cluster_mismatch
-        schedule = self.stats.schedule if self.stats is not None else None  # the one that ran the last forward
-        rows = self.times.exchange_counts(counts, self.group, self.planner if timed else None, schedule)
+        rows = dispatch.exchange_counts(counts, self.group)
         flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
         placement = self._plan(flow_WE)
-        plan_SED = dispatch_counts(flow_WE, placement, self.node_of)
+        plan_SEW = dispatch_counts(flow_WE, placement, self.node_of)
 
         # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
-        dest_A = dispatch.assignment_destinations(expert_A, plan_SED[me])
+        dest_A = dispatch.assignment_destinations(expert_A, plan_SEW[me])
         order_A = torch.sort(dest_A * self.num_experts + expert_A, stable=True).indices
         self._calls += 1
         block = ExchangeBlock(
             x_sent_AD=routing.rows(x_TD, order_A),
-            send_WW=plan_SED.sum(1),
+            send_WW=plan_SEW.sum(1),
             me=me,
-            counts_SJ=plan_SED[:, placement.holders_EW[:, me], me],
+            counts_SJ=plan_SEW[:, placement.holders_EW[:, me], me],
             compute=self._compute_held(placement, me),
             group=self.group,
             node_of=self.node_of,
             dispatcher=self.dispatcher,
             hooks=lambda point, t, first=True, last=True: run_hooks(self.hooks, point, self, t, first, last),
             call_id=self._calls,
-            plan_SED=plan_SED,
+            plan_SEW=plan_SEW,
             esp_group=self.esp_group,
         )
         y_back_AD = self.schedule.execute(block)
@@ -300,9 +297,8 @@ class MoELayer(nn.Module):
         y_TD = routing.combine(y_back_AD.to(x.dtype), order_A, x_TD.shape[0])
         y_TD = self._release_copies(y_TD, placement, me)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
-        self._record(block, flow_WE, choices_WE, plan_SED, placement, dropped, routing.redirected, me)
-        self.times.record_forward(time.perf_counter() - started, self.training)
-        return close_timed_span(y_TD).reshape(x.shape)
+        self._record(block, flow_WE, choices_WE, plan_SEW, placement, dropped, routing.redirected, me)
+        return y_TD.reshape(x.shape)
 
     def _plan(self, flow_WE: np.ndarray) -> Placement:
         """The planner's placement for this flow (plain EP where the cost model is another cluster's)."""
@@ -314,15 +310,10 @@ class MoELayer(nn.Module):
         """`compute(x_RD, counts_SJ)` for the schedule: the experts this rank holds (owned, or
         materialized by the planner's copies) on rows received source-major."""
         held_J = np.flatnonzero(placement.holders_EW[:, me])
-        started = time.perf_counter()
         weights_J = self._held_weights(placement, held_J)
-        self.times.record_copies(time.perf_counter() - started, self.training)
         self._held = weights_J
 
         def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
-            return self.times.timed_compute(expert_compute, x_recv_RD, counts_SJ)
-
-        def expert_compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
             if held_J.size == 0:  # a rank that owns none of this layer's experts (Hecate §4.3)
                 return torch.zeros_like(x_recv_RD)
             # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
@@ -330,6 +321,8 @@ class MoELayer(nn.Module):
                 lambda x_RD, counts_J: self._run_experts(x_RD, counts_J, weights_J), x_recv_RD, counts_SJ
             )
 
+        for hook in reversed(self.hooks):  # the first hook's wrapper outermost
+            compute = hook.wrap_compute(self, compute)
         return compute
 
     def _run_experts(self, x_RD: torch.Tensor, counts_J: list[int], weights_J) -> torch.Tensor:
@@ -338,13 +331,13 @@ class MoELayer(nn.Module):
             return self.experts(x_RD, counts_J, weights_J)
         return sharded_compute(self.experts, x_RD, counts_J, self.esp_group, weights_J)
 
-    def _record(self, block, flow_WE, choices_WE, plan_SED, placement, dropped, redirected, me) -> None:
+    def _record(self, block, flow_WE, choices_WE, plan_SEW, placement, dropped, redirected, me) -> None:
         """`stats` of this forward; in training, the expert choices for the step's balance update."""
         wire = WIRE_DTYPES[self.dispatch_dtype] if self.dispatch_dtype else block.x_sent_AD.dtype
         self.stats = MoEStats.of_forward(
             flow_WE,
             choices_WE,
-            plan_SED,
+            plan_SEW,
             block.send_splits,
             me,
             wire.itemsize * self.d_model,  # bytes of a row on the wire
@@ -352,8 +345,8 @@ class MoELayer(nn.Module):
             dropped=dropped,
             placement=placement,
             redirected=redirected,
-            strategy=getattr(self.planner, "chosen", None) or self.strategy,
-            schedule=getattr(self.schedule, "chosen", None) or self.axes["schedule"],
+            strategy=self.planner.choice() or self.strategy,
+            schedule=self.schedule.choice() or self.axes["schedule"],
             materialized_bytes=self.held_bytes[0],
             held_bytes=self.held_bytes[1],
         )
@@ -366,7 +359,7 @@ class MoELayer(nn.Module):
         """Re-materialization (`core.rematerialize`, the planner's `rematerialize` option): free the
         copies this forward computed with, gather them again for backward. Records their bytes."""
         weights, self._held = self._held, None
-        rematerialize = getattr(getattr(self.planner, "options", None), "rematerialize", False)
+        rematerialize = self.planner.rematerializes
         held_J = np.flatnonzero(placement.holders_EW[:, me])
 
         def refill() -> dict[str, torch.Tensor]:  # the same gather again, in backward
@@ -376,11 +369,10 @@ class MoELayer(nn.Module):
         y_TD, self.held_bytes = release_held(y_TD, weights, rematerialize, refill)
         return y_TD
 
-    def _gather(self, placement: Placement, held_J: np.ndarray, timed=None) -> dict[str, torch.Tensor]:
-        """The sparse all-gather of `placement`'s held weights (owned rows and copies, `held_J` order);
-        `timed(seconds)` receives its backward's time (the gradient sums to the owners)."""
+    def _gather(self, placement: Placement, held_J: np.ndarray) -> dict[str, torch.Tensor]:
+        """The sparse all-gather of `placement`'s held weights (owned rows and copies, `held_J` order)."""
         weights = self.experts.weights()
-        return materialize(weights, placement, self.group, self.experts.expert_ids, held_J, self.node_of, timed)
+        return materialize(weights, placement, self.group, self.experts.expert_ids, held_J, self.node_of)
 
     def _notice_mismatch(self) -> None:
         """Say once (Python's warnings filter keeps one per place) that the cost model is unused."""
@@ -423,16 +415,15 @@ class MoELayer(nn.Module):
         """Weights of the experts this rank computes, in `held_J` order (None: exactly its own).
 
         With copies anywhere in the group every rank joins the sparse all-gather, so that all ranks
-        build the same autograd graph and meet in the same order in backward.
+        build the same autograd graph and meet in the same order in backward. Hooks may supply them
+        (`wrap_copies`: the block-wise prefetch's copies already in flight, Pro-Prophet §V).
         """
         if placement.is_owners_only():
             return None
-        for hook in self.hooks:  # copies already in flight (Pro-Prophet §V block-wise prefetch)
-            if isinstance(hook, BlockPrefetch):
-                weights = hook.held_weights(self, placement)
-                if weights is not None:
-                    return weights
-        return self._gather(placement, held_J, self.times.record_copies_backward)
+        gather = self._gather
+        for hook in reversed(self.hooks):  # the first hook's wrapper outermost
+            gather = hook.wrap_copies(self, gather)
+        return gather(placement, held_J)
 
     def extra_repr(self) -> str:
         axes = ", ".join(f"{axis}={name!r}" for axis, name in self.axes.items())

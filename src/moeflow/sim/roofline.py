@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.perf.simulator import Breakdown
+from moeflow.sim.simulator import Breakdown
 
 
 @dataclass

@@ -31,15 +31,16 @@ import numpy as np
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.layer import AXES
 from moeflow.core.placement import Placement, dispatch_counts, send_by_owner
 from moeflow.core.registry import LayerContext
+from moeflow.layer import AXES
 from moeflow.perf.costmodel import CostModel
-from moeflow.perf.traces import Trace
 from moeflow.routing import BALANCES, GATES
 from moeflow.routing.effects import EFFECTS
+from moeflow.sim.traces import Trace
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
-from moeflow.strategies.planners.ep import plan_ep
+from moeflow.strategies.planners.base import PrefetchWindow, as_planner
+from moeflow.strategies.planners.ep import EPPlanner
 from moeflow.strategies.planners.fssdp import plan_resharding, resharding_time
 from moeflow.strategies.planners.prophet_model import overlapped_copies
 from moeflow.strategies.schedules.base import StepLoad
@@ -65,7 +66,7 @@ class SimulatedLayer:
     nonmoe_forward_s: float = 0.0
     """Forward time of the dense part of one block (attention etc.), added per layer; backward = 2×."""
     prefetch: bool = False
-    """Pro-Prophet §V block-wise prefetch (`core.prefetch`): the copies of a planner that plans ahead
+    """Pro-Prophet §V block-wise prefetch (`strategies.prefetch`): the copies of a planner that plans ahead
     hide behind the block before (Eq. 8) in every layer but the first."""
 
     def __post_init__(self) -> None:
@@ -134,38 +135,38 @@ def _plan(
     own planner, fed the iterations in order: one that plans ahead (`plans_ahead`: Pro-Prophet,
     FSSDP, EPLB) or keeps other state (`auto`) sees only the past ones when it decides. With
     `prefetch` (the block-wise prefetch on), such planners of every layer but the first know their
-    copies are prefetched, as `core.prefetch.BlockPrefetch` tells them in a run, with the dense time
+    copies are prefetched, as `strategies.prefetch.BlockPrefetch` tells them in a run, with the dense time
     given and the whole window hiding copies (a GPU's copy engines). FSSDP planners re-shard all
     layers together every `reshard_interval` iterations (`fssdp.plan_resharding`, as
     `core.resharding` does after an optimizer step)."""
     I, L, W, E = flow_ILWE.shape
     base = Placement.expert_parallel(E, W)
-    planner = build_planner()
+    planner = as_planner(build_planner())
     owners = np.broadcast_to(base.owner_E, (I, L, E))
-    if planner is plan_ep:  # owners only, whatever the load: vectorised
+    if isinstance(planner, EPPlanner):  # owners only, whatever the load: vectorised
         send = send_by_owner(flow_ILWE, base.owner_E)
         computed = base.holders_EW.T * flow_ILWE.sum(-2)[..., None, :]
         holders = np.broadcast_to(base.holders_EW, (I, L, E, W))
         return Plans(send, computed, holders, owners, np.zeros(I), np.zeros((I, L), dtype=bool))
     node_of = cost_model.topology.node_of
-    planners = [planner] + [build_planner() for _ in range(1, L)]  # each layer its own history
-    for p in planners[1:] if prefetch and getattr(planner, "plans_ahead", False) else []:
-        p.prefetched, p.hidden_share, p.nonmoe_forward_s = True, 1.0, layer.nonmoe_forward_s
+    planners = [planner] + [as_planner(build_planner()) for _ in range(1, L)]  # each layer its own history
+    ahead = prefetch and planner.plans_ahead
+    for p in planners[1:] if ahead else []:
+        p.use_prefetch(PrefetchWindow(layer.nonmoe_forward_s, 1.0))
     current = [base] * L
     send = np.zeros((I, L, W, W), dtype=np.int64)
     computed = np.zeros((I, L, W, E), dtype=np.int64)
     holders = np.zeros((I, L, E, W), dtype=bool)
     owners, reshard_I, prefetched = owners.copy(), np.zeros(I), np.zeros((I, L), dtype=bool)
-    ahead = prefetch and getattr(planner, "plans_ahead", False)
-    resharding = getattr(getattr(planner, "options", None), "reshard_interval", 0) > 0
+    resharding = planner.reshards_owners and planner.reshard_interval > 0
     for i in range(I):
         for li in range(L):
             planned = planners[li].next_placement() if ahead and li else None
             placement = planners[li](flow_ILWE[i, li], current[li], cost_model)
             prefetched[i, li] = planned is not None and placement == planned
-            plan_SED = dispatch_counts(flow_ILWE[i, li], placement, node_of)
-            send[i, li] = plan_SED.sum(axis=1)
-            computed[i, li] = plan_SED.sum(axis=0).T
+            plan_SEW = dispatch_counts(flow_ILWE[i, li], placement, node_of)
+            send[i, li] = plan_SEW.sum(axis=1)
+            computed[i, li] = plan_SEW.sum(axis=0).T
             holders[i, li] = placement.holders_EW
             owners[i, li] = placement.owner_E
         new_LE = plan_resharding(planners, cost_model, W, node_of, i + 1) if resharding else None
@@ -269,7 +270,7 @@ def simulate(
         copies_IL = trans_IL + agg_IL
         if prefetched_IL.any():
             # Pro-Prophet Eq. 8: a layer that runs the placement planned ahead (every layer after
-            # the first) has its copies prefetched in the block before, as `core.prefetch` sends
+            # the first) has its copies prefetched in the block before, as `strategies.prefetch` sends
             # them; a GPU's copy engines hide them behind the whole window (hidden share 1).
             sent_IL = _copies_time_IL(cost_model, param_bytes, holders, owners, tree=False)
             hidden_IL = overlapped_copies(sent_IL[0], sent_IL[1], lat_comp_IL, layer.nonmoe_forward_s)

@@ -1,0 +1,178 @@
+"""The `strategy` axis: what a planner is, what it can do, and the skeleton of one that plans ahead.
+
+A planner is a pure function of numbers: `planner(flow_WE, placement, cost_model) -> Placement` —
+the global flow of this iteration (every rank has it after the count exchange), the current owners,
+the run's cost model — returning where every expert is materialized. The layer, the simulator and
+the benchmarks call it the same way, on every rank with the same numbers, so every rank computes
+the same plan without talking.
+
+What else a planner can do is declared on its class and read as such (never probed):
+
+- `needs_cost_model`: it prices placements (built only with a cost model).
+- `plans_ahead`: the next call's placement is known before that call, from the flows seen so far
+  (Pro-Prophet §IV-C, Hecate §4.2, EPLB): `next_placement()`, `observe(flow)`, and
+  `use_prefetch(window)` from the block-wise prefetch that sends it ahead.
+- `observes_time`: it learns from the layer's measured times (`strategy="auto"`): `observe_time`.
+- `reshards_owners`: it moves whole expert shards every `reshard_interval` optimizer steps (Hecate
+  §4.3, Algorithm 2): `expert_load()`, `owners_changed(placement, cost_model)`.
+- `rematerializes`: copies are freed after their forward use and gathered again for backward.
+
+`choice()` names the planner whose placement ran (a composite's, `auto`'s); None: the planner itself.
+
+Shape suffixes: W ranks of the expert-parallel group, E experts.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from moeflow.core.placement import Placement
+from moeflow.strategies.planners.ahead import PlanAhead
+from moeflow.strategies.planners.prophet_model import Pricing
+
+
+@dataclass(frozen=True)
+class PrefetchWindow:
+    """What the block-wise prefetch measured of the compute that hides a layer's copies (Pro-Prophet
+    Eq. 8), handed to a planner that plans ahead (`Planner.use_prefetch`)."""
+
+    nonmoe_forward_s: float = 0.0
+    """T_FNEC: forward time of the dense part of the block before (its backward: twice)."""
+    hidden_share: float = 0.0
+    """Share of the compute windows that really hid copies (0 until measured; 1: Eq. 8 as printed)."""
+
+
+class Planner:
+    """Base of every planner (module docstring): capabilities off, their methods no-ops."""
+
+    name: ClassVar[str] = "planner"
+    needs_cost_model: ClassVar[bool] = False
+    plans_ahead: ClassVar[bool] = False
+    observes_time: ClassVar[bool] = False
+    reshards_owners: ClassVar[bool] = False
+    rematerializes: bool = False
+    reshard_interval: int = 0
+    """Optimizer steps between re-shardings (`reshards_owners`; 0: never)."""
+
+    def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
+        raise NotImplementedError
+
+    def choice(self) -> str | None:
+        return None
+
+    # ---- plans_ahead ---------------------------------------------------------------------------------
+    def next_placement(self) -> Placement | None:
+        """The placement the next call will run (None: not known yet)."""
+        return None
+
+    def observe(self, flow_WE: np.ndarray) -> None:
+        """Record a call's flow without planning (a composite that does not ask it this call)."""
+
+    def use_prefetch(self, window: PrefetchWindow | None) -> None:
+        """The block-wise prefetch sends this planner's next placements ahead (None: it does not)."""
+
+    # ---- observes_time -------------------------------------------------------------------------------
+    def observe_time(self, samples: list) -> None:
+        """The layer's measured forwards, oldest first (`strategies.timing.Sample`)."""
+
+    # ---- reshards_owners -----------------------------------------------------------------------------
+    def expert_load(self) -> np.ndarray | None:
+        """Estimated tokens per expert `[E]`, for re-sharding (None: nothing seen yet)."""
+        return None
+
+    def owners_changed(self, placement: Placement, cost_model: Any) -> None:
+        """The shards moved (`core.resharding`): re-plan on the new owners."""
+
+
+class FunctionPlanner(Planner):
+    """A plain function `(flow_WE, placement, cost_model) -> Placement` as a planner."""
+
+    def __init__(self, plan: Callable[..., Placement]) -> None:
+        self.plan = plan
+
+    def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
+        return self.plan(flow_WE, placement, cost_model)
+
+
+def as_planner(value: Planner | Callable[..., Placement]) -> Planner:
+    """`value` as a `Planner` (a plain callable is wrapped)."""
+    if isinstance(value, Planner):
+        return value
+    if not callable(value):
+        raise TypeError(f"strategy={value!r}: expected a name, a Planner or a callable returning a Placement")
+    return FunctionPlanner(value)
+
+
+class PlanAheadPlanner(Planner):
+    """Iteration j runs on the placement planned from the flows of iterations < j: Pro-Prophet's
+    Plan, Hecate's sparse materialization, EPLB. The search for the next placement is a pure
+    function of captured inputs (`search`), run on the planning thread while the layer exchanges
+    and computes (`planners.ahead`); a wrong prediction costs time, never correctness — the layer
+    runs the planned placement on the real flow."""
+
+    needs_cost_model = True
+    plans_ahead = True
+
+    def __init__(self, window: int, background: bool = True) -> None:
+        self.history: deque[np.ndarray] = deque(maxlen=window)
+        self.prefetch: PrefetchWindow | None = None
+        """Set by the block-wise prefetch: copies are priced as it hides them (Eq. 8)."""
+        self.last: Any = None
+        """The decision behind the running placement (each planner's own record)."""
+        self.next_plan = PlanAhead(background)  # (placement, decision), planned off the critical path
+        self.running: Placement | None = None
+        """The placement of the last call."""
+
+    def search(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any) -> tuple[Callable, tuple]:
+        """The search for the next placement and its inputs, read from the planner now: a function
+        `(*inputs) -> (Placement, decision)` that never reads the planner while it runs."""
+        raise NotImplementedError
+
+    def estimate(self) -> np.ndarray:
+        """The next iteration's flow: the mean of the window."""
+        return np.mean(np.stack(self.history), axis=0)
+
+    def pricing(self) -> Pricing:
+        """How its searches price copies: hidden by the prefetch's measured window (Eq. 8), or in full."""
+        if self.prefetch is None:
+            return Pricing()
+        window = self.prefetch
+        return Pricing(overlap=True, nonmoe_forward_s=window.nonmoe_forward_s, hidden_share=window.hidden_share)
+
+    def adjust(self, flow_WE: np.ndarray, planned: Placement, cost_model: Any) -> Placement:
+        """The planned placement, seen against the real flow before it runs (default: as planned)."""
+        return planned
+
+    def plan_next(self, placement: Placement, cost_model: Any) -> None:
+        """Start the search for the next call's placement (default: every call, on the estimate)."""
+        search, inputs = self.search(self.estimate(), placement, cost_model)
+        self.next_plan.submit(search, *inputs)
+
+    def use_prefetch(self, window: PrefetchWindow | None) -> None:
+        self.prefetch = window
+
+    def observe(self, flow_WE: np.ndarray) -> None:
+        self.history.append(np.asarray(flow_WE, dtype=np.float64))
+
+    def next_placement(self) -> Placement | None:
+        plan = self.next_plan.result()
+        if plan is None:
+            return None
+        placement, self.last = plan
+        return placement
+
+    def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
+        if cost_model is None:
+            raise ValueError(f"strategy={self.name!r} needs cost_model= (a moeflow.perf.costmodel.CostModel)")
+        planned = self.next_placement()
+        if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
+            planned = Placement.owners_only(placement.owner_E, placement.world_size)  # first call, or re-sharded
+        self.running = self.adjust(flow_WE, planned, cost_model)
+        self.observe(flow_WE)
+        self.plan_next(placement, cost_model)
+        return self.running
