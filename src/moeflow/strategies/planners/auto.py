@@ -14,8 +14,9 @@ copies on the slowest rank (`strategies.timing`); each term's factor is an expon
 mean (weight `smoothing`) of measured over predicted, and a price is the sum of its terms times
 their factors (copies sent ahead: Eq. 8's exposed part, as measured by the prefetch).
 
-Under the prefetch, `next_placement()` is the next placement of the planner that won the last call,
-when that planner plans ahead.
+Under the prefetch, `next_placement()` (asked during the block before the layer's next call) offers
+the cheapest of the planned-ahead placements on the last flow, its copies priced as hidden, when it
+is `min_gain` cheaper than plain EP there: that is the placement the prefetch sends ahead.
 
 Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
 """
@@ -130,6 +131,7 @@ class AutoPlanner(Planner):
         self.errors: deque[tuple[float, float]] = deque(maxlen=32)  # (forecast, measured) forward seconds
         self.prefetch: PrefetchWindow | None = None
         self.sent_ahead: Placement | None = None
+        self._last_call: tuple[np.ndarray, Placement, object] | None = None  # (flow, owners, cost model)
         self.last: AutoDecision | None = None
 
     def factor(self, term: str) -> float:
@@ -152,21 +154,34 @@ class AutoPlanner(Planner):
             for name, p in proposals.items()
         }
         prices = {name: self.price(t) for name, t in terms.items()}
-        best = min(prices, key=prices.get)  # ties: the first candidate (plain EP)
-        if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
-            best = "ep"
+        best = self._cheapest(prices)
         self.pending.append(terms[best])
         self.last, self.sent_ahead = AutoDecision(prices, best), None
+        self._last_call = (np.asarray(flow_WE), placement, cost_model)
         return proposals[best]
+
+    def _cheapest(self, prices: dict[str, float]) -> str:
+        """The cheapest (ties: the first candidate), unless not `min_gain` cheaper than plain EP."""
+        best = min(prices, key=prices.get)
+        return best if prices[best] <= (1.0 - self.options.min_gain) * prices["ep"] else "ep"
 
     def choice(self) -> str | None:
         return None if self.last is None else self.last.chosen
 
     def next_placement(self) -> Placement | None:
-        winner = self.planners[self.last.chosen] if self.last is not None else None
-        if self.prefetch is None or winner is None or not winner.plans_ahead:
+        """The placement to send ahead (module docstring), or None."""
+        if self.prefetch is None or self._last_call is None:
             return None
-        self.sent_ahead = winner.next_placement()
+        flow_WE, placement, cost_model = self._last_call
+        ahead = {n: p.next_placement() for n, p in self.planners.items() if p.plans_ahead}
+        ahead = {n: p for n, p in ahead.items() if p is not None and not p.is_owners_only()}
+        ep = Placement.owners_only(placement.owner_E, placement.world_size)
+        node_of = cost_model.topology.node_of
+        prices = {"ep": self.price(layer_terms(flow_WE, ep, cost_model, self.shape, node_of))}
+        for name, p in ahead.items():
+            prices[name] = self.price(layer_terms(flow_WE, p, cost_model, self.shape, node_of, self.prefetch))
+        best = self._cheapest(prices)
+        self.sent_ahead = None if best == "ep" else ahead[best]
         return self.sent_ahead
 
     def use_prefetch(self, window: PrefetchWindow | None) -> None:
