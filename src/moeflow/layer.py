@@ -76,7 +76,8 @@ class MoELayer(nn.Module):
         gate_options, balance_options, strategy_options, schedule_options, dispatch_options: options
             of the component chosen by name on that axis (a mapping, validated against the
             component's options dataclass; e.g. `schedule_options={"group_size": 2}`).
-        hooks: objects implementing any of FSMoE's six hook points (`moeflow.core.hooks`).
+        hooks: `MoEHook`s overriding any of FSMoE's six hook points, or wrapping the copies or the
+            expert compute (`moeflow.core.hooks`).
         dispatch_dtype: send the dispatched rows and expert outputs in this precision (`bfloat16`,
             `float16`, `float8_e4m3fn` on nccl) and restore the compute dtype on arrival, forward
             and backward (built-in hooks, `core.hooks.wire_hooks`); changes the numbers by the
