@@ -135,7 +135,10 @@ class AutoPlanner(Planner):
         self.last: AutoDecision | None = None
 
     def factor(self, term: str) -> float:
-        return self.factors[term].value or 1.0
+        """The term's measured / predicted (1 until measured; 0 is a measurement: e.g. exchanges a
+        schedule hides entirely)."""
+        value = self.factors[term].value
+        return 1.0 if value is None else value
 
     def price(self, t: Terms) -> float:
         """Corrected forward + backward time (module docstring)."""
