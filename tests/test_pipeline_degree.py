@@ -221,3 +221,18 @@ def test_neither_cost_model_nor_alpha_is_refused(capsys):
     assert "--cost-model" in capsys.readouterr().err
     with pytest.raises(ValueError, match="esp=3 must divide d_hidden"):
         PipelineWorkload(4, 1024, 4096, 14336, 3, 2.4, 3, 2, 1.3)
+
+
+def test_scalar_terms_are_the_vectorised_predicates_and_cases_with_their_slopes():
+    # what SLSQP evaluates (plain floats, exact derivatives) is predicate_margins and case_times
+    from moeflow.perf.pipeline_degree import _scalar_case_terms
+
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        m = PassModel(tuple(rng.uniform(0.01, 1, 4)), tuple(rng.uniform(0.1, 50, 4)))
+        gar, r, h = float(rng.uniform(0, 30)), float(rng.uniform(1, 16)), 1e-6
+        values, slopes = _scalar_case_terms(m, gar, r)
+        expected = np.concatenate([predicate_margins(m, r, gar), case_times(m, r, gar)])
+        np.testing.assert_allclose(values, expected, rtol=1e-12, atol=1e-12)
+        ahead, behind = (np.array(_scalar_case_terms(m, gar, x)[0]) for x in (r + h, r - h))
+        np.testing.assert_allclose(slopes, (ahead - behind) / (2 * h), rtol=1e-5, atol=1e-6)
