@@ -3,8 +3,8 @@ elements each layer's Gradient-AllReduce carries, so that it hides behind intra-
 
 A generalized layer is an MoE layer and the dense operations after it up to the next MoE layer
 (§5.2); its backward runs the dense part first, then the MoE layer. Overlappable times (§5.2):
-the dense part's ``t_olp,dense`` (`dense_overlappable_ms`: ``others_ms``, the gate and attention, plus,
-under FSMoE's layout with MP = ESP = S > 1, the attention's intra-node all-gather and
+the dense part's ``t_olp,dense`` (`dense_overlappable_ms`: ``others_ms``, the gate and attention,
+plus, under FSMoE's layout with MP = ESP = S > 1, the attention's intra-node all-gather and
 reduce-scatter of its B·L·M activations, which the inter-node all-reduce overlaps like any other
 intra-node work), and the MoE layer's ``t_olp,moe``, the §5.2 formula of the case Algorithm 1
 picks at t_gar = 0 (``pipeline_degree.overlappable_ms``). Gradient all-reduce time is
@@ -29,10 +29,11 @@ Deviations, recorded:
 * What no MoE layer takes is all-reduced after the backward, exposed (the published tool prices it
   at β_ar per element and leaves the last layer's gradient out; here ``t_ar`` of all of it).
   Eq. 5's objective has no such term.
-* Not reproduced from the published tool: when step 1 hides everything it moves up to 0.7 of the
-  experts' idle link time (if that exceeds ``others_ms`` + 5 ms) from the dense part into the MoE
-  layer, drops remainders shorter than α_ar, and rounds elements up to even. Within overlappable
-  time none of these changes a modelled time.
+* Not reproduced from the published tool (none is in §5): when step 1 hides everything it moves up
+  to 0.7 of the experts' idle link time (if that exceeds ``others_ms`` + 5 ms) from the dense part
+  into the MoE layer, it drops remainders shorter than α_ar, rounds elements up to even, and it
+  sizes the MoE part at the backward degree it forces to 1 with the forward's. They change the
+  t_gar of some layers, no degree on the grid of tests/test_fsmoe_tool_agreement.py.
 * Only dense gradients are partitioned (as the published tool): expert gradients are reduced over
   their own expert-data-parallel groups.
 """

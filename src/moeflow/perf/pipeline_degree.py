@@ -10,7 +10,9 @@ Case 2 (experts) ``2·t_a2a,r + t_ag,r + t_rs,r + r·t_exp,r``; Case 3 (all-to-a
 ``2r·t_a2a,r + t_ag,r + t_rs,r``; Case 4 (intra-node) ``2·t_a2a,r + r·t_ag,r + r·t_rs,r``.
 Algorithm 1 minimises each case over continuous r (SLSQP, the case's predicates as inequality
 constraints, one sub-problem per conjunction of a disjunctive case), keeps the best and snaps r to
-an integer. Backward (§4.4): α_exp and β_exp doubled, ``t_gar`` from §5 (``grad_partition``).
+an integer. The paper leaves SLSQP's start open: each sub-problem starts from its best feasible
+degree on a log grid of [1, r_max] (none feasible: the sub-problem is empty). Backward (§4.4):
+α_exp and β_exp doubled, ``t_gar`` from §5 (``grad_partition``).
 
 Pricing an integer r: by the case whose predicates hold at r. The four cases partition r ≥ 1 and
 each case is the largest of the formulas where it holds (Q2, Q3 compare Case 2 with Cases 3 and 4;
@@ -38,8 +40,18 @@ Deviations, recorded:
   optima are those of η = 1). η = 1 (FSMoE's constants, GPUs): the paper's model unchanged.
   Measured on the 2 × 2 CPU testbed: without η the model priced r = 1 and 2 within 2%, r = 2 ran
   11% slower (docs/fsmoe.md).
-* Not reproduced: the tool's shortcuts (forward degree 1 when one unchunked all-to-all takes
-  < 1 ms, backward degree 1 whenever the forward one is 1).
+* Rules of the published tool not applied; where they decide, it picks a degree that Eq. 1 and
+  the §4.2 cases price slower than moeflow's (tests/test_fsmoe_tool_agreement.py checks its answers
+  on 144 layers × 3 α-β sets; elsewhere the degrees agree):
+  - forward degree 1 when one unchunked all-to-all takes < 1 ms: a fixed threshold on the
+    all-to-all alone, while chunks also overlap the ESP all-gather and reduce-scatter with the
+    experts; what a chunk costs beyond its α is measured instead (``chunk_ms``, η);
+  - the backward degree of the layer that hides no gradient (the model's last) is 1 whenever the
+    forward's is: §4.4 chooses the passes apart, and the backward's doubled expert work can pay
+    for chunks where the forward's does not;
+  - a snapped degree is priced only inside the case of the SLSQP optimum it neighbours (one
+    start per sub-problem), so a cheaper neighbour in another case is dropped; here every
+    neighbour is priced by the case that holds at it.
 """
 
 from __future__ import annotations
