@@ -117,14 +117,9 @@ def compare_case(data: dict, row: list, fits) -> dict:
 
 def degrees_with_cost_model(data: dict, row: list, cost_model) -> list:
     """`moeflow tune --cost-model`: the profile with its measured per-chunk cost and η."""
-    from moeflow.perf.grad_partition import partition_gradients
-    from moeflow.perf.pipeline_degree import plan_degrees
     from moeflow.perf.pipeline_inputs import PipelineFits
 
-    w = workload_of(data, row)
-    fits = PipelineFits.from_cost_model(cost_model, w)
-    plan = plan_degrees(w, fits, partition_gradients(w, fits).moe_gar_ms)
-    return [plan.forward_degree, plan.backward_degrees]
+    return tune_degrees(data, row, PipelineFits.from_cost_model(cost_model, workload_of(data, row)))
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -155,6 +150,32 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def tune_degrees(data: dict, row: list, fits) -> list:
+    """`moeflow tune`'s forward and backward degrees of one case, nothing else."""
+    from moeflow.perf.grad_partition import partition_gradients
+    from moeflow.perf.pipeline_degree import plan_degrees
+
+    w = workload_of(data, row)
+    plan = plan_degrees(w, fits, partition_gradients(w, fits).moe_gar_ms)
+    return [plan.forward_degree, plan.backward_degrees]
+
+
+def count_agreement(data: dict, name: str) -> dict:
+    """Cases agreeing (both passes, forward, backward) without attribution: runs on any moeflow
+    with ``partition_gradients`` and ``plan_degrees``, e.g. a tree from before this comparison."""
+    from moeflow.perf.pipeline_inputs import PipelineFits
+
+    consts = data["sets"][name]
+    fits = PipelineFits(tuple(consts["alpha_ms"]), tuple(consts["beta_ms"]))
+    pairs = [(tune_degrees(data, row, fits), [row[5], row[6]]) for row in consts["cases"]]
+    return {
+        "cases": len(pairs),
+        "agree": sum(a == b for a, b in pairs),
+        "agree_forward": sum(a[0] == b[0] for a, b in pairs),
+        "agree_backward": sum(a[1] == b[1] for a, b in pairs),
+    }
+
+
 def compare_set(data: dict, name: str) -> dict:
     from moeflow.perf.pipeline_inputs import PipelineFits
 
@@ -164,6 +185,29 @@ def compare_set(data: dict, name: str) -> dict:
     return {"summary": summarize(rows), "cases": rows}
 
 
+def _rounded(value, digits: int = 4):
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v, digits) for v in value]
+    return value
+
+
+def dumps(result: dict) -> str:
+    """The result as JSON: only the differing cases, one per line, times to 0.1 µs."""
+    lines = {}
+    for name, block in result["sets"].items():
+        differing = [_rounded(row) for row in block.pop("cases") if row["differences"]]
+        lines[name] = ",\n    ".join(json.dumps(row, separators=(",", ":")) for row in differing)
+        block["differing_cases"] = f"@{name}@"
+    text = json.dumps(result, indent=1, ensure_ascii=False)
+    for name, body in lines.items():
+        text = text.replace(f'"@{name}@"', f"[\n    {body}\n   ]")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DATA)
@@ -171,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", type=Path, default=ROOT / "docs/results/2026-11-26-fsmoe-tool-agreement.profile.json"
     )
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--counts-only", action="store_true", help="print the agreement counts, no attribution")
     args = parser.parse_args(argv)
+    if args.counts_only:
+        for name in (data := load(args.data))["sets"]:
+            print(name, count_agreement(data, name))
+        return 0
     from moeflow.perf.costmodel import CostModel
 
     data = load(args.data)
@@ -205,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     m = result["machine_with_cost_model"]
     print(f"machine, --cost-model (chunk cost, eta): {m['agree']}/{m['cases']} agree; degrees {m['degrees']}")
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        args.out.write_text(dumps(result) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -2,8 +2,8 @@
 the tool's answers are data (tests/data/fsmoe_tool_degrees.json, with where they came from), the
 comparison is benchmarks/fsmoe_tool_agreement.py. Every case gives the tool's forward and backward
 degrees except where one of the tool's rules that moeflow does not apply decides (recorded in
-`moeflow.perf.pipeline_degree`), and there moeflow's degree is no slower under FSMoE's model. The
-counts are pinned: a change of either side shows here."""
+`moeflow.perf.pipeline_degree` and `moeflow.perf.grad_partition`), and there moeflow's choice is no
+slower under FSMoE's model. The counts are pinned: a change of either side shows here."""
 
 from __future__ import annotations
 

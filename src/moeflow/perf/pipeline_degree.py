@@ -41,8 +41,8 @@ Deviations, recorded:
   Measured on the 2 × 2 CPU testbed: without η the model priced r = 1 and 2 within 2%, r = 2 ran
   11% slower (docs/fsmoe.md).
 * Rules of the published tool not applied; where they decide, it picks a degree that Eq. 1 and
-  the §4.2 cases price slower than moeflow's (tests/test_fsmoe_tool_agreement.py checks its answers
-  on 144 layers × 3 α-β sets; elsewhere the degrees agree):
+  the §4.2 cases price slower than moeflow's (tests/test_fsmoe_tool_agreement.py: on 144 layers ×
+  3 α-β sets the degrees agree but where these rules or ``grad_partition``'s deviations decide):
   - forward degree 1 when one unchunked all-to-all takes < 1 ms: a fixed threshold on the
     all-to-all alone, while chunks also overlap the ESP all-gather and reduce-scatter with the
     experts; what a chunk costs beyond its α is measured instead (``chunk_ms``, η);
