@@ -253,7 +253,7 @@ def main() -> int:
         "--testbed-warmup",
         type=int,
         default=16,
-        help="testbed: untimed iterations per variant (covers schedule=auto's trials: 5 x 3 candidates)",
+        help="testbed: untimed iterations per variant (covers schedule=auto's trials: 2 x 3 candidates)",
     )
     parser.add_argument("--bandwidth-mbit", type=float, default=800.0, help="testbed: inter-node link")
     parser.add_argument(

@@ -83,8 +83,8 @@ def add_arguments(parser) -> None:
         "--warmup",
         type=int,
         default=3,
-        help="untimed iterations first (strategy benchmark; schedule=auto tries its candidates in them, "
-        "5 forwards each)",
+        help="untimed iterations first (strategy benchmark; schedule=auto runs each candidate twice in its "
+        "first forwards)",
     )
     parser.add_argument("--out", default=None, help="also write the result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
