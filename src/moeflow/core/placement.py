@@ -43,6 +43,9 @@ def send_by_owner(flow_WE: np.ndarray, owner_E: np.ndarray) -> np.ndarray:
     flow = np.asarray(flow_WE)
     owner = np.asarray(owner_E, dtype=np.int64)
     W = flow.shape[-2]
+    E = owner.size
+    if E and E % W == 0 and np.array_equal(owner, np.arange(E) // (E // W)):  # plain EP: blocks of columns
+        return flow.reshape(*flow.shape[:-1], W, E // W).sum(-1)
     order = np.argsort(owner, kind="stable")
     per_owner = np.bincount(owner, minlength=W)
     send = np.zeros((*flow.shape[:-1], W), dtype=flow.dtype)
@@ -149,46 +152,57 @@ def dispatch_entries(
     remainder of an uneven split goes to the candidates that follow the source in ring order. Every
     candidate set is a run of holders sorted by rank, so a source's place in the ring is one binary
     search, and each (source, expert) pair expands into as many entries as it has candidates: the
-    work grows with the entries, never with W·E·W.
+    work grows with the entries, never with W·E·W. Counts keep the flow's dtype; a split over several
+    candidates needs integer counts (a fractional count goes whole to a single candidate or holder).
     """
-    flow = np.asarray(flow_WK, dtype=np.int64)
+    flow = np.asarray(flow_WK)
     holders = np.asarray(holders_KW, dtype=bool)
     W, K = flow.shape
     node = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
     if node.shape != (W,):
         raise ValueError(f"node_of has {node.size} entries, expected one per rank ({W})")
     held_WK = holders.T
-    local_s, local_k = np.nonzero(held_WK & (flow > 0))
-    src, k = np.nonzero(~held_WK & (flow > 0))
+    sends_WK = flow > 0
+    local_s, local_k = np.nonzero(held_WK & sends_WK)
+    src, k = np.nonzero(sends_WK & ~held_WK)
+    local = (local_k, local_s, local_s, flow[local_s, local_k])
     if src.size == 0:
-        return local_k, local_s, local_s, flow[local_s, local_k]
-    # Candidate runs: every holder of k sorted by rank (segment k), then those of k on node n
-    # (segment K + k·N + n); `key` orders the members of every run, the runs one after the other.
+        return local
+    count_K = holders.sum(1)
+    if not count_K[k].all():
+        raise ValueError(f"dispatch: experts {sorted(set(k[count_K[k] == 0].tolist()))} have tokens and no holder")
+    # An expert with one holder takes every other source's tokens whole.
+    single = count_K[k] == 1
+    sole_K = holders.argmax(1)
+    remote = (k[single], src[single], sole_K[k[single]], flow[src[single], k[single]])
+    src, k = src[~single], k[~single]
+    if src.size == 0:
+        return tuple(np.concatenate([a, b]) for a, b in zip(local, remote))
+    # Candidate runs of the experts with several holders: every holder of k sorted by rank (segment
+    # k), then those of k on node n (segment K + k·N + n); `key` orders the members of every run,
+    # the runs one after the other.
     N = int(node.max()) + 1
-    hold_k, hold_w = np.nonzero(holders)
+    several = np.flatnonzero(count_K > 1)
+    hold_i, hold_w = np.nonzero(holders[several])
+    hold_k = several[hold_i]
     near = np.lexsort((hold_w, node[hold_w], hold_k))
     members = np.concatenate([hold_w, hold_w[near]])
     segment = np.concatenate([hold_k, K + hold_k[near] * N + node[hold_w[near]]])
     key = segment * W + members
     near_n = np.bincount(hold_k * N + node[hold_w], minlength=K * N)[k * N + node[src]]
     seg = np.where(near_n > 0, K + k * N + node[src], k)
-    n = np.where(near_n > 0, near_n, np.bincount(hold_k, minlength=K)[k])
-    if not n.all():
-        raise ValueError(f"dispatch: experts {sorted(set(k[n == 0].tolist()))} have tokens and no holder")
+    n = np.where(near_n > 0, near_n, count_K[k])
     start = np.searchsorted(key, seg * W)
     first = np.searchsorted(key, seg * W + src) - start  # candidates before the source: its ring start
     f = flow[src, k]
     pair = np.repeat(np.arange(src.size), n)
     m = np.arange(pair.size) - np.repeat(np.cumsum(n) - n, n)  # place in the run
-    count = f[pair] // n[pair] + ((m - first[pair]) % n[pair] < f[pair] % n[pair])
+    split = f[pair] // n[pair] + ((m - first[pair]) % n[pair] < f[pair] % n[pair])
+    count = np.where(n[pair] == 1, f[pair], split)  # one candidate takes the count as it is
     keep = count > 0
     pair, m = pair[keep], m[keep]
-    return (
-        np.concatenate([local_k, k[pair]]),
-        np.concatenate([local_s, src[pair]]),
-        np.concatenate([local_s, members[start[pair] + m]]),
-        np.concatenate([flow[local_s, local_k], count[keep]]),
-    )
+    spread = (k[pair], src[pair], members[start[pair] + m], count[keep])
+    return tuple(np.concatenate(parts) for parts in zip(local, remote, spread))
 
 
 def _check_flow(flow_WE: np.ndarray, placement: Placement) -> np.ndarray:

@@ -120,10 +120,11 @@ class CostModel(CopiesPricing):
     # ---- building blocks --------------------------------------------------------------------
     def link_time(self, bytes_WW: np.ndarray) -> np.ndarray:
         """FasterMoE Eq. 2: ``max_l T_l / W_l`` for flows ``[..., W, W]`` of bytes -> ``[...]`` seconds."""
-        traffic_L = self.topology.link_traffic(bytes_WW)
-        if traffic_L.shape[-1] == 0:
-            return np.zeros(traffic_L.shape[:-1])
-        return (traffic_L * self._inv_bw_L).max(axis=-1)
+        return self.link_time_from_traffic(self.topology.link_traffic(bytes_WW))
+
+    def link_time_from_traffic(self, traffic_L: Any) -> np.ndarray:
+        """``max_l T_l / W_l`` of the bytes on every link ``[..., L]`` -> ``[...]`` seconds."""
+        return (np.asarray(traffic_L, dtype=np.float64) * self._inv_bw_L).max(axis=-1, initial=0.0)
 
     def _latency(self, bytes_WW: np.ndarray) -> np.ndarray:
         """Slowest route latency among the pairs that exchange bytes."""

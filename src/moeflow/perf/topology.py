@@ -202,6 +202,9 @@ class Topology:
         self.bandwidth_L = np.array([lk.bandwidth_bytes_per_s for lk in links])
         self.latency_L = np.array([lk.latency_s for lk in links])
         self.path_latency_WW = np.append(self.latency_L, 0.0)[self.route_WWH].sum(-1)
+        self.latency_classes, classes = np.unique(self.path_latency_WW, return_inverse=True)
+        """The distinct route latencies, ascending; `latency_class_WW` indexes them per pair."""
+        self.latency_class_WW = classes.reshape(W, W)
         self.path_bandwidth_WW = np.append(self.bandwidth_L, math.inf)[self.route_WWH].min(-1)
         """Bottleneck bandwidth of every route (inf on the diagonal)."""
         self.reverse_L = np.array([self._index.get((lk.dst, lk.src), -1) for lk in links], dtype=np.int64)

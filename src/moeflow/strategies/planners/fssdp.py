@@ -38,9 +38,10 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
 from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
-from moeflow.strategies.planners.prophet_model import Pricing, price_placement
+from moeflow.strategies.planners.prophet_model import Pricing, price_placement, price_terms
 
 OVERLAPS = ("priced", "eq1")
 
@@ -211,19 +212,19 @@ def fssdp_plan(
     flow = np.asarray(flow_WE, dtype=np.float64)
     world = placement.world_size
     load_E, node_of = flow.sum(0), cost_model.topology.node_of
-    base = Placement.owners_only(placement.owner_E, world)
     holders = sparse_materialization(load_E, placement.owner_E, world, node_of, overlap, memory)
-    copied = [e for e in np.argsort(-load_E, kind="stable") if holders[e].sum() > 1]
-    candidates = [base]
-    for k in range(1, len(copied) + 1):
-        extra = np.zeros_like(holders)
-        extra[copied[:k]] = holders[copied[:k]]
-        candidates.append(base.with_holders(extra))
-    predicted = [price_placement(flow, c, cost_model, shape, pricing, node_of) for c in candidates]
+    order = np.argsort(-load_E, kind="stable")
+    copied = order[holders[order].sum(1) > 1]
+    # Prefix k: the first k copied experts with their copies (`perf.placement_pricing`).
+    pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of)
+    predicted = price_terms(pricer.prefixes(copied, holders[copied]), cost_model, shape, pricing)
     best = int(np.argmin(predicted))
     if predicted[best] > (1.0 - min_gain) * predicted[0]:
         best = 0
-    return candidates[best], FSSDPDecision(overlap, memory, predicted, best, load_E=load_E)
+    chosen = Placement.owners_only(placement.owner_E, world).holders_EW
+    chosen[copied[:best]] = holders[copied[:best]]
+    decision = FSSDPDecision(overlap, memory, predicted.tolist(), best, load_E=load_E)
+    return Placement(placement.owner_E, chosen), decision
 
 
 def plan_resharding(planners, cost_model, world: int, node_of, step: int) -> np.ndarray | None:

@@ -35,6 +35,7 @@ Shape suffixes: W devices (ranks of the expert-parallel group), E experts; S sou
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -42,9 +43,15 @@ import numpy as np
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement, dispatch_counts
+from moeflow.core.placement import Placement, dispatch_entries
+from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
-from moeflow.strategies.planners.prophet_model import MODELS, Pricing, price_placement
+from moeflow.strategies.planners.prophet_model import (
+    MODELS,
+    Pricing,
+    price_placement,  # noqa: F401 (part of this module's interface)
+    price_terms,
+)
 
 PREDICTORS = ("last", "mean")
 
@@ -126,54 +133,74 @@ def prophet_search(
     if cost_model.topology.num_devices != W:
         raise ValueError(f"cost model has {cost_model.topology.num_devices} devices, the expert-parallel group {W}")
     node_of = cost_model.topology.node_of
-    base = Placement.owners_only(owner_E, W)
-
-    pricing = options.pricing()
-
-    def price(holders_EW: np.ndarray) -> float:
-        return price_placement(flow, Placement(owner_E, holders_EW), cost_model, shape, pricing, node_of)
-
-    def device_loads(holders_EW: np.ndarray) -> np.ndarray:
-        plan_SEW = dispatch_counts(np.rint(flow).astype(np.int64), Placement(owner_E, holders_EW), node_of)
-        return plan_SEW.sum(0)  # [E, W]: tokens each device computes for each expert
-
-    holders = base.holders_EW.copy()
-    predicted, steps, states = [price(holders)], [], [holders]
-    threshold = options.balance_alpha * flow.sum() / flow.shape[1]
-    while True:
-        load_EW = device_loads(holders)
-        H_W = load_EW.sum(0)
-        if H_W.max() - H_W.min() < threshold:
-            break  # Eq. 7: balanced
-        candidate = _relief(flow, holders, load_EW, H_W, owner_E)
-        if candidate is None:
-            break  # no device can be relieved further
-        expert, senders = candidate
-        to = senders[: max(1, len(senders) - options.keep_out)]
-        holders = holders.copy()
-        holders[expert, to] = True
-        steps.append((expert, to))
-        predicted.append(price(holders))
-        states.append(holders)
+    tokens = np.rint(flow)  # what the dispatch plan sends
+    steps, rows = _search_steps(flow, tokens.astype(np.int64), owner_E, node_of, options)
+    experts = np.array([e for e, _ in steps], dtype=np.int64)
+    pricer = PlacementPricer(tokens, owner_E, cost_model, shape, node_of)
+    predicted = price_terms(pricer.prefixes(experts, rows), cost_model, shape, options.pricing())
     accepted = int(np.argmin(predicted))  # the best prefix (first of equal minima: fewest copies)
     if predicted[accepted] > (1.0 - options.min_gain) * predicted[0]:
         accepted = 0  # not worth the model's error
-    decision = ProphetDecision(steps, [float(t) for t in predicted], accepted, flow)
-    return Placement(owner_E, states[accepted]), decision
+    holders = Placement.owners_only(owner_E, W).holders_EW
+    for e, row in zip(experts[:accepted], rows[:accepted]):
+        holders[e] = row
+    decision = ProphetDecision(steps, predicted.tolist(), accepted, flow)
+    return Placement(owner_E, holders), decision
 
 
-def _relief(flow_WE, holders_EW, load_EW, H_W, owner_E) -> tuple[int, list[int]] | None:
-    """The next step of the search: on the heaviest device that can still be relieved, its heaviest
-    own expert that has senders without a copy, with those senders by descending tokens sent."""
-    for device in np.argsort(-H_W, kind="stable"):
-        for e in np.argsort(-load_EW[:, device], kind="stable"):
-            if owner_E[e] != device or load_EW[e, device] <= 0:
-                continue
-            senders = np.argsort(-flow_WE[:, e], kind="stable")
-            senders = [int(d) for d in senders if flow_WE[d, e] > 0 and not holders_EW[e, d]]
-            if senders:
-                return int(e), senders
-    return None
+def _search_steps(
+    flow_WE: np.ndarray, tokens_WE: np.ndarray, owner_E: np.ndarray, node_of, options: ProphetOptions
+) -> tuple[list[tuple[int, list[int]]], np.ndarray]:
+    """Algorithm 1's steps: (expert, devices it is sent to) and the expert's holders after each.
+
+    The state is kept per expert and updated for the one expert a step changes: its computed tokens
+    per device (the dispatch plan's column, `dispatch_entries`), hence every device's load H; its
+    load on its owner; whether it still has senders without a copy ("open"). A step takes the
+    heaviest device that owns an open expert with load (ties: the lower device), and on it the
+    heaviest such expert (ties: the lower id: each device's open experts in a heap) — what `_relief`
+    of the loop version finds by scanning every device and expert."""
+    W, E = tokens_WE.shape
+    holders = np.zeros((E, W), dtype=bool)
+    holders[np.arange(E), owner_E] = True
+    tokens_EW = np.ascontiguousarray(tokens_WE.T)
+    sends_EW = np.ascontiguousarray(flow_WE.T > 0)
+    computed_EW = np.zeros((E, W), dtype=np.int64)  # tokens each device computes of each expert
+    computed_EW[np.arange(E), owner_E] = tokens_EW.sum(1)
+    H_W = computed_EW.sum(0)
+    at_owner = computed_EW[np.arange(E), owner_E].tolist()
+    open_E = ((sends_EW & ~holders).any(1) & (computed_EW[np.arange(E), owner_E] > 0)).tolist()
+    heaps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
+    for e in np.flatnonzero(open_E).tolist():
+        heaps[owner_E[e]].append((-at_owner[e], e))
+    for heap in heaps:
+        heapq.heapify(heap)
+    open_W = np.array([bool(h) for h in heaps])
+    senders_EW = np.argsort(-flow_WE.T, axis=1, kind="stable")  # every expert's senders, most tokens first
+    threshold = options.balance_alpha * flow_WE.sum() / E
+    steps, rows = [], []
+    while np.ptp(H_W) >= threshold and open_W.any():  # Eq. 7; some device can be relieved
+        device = int(np.argmax(np.where(open_W, H_W, -1)))
+        _, e = heapq.heappop(heaps[device])
+        order = senders_EW[e]
+        senders = order[sends_EW[e, order] & ~holders[e, order]]
+        to = senders[: max(1, senders.size - options.keep_out)]
+        holders[e, to] = True
+        waiting = sends_EW[e] & ~holders[e]
+        if waiting.any() and (tokens_EW[e] > 0)[waiting].any():
+            # Some senders still send it away: the plan's column for the new holders.
+            _, _, dst, count = dispatch_entries(tokens_WE[:, [e]], holders[[e]], node_of)
+            column = np.bincount(dst, weights=count, minlength=W).astype(np.int64)
+        else:  # every sender holds it: each computes its own
+            column = tokens_EW[e]
+        H_W += column - computed_EW[e]
+        computed_EW[e] = column
+        at_owner[e] = int(column[owner_E[e]])
+        if waiting.any() and at_owner[e] > 0:  # still open: back on its device's heap
+            heapq.heappush(heaps[device], (-at_owner[e], e))
+        open_W[device] = bool(heaps[device])
+        steps.append((e, to.tolist()))
+        rows.append(holders[e].copy())
+    return steps, np.array(rows, dtype=bool).reshape(len(rows), W)
 
 
 class ProphetPlanner(PlanAheadPlanner):

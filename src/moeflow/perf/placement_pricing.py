@@ -1,0 +1,228 @@
+"""Many placements of one flow priced at once, each a few experts away from the owners alone.
+
+Every planner compares placements that differ from plain EP (owners only) in a handful of experts:
+FasterMoE's shadow sets and Pro-Prophet's, Hecate's and EPLB's searches add one expert's copies per
+step and price every prefix of their steps; `auto` prices the proposals of five planners. A
+placement's price is made of the same terms everywhere (FasterMoE Eq. 7, Pro-Prophet Eq. 6): the
+tokens every device computes, the token exchange's traffic on every link, and the copies out and
+back (`CostModel.copies_time`). All are sums over experts, so a step that changes one expert changes
+them by that expert's dispatch before and after (`core.placement.dispatch_entries`): the owners'
+terms are computed once, each step's change once, and the candidates are the running sums of the
+changes (a prefix) or the sum of one placement's changes — never the plan of a whole placement.
+The maxima that make a price (the slowest device, the busiest link) are then taken per candidate.
+
+Two parts of a price are not sums: the start-up latency of an exchange is the slowest route among
+the pairs that exchange anything, and a copies broadcast costs per owner. A pair exchanges
+something iff it has a positive count, so the latency is read from the number of positive (source,
+expert, destination) counts on routes of each latency (integers: exact); the broadcasts are priced
+per owner from the number of experts each owner has held everywhere.
+
+Shape suffixes: W ranks, E experts, L links, J steps (an expert and its new holders), K dispatched
+states (a step's new and previous holders), C candidates, N route-latency classes, X any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner
+
+
+@dataclass
+class PlacementTerms:
+    """The terms of every candidate ``[C]`` (seconds unless said), as `CostModel` prices a plan."""
+
+    compute_s: np.ndarray
+    """One forward expert compute of the slowest device (`CostModel.compute_time`)."""
+    a2a_s: np.ndarray
+    """One token exchange (`CostModel.a2a_time` of the plan's sends; a step has four)."""
+    trans_s: np.ndarray
+    """Copies out, as the sparse collectives run them (`CostModel.copies_time`, materialize)."""
+    agg_s: np.ndarray
+    """Their gradients back (`copies_time`, reduce)."""
+    trans_prefetched_s: np.ndarray
+    """Copies out as the block-wise prefetch sends them (`copies_time(tree=False)`)."""
+    agg_prefetched_s: np.ndarray
+    tokens_CW: np.ndarray
+    """Tokens each device computes."""
+    local_CW: np.ndarray
+    """Of which its own tokens."""
+    copies_C: np.ndarray
+    """Copies beyond the owners."""
+
+
+def _running(delta_JX: np.ndarray, base_X: Any, start_J: np.ndarray) -> np.ndarray:
+    """Row 0: `base_X`; row j + 1: `base_X` plus the deltas of its candidate's steps up to j (the
+    running sum restarts where `start_J` is True: a new candidate's first step)."""
+    total = np.cumsum(delta_JX, axis=0)
+    first = np.flatnonzero(start_J)
+    if first.size > 1:
+        before = np.concatenate([np.zeros((1, *total.shape[1:]), total.dtype), total[:-1]])
+        total = total - before[np.repeat(first, np.diff(np.append(first, len(start_J))))]
+    out = np.empty((total.shape[0] + 1, *total.shape[1:]), dtype=np.result_type(total, np.asarray(base_X)))
+    out[0] = base_X
+    np.add(total, base_X, out=out[1:])
+    return out
+
+
+class PlacementPricer:
+    """The terms of placements on `flow_WE` (module docstring). Built once per flow: the owners'
+    terms; then `prefixes` (every prefix of a list of steps) or `placements` (each its own)."""
+
+    def __init__(
+        self,
+        flow_WE: np.ndarray,
+        owner_E: np.ndarray,
+        cost_model: Any,
+        shape: ExpertShape,
+        node_of: Any = None,
+    ) -> None:
+        self.flow = np.asarray(flow_WE)
+        self.owner = np.asarray(owner_E, dtype=np.int64)
+        self.cm, self.shape = cost_model, shape
+        topo = self.topology = cost_model.topology
+        self.node_of = node_of
+        W, E = self.flow.shape
+        if topo.num_devices != W:
+            raise ValueError(f"cost model has {topo.num_devices} devices, the flow {W} ranks")
+        self.W, self.E, self.L = W, E, len(topo.links)
+        self.N = topo.latency_classes.size
+        self.tok_bytes = shape.d_model * cost_model.bytes_per_element
+        self.param_bytes = shape.param_bytes(cost_model.bytes_per_element)
+        # The owners alone.
+        colsum_E = self.flow.sum(0)
+        experts = np.arange(E)
+        self.tokens0 = np.bincount(self.owner, weights=colsum_E, minlength=W)
+        self.local0 = np.bincount(self.owner, weights=self.flow[self.owner, experts], minlength=W)
+        self.calls0 = np.bincount(self.owner, weights=colsum_E > 0, minlength=W)
+        sent = self.flow.copy()
+        sent[self.owner, experts] = 0
+        self.traffic0 = topo.link_traffic(send_by_owner(sent, self.owner) * self.tok_bytes)
+        positive0 = send_by_owner((sent > 0).astype(np.int64), self.owner)  # diagonal 0: sent
+        self.classes0 = np.bincount(topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N)
+        self.tree = copies_by_tree(topo.node_of, cost_model.backend)
+
+    # ---- candidates ------------------------------------------------------------------------------
+    def prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray) -> PlacementTerms:
+        """Candidate c = the owners with the first c steps applied (c = 0..J): step j gives expert
+        `experts_J[j]` the holders `holders_JW[j]` (its owner included; a later step of the same
+        expert replaces an earlier one)."""
+        experts = np.asarray(experts_J, dtype=np.int64)
+        start = np.zeros(experts.size, dtype=bool)
+        start[:1] = True
+        return self._terms(experts, np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W), start)
+
+    def placements(self, holders_CEW: list[np.ndarray]) -> PlacementTerms:
+        """Candidate c = the placement with holders `holders_CEW[c]` (same owners)."""
+        base_EW = np.zeros((self.E, self.W), dtype=bool)
+        base_EW[np.arange(self.E), self.owner] = True
+        experts, rows, start, steps = [], [], [], []
+        for holders in holders_CEW:
+            holders = np.asarray(holders, dtype=bool)
+            changed = np.flatnonzero((holders != base_EW).any(1))
+            experts.append(changed)
+            rows.append(holders[changed])
+            start.append(np.arange(changed.size) == 0)
+            steps.append(changed.size)
+        terms = self._terms(
+            np.concatenate(experts).astype(np.int64), np.concatenate(rows).reshape(-1, self.W), np.concatenate(start)
+        )
+        # Row 0 is the owners alone; a candidate's row is its last step's (or row 0: unchanged).
+        pick = np.where(np.asarray(steps) > 0, np.cumsum(steps), 0)
+        return PlacementTerms(*(getattr(terms, f)[pick] for f in PlacementTerms.__dataclass_fields__))
+
+    # ---- the work ------------------------------------------------------------------------------------
+    def _terms(self, experts: np.ndarray, new_JW: np.ndarray, start: np.ndarray) -> PlacementTerms:
+        W, L, N, J = self.W, self.L, self.N, experts.size
+        topo, cm, shape = self.topology, self.cm, self.shape
+        owner_J = self.owner[experts]
+        prev_JW = self._previous(experts, owner_J, new_JW, start)
+        # The dispatch of every step's expert after (state j) and before (state J + j) the step.
+        k, src, dst, count = dispatch_entries(
+            self.flow[:, np.concatenate([experts, experts])], np.concatenate([new_JW, prev_JW]), self.node_of
+        )
+        computed_KW = np.bincount(k * W + dst, weights=count, minlength=2 * J * W).reshape(2 * J, W)
+        local = src == dst
+        local_KW = np.bincount(k[local] * W + dst[local], weights=count[local], minlength=2 * J * W)
+        local_KW = local_KW.reshape(2 * J, W)
+        tokens = _running(computed_KW[:J] - computed_KW[J:], self.tokens0, start)
+        calls = _running((computed_KW[:J] > 0).astype(np.int64) - (computed_KW[J:] > 0), self.calls0, start)
+        local_C = _running(local_KW[:J] - local_KW[J:], self.local0, start)
+        # The exchange: the remote entries' bytes on every link, and their count per route latency.
+        remote = ~local
+        k, src, dst, count = k[remote], src[remote], dst[remote], count[remote]
+        step, sign = np.where(k < J, k, k - J), np.where(k < J, 1.0, -1.0)
+        traffic = _running(self._on_links(J, step, src, dst, sign * count * self.tok_bytes), self.traffic0, start)
+        classes = _running(self._per_class(J, step, src, dst, sign), self.classes0, start)
+        # Copies: experts held everywhere by owner; the rest point-to-point owner -> extra holder.
+        own_JW = np.zeros((J, W), dtype=bool)
+        own_JW[np.arange(J), owner_J] = True
+        extra_new, extra_prev = new_JW & ~own_JW, prev_JW & ~own_JW
+        every_new = new_JW.all(1) & extra_new.any(1)
+        every_prev = prev_JW.all(1) & extra_prev.any(1)
+        d_every = np.zeros((J, W), dtype=np.int64)
+        d_every[np.arange(J), owner_J] = every_new.astype(np.int64) - every_prev
+        every = _running(d_every, np.zeros(W, dtype=np.int64), start)
+        copies = _running((extra_new.sum(1) - extra_prev.sum(1))[:, None], np.zeros(1, np.int64), start)[:, 0]
+        part = np.concatenate([extra_new & ~every_new[:, None], extra_prev & ~every_prev[:, None]])
+        pk, holder = np.nonzero(part)
+        if pk.size:
+            pstep, psign = np.where(pk < J, pk, pk - J), np.where(pk < J, 1.0, -1.0)
+            powner = owner_J[pstep]
+            copy_traffic = _running(
+                self._on_links(J, pstep, powner, holder, psign * self.param_bytes), np.zeros(L), start
+            )
+            copy_active = _running(self._per_class(J, pstep, powner, holder, psign), np.zeros(N), start) > 0.5
+            p2p = np.where(
+                copy_active.any(-1),
+                cm.link_time_from_traffic(copy_traffic)
+                + np.where(copy_active, topo.latency_classes, 0.0).max(-1, initial=0.0),
+                0.0,
+            )
+        else:
+            p2p = np.zeros(J + 1)
+
+        compute = cm.slowest(
+            cm.expert_forward_time(tokens, shape, calls * shape.gemms) + cm.elementwise_time(tokens, shape)
+        )
+        active = classes > 0.5  # positive entries per latency class (integer counts)
+        latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
+        a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
+        trans, agg = (cm.everywhere_copies_time(self.param_bytes, every, d, self.tree) + p2p for d in DIRECTIONS)
+        if self.tree:
+            trans_pf, agg_pf = (cm.everywhere_copies_time(self.param_bytes, every, d, False) + p2p for d in DIRECTIONS)
+        else:
+            trans_pf, agg_pf = trans, agg
+        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_C, copies)
+
+    def _previous(self, experts: np.ndarray, owner_J: np.ndarray, new_JW: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Each step's expert's holders before it: its last earlier step's in the same candidate, or its owner."""
+        J = experts.size
+        prev = np.zeros((J, self.W), dtype=bool)
+        prev[np.arange(J), owner_J] = True
+        candidate = np.cumsum(start)
+        key = candidate * self.E + experts
+        if np.unique(key).size < J:  # an expert changed twice in one candidate
+            order = np.lexsort((np.arange(J), key))
+            again = np.flatnonzero(key[order][1:] == key[order][:-1])
+            prev[order[again + 1]] = new_JW[order[again]]
+        return prev
+
+    def _on_links(self, J: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, value: np.ndarray) -> np.ndarray:
+        """Bytes `value` from `src` to `dst` at each `step`, summed on every link: `[J, L]`."""
+        hops = self.topology.route_WWH[src, dst]  # [n, H], padded with L
+        index = step[:, None] * (self.L + 1) + hops
+        sums = np.bincount(index.reshape(-1), weights=np.repeat(value, hops.shape[-1]), minlength=J * (self.L + 1))
+        return sums.reshape(J, self.L + 1)[:, : self.L]
+
+    def _per_class(self, J: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, sign: np.ndarray) -> np.ndarray:
+        """The change in the number of positive entries on routes of each latency: `[J, N]`."""
+        index = step * self.N + self.topology.latency_class_WW[src, dst]
+        return np.bincount(index, weights=sign, minlength=J * self.N).reshape(J, self.N)
+
+
+DIRECTIONS = ("materialize", "reduce")
