@@ -111,7 +111,9 @@ def run(args) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(document, indent=2) + "\n")
-        plot = plot_sweep(document, out.with_suffix(".png"), f"trace {args.trace}: speedup over plain EP")
+        plot = plot_sweep(
+            document, out.with_suffix(".png"), f"trace {args.trace}: speedup over plain EP, same schedule"
+        )
         for cluster, entry in document["clusters"].items():
             size = f"{entry['world_size']} x {entry['num_experts']}"
             print(f"{cluster} ({size}): simulated in {entry['simulation_s']:.2f} s")

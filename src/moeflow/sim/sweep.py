@@ -50,7 +50,11 @@ def plot_sweep(document: dict[str, Any], path: str | Path, title: str = "") -> P
     width = 0.8 / max(len(strategies), 1)
     colors = plt.get_cmap("tab10").colors
     fig, axes = plt.subplots(
-        len(schedules), 1, figsize=(max(7.0, 1.0 + 1.3 * len(clusters)), 2.6 * len(schedules) + 0.8), squeeze=False
+        len(schedules),
+        1,
+        figsize=(max(7.0, 1.0 + 1.3 * len(clusters)), 2.4 * len(schedules) + 1.0),
+        squeeze=False,
+        layout="constrained",
     )
     for ax, schedule in zip(axes[:, 0], schedules):
         top = 1.0
@@ -66,7 +70,13 @@ def plot_sweep(document: dict[str, Any], path: str | Path, title: str = "") -> P
             ep = by.get("ep") or next(iter(by.values()), {})
             if ep.get("ceiling_total_s"):
                 ceiling = ep["total_s"] / ep["ceiling_total_s"]
-                ax.plot([i - 0.42, i + 0.42], [ceiling, ceiling], color="k", lw=2, label="ceiling" if i == 0 else None)
+                ax.plot(
+                    [i - 0.42, i + 0.42],
+                    [ceiling, ceiling],
+                    color="k",
+                    lw=2,
+                    label="ceiling: EP, even routing" if i == 0 else None,
+                )
                 top = max(top, ceiling)
         ax.axhline(1.0, color="0.5", lw=0.8, ls="--")
         ax.set_xticks(range(len(clusters)))
@@ -77,10 +87,16 @@ def plot_sweep(document: dict[str, Any], path: str | Path, title: str = "") -> P
         ax.set_ylabel(f"speedup over EP\n(schedule {schedule})")
         ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 8), fontsize=9, frameon=False)
-    if title:
-        fig.suptitle(title, y=0.995, fontsize=10, va="top")
-    fig.tight_layout(rect=(0, 0, 1, 0.94 if not title else 0.92))
+    fig.legend(
+        handles,
+        labels,
+        loc="outside upper center",
+        ncol=min(len(labels), 8),
+        fontsize=9,
+        frameon=False,
+        title=title or None,
+        title_fontsize=11,
+    )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
