@@ -131,6 +131,11 @@ class CostModel(CopiesPricing):
         lat = np.where(np.asarray(bytes_WW) > 0, self.topology.path_latency_WW, 0.0)
         return lat.max(axis=(-2, -1))
 
+    @property
+    def prices_gemm_calls(self) -> bool:
+        """Whether a GEMM's launch is priced (a fitted α): then the experts a device computes count."""
+        return "gemm" in self.fits
+
     def gemm_time(self, flops: Any, calls: Any = 1) -> np.ndarray:
         """Time of ``calls`` GEMMs totalling ``flops``: fitted α·calls + β·flops, else flops / P."""
         flops = np.asarray(flops, dtype=np.float64)

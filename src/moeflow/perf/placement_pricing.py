@@ -49,8 +49,8 @@ class PlacementTerms:
     agg_prefetched_s: np.ndarray
     tokens_CW: np.ndarray
     """Tokens each device computes."""
-    local_CW: np.ndarray
-    """Of which its own tokens."""
+    local_CW: np.ndarray | None
+    """Of which its own tokens (with `detail=True`; Pro-Prophet's Eq. 1 as printed needs them)."""
     copies_C: np.ndarray
     """Copies beyond the owners."""
 
@@ -107,16 +107,16 @@ class PlacementPricer:
         self.tree = copies_by_tree(topo.node_of, cost_model.backend)
 
     # ---- candidates ------------------------------------------------------------------------------
-    def prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray) -> PlacementTerms:
+    def prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray, detail: bool = False) -> PlacementTerms:
         """Candidate c = the owners with the first c steps applied (c = 0..J): step j gives expert
         `experts_J[j]` the holders `holders_JW[j]` (its owner included; a later step of the same
         expert replaces an earlier one)."""
         experts = np.asarray(experts_J, dtype=np.int64)
         start = np.zeros(experts.size, dtype=bool)
         start[:1] = True
-        return self._terms(experts, np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W), start)
+        return self._terms(experts, np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W), start, detail)
 
-    def placements(self, holders_CEW: list[np.ndarray]) -> PlacementTerms:
+    def placements(self, holders_CEW: list[np.ndarray], detail: bool = False) -> PlacementTerms:
         """Candidate c = the placement with holders `holders_CEW[c]` (same owners)."""
         base_EW = np.zeros((self.E, self.W), dtype=bool)
         base_EW[np.arange(self.E), self.owner] = True
@@ -129,14 +129,29 @@ class PlacementPricer:
             start.append(np.arange(changed.size) == 0)
             steps.append(changed.size)
         terms = self._terms(
-            np.concatenate(experts).astype(np.int64), np.concatenate(rows).reshape(-1, self.W), np.concatenate(start)
+            np.concatenate(experts).astype(np.int64),
+            np.concatenate(rows).reshape(-1, self.W),
+            np.concatenate(start),
+            detail,
         )
         # Row 0 is the owners alone; a candidate's row is its last step's (or row 0: unchanged).
         pick = np.where(np.asarray(steps) > 0, np.cumsum(steps), 0)
-        return PlacementTerms(*(getattr(terms, f)[pick] for f in PlacementTerms.__dataclass_fields__))
+        fields = {f: getattr(terms, f) for f in PlacementTerms.__dataclass_fields__}
+        return PlacementTerms(**{f: None if v is None else v[pick] for f, v in fields.items()})
+
+    def everywhere_prefixes(self, experts_J: np.ndarray) -> np.ndarray:
+        """Copies out and back `[J + 1]` of the prefixes of putting `experts_J` (held by their owners
+        alone) on every device, one per step: what the prefixes' copies cost, nothing else (a lower
+        bound of their price, non-decreasing in the prefix)."""
+        experts = np.asarray(experts_J, dtype=np.int64)
+        start = np.zeros(experts.size, dtype=bool)
+        start[:1] = True
+        step = np.full(experts.size, 1 if self.W > 1 else 0, dtype=np.int64)
+        trans, agg, _ = self._everywhere(self.owner[experts], step, start)
+        return trans + agg
 
     # ---- the work ------------------------------------------------------------------------------------
-    def _terms(self, experts: np.ndarray, new_JW: np.ndarray, start: np.ndarray) -> PlacementTerms:
+    def _terms(self, experts: np.ndarray, new_JW: np.ndarray, start: np.ndarray, detail: bool) -> PlacementTerms:
         W, L, N, J = self.W, self.L, self.N, experts.size
         topo, cm, shape = self.topology, self.cm, self.shape
         owner_J = self.owner[experts]
@@ -147,11 +162,14 @@ class PlacementPricer:
         )
         computed_KW = np.bincount(k * W + dst, weights=count, minlength=2 * J * W).reshape(2 * J, W)
         local = src == dst
-        local_KW = np.bincount(k[local] * W + dst[local], weights=count[local], minlength=2 * J * W)
-        local_KW = local_KW.reshape(2 * J, W)
         tokens = _running(computed_KW[:J] - computed_KW[J:], self.tokens0, start)
-        calls = _running((computed_KW[:J] > 0).astype(np.int64) - (computed_KW[J:] > 0), self.calls0, start)
-        local_C = _running(local_KW[:J] - local_KW[J:], self.local0, start)
+        calls = None  # experts with tokens per device: priced only with a fitted GEMM launch
+        if cm.prices_gemm_calls:
+            calls = _running((computed_KW[:J] > 0).astype(np.int64) - (computed_KW[J:] > 0), self.calls0, start)
+        local_C = None
+        if detail:
+            local_KW = np.bincount(k[local] * W + dst[local], weights=count[local], minlength=2 * J * W)
+            local_C = _running(local_KW[: J * W].reshape(J, W) - local_KW[J * W :].reshape(J, W), self.local0, start)
         # The exchange: the remote entries' bytes on every link, and their count per route latency.
         remote = ~local
         k, src, dst, count = k[remote], src[remote], dst[remote], count[remote]
@@ -164,9 +182,7 @@ class PlacementPricer:
         extra_new, extra_prev = new_JW & ~own_JW, prev_JW & ~own_JW
         every_new = new_JW.all(1) & extra_new.any(1)
         every_prev = prev_JW.all(1) & extra_prev.any(1)
-        d_every = np.zeros((J, W), dtype=np.int64)
-        d_every[np.arange(J), owner_J] = every_new.astype(np.int64) - every_prev
-        every = _running(d_every, np.zeros(W, dtype=np.int64), start)
+        every_trans, every_agg, every_pf = self._everywhere(owner_J, every_new.astype(np.int64) - every_prev, start)
         copies = _running((extra_new.sum(1) - extra_prev.sum(1))[:, None], np.zeros(1, np.int64), start)[:, 0]
         part = np.concatenate([extra_new & ~every_new[:, None], extra_prev & ~every_prev[:, None]])
         pk, holder = np.nonzero(part)
@@ -186,18 +202,46 @@ class PlacementPricer:
         else:
             p2p = np.zeros(J + 1)
 
-        compute = cm.slowest(
-            cm.expert_forward_time(tokens, shape, calls * shape.gemms) + cm.elementwise_time(tokens, shape)
-        )
+        gemm_calls = None if calls is None else calls * shape.gemms
+        compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
         active = classes > 0.5  # positive entries per latency class (integer counts)
         latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
         a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
-        trans, agg = (cm.everywhere_copies_time(self.param_bytes, every, d, self.tree) + p2p for d in DIRECTIONS)
-        if self.tree:
-            trans_pf, agg_pf = (cm.everywhere_copies_time(self.param_bytes, every, d, False) + p2p for d in DIRECTIONS)
-        else:
-            trans_pf, agg_pf = trans, agg
+        trans, agg = every_trans + p2p, every_agg + p2p
+        trans_pf, agg_pf = (every_pf[0] + p2p, every_pf[1] + p2p) if self.tree else (trans, agg)
         return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_C, copies)
+
+    def _everywhere(self, owner_J: np.ndarray, d_every_J: np.ndarray, start: np.ndarray):
+        """The broadcasts / reduces of the experts held everywhere, per candidate `[J + 1]` each way
+        (and as the prefetch sends them, where that differs). A step changes one owner's count by
+        one: one broadcast's price changes, `f(n + 1) − f(n)`; the two-stage tree is priced whole."""
+        cm, W, J = self.cm, self.W, owner_J.size
+        if self.tree:
+            d_every = np.zeros((J, W), dtype=np.int64)
+            d_every[np.arange(J), owner_J] = d_every_J
+            every = _running(d_every, np.zeros(W, dtype=np.int64), start)
+            tree = [cm.everywhere_copies_time(self.param_bytes, every, d, True) for d in DIRECTIONS]
+            flat = [cm.everywhere_copies_time(self.param_bytes, every, d, False) for d in DIRECTIONS]
+            return tree[0], tree[1], flat
+        if J == 0:
+            return np.zeros(1), np.zeros(1), None
+        # Each owner's count before and after every step (running per owner within its candidate).
+        candidate = np.cumsum(start)
+        key = candidate * W + owner_J
+        order = np.lexsort((np.arange(J), key))
+        run = np.cumsum(d_every_J[order])
+        first = np.r_[True, key[order][1:] != key[order][:-1]]
+        run -= np.repeat((run - d_every_J[order])[first], np.diff(np.r_[np.flatnonzero(first), J]))
+        after = np.empty(J, dtype=np.int64)
+        after[order] = run
+        before = after - d_every_J
+        out = []
+        for direction in DIRECTIONS:
+            kind = "broadcast" if direction == "materialize" else "reduce"
+            top = int(max(after.max(initial=0), before.max(initial=0)))
+            price = np.array([cm.collective_time(kind, n * self.param_bytes) if n else 0.0 for n in range(top + 1)])
+            out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
+        return out[0], out[1], None
 
     def _previous(self, experts: np.ndarray, owner_J: np.ndarray, new_JW: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Each step's expert's holders before it: its last earlier step's in the same candidate, or its owner."""

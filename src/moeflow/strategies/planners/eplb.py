@@ -188,7 +188,8 @@ def eplb_plan(
         holders[e, d] = True
         rows[k] = holders[e]
     pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of)
-    predicted_s = price_terms(pricer.prefixes(experts, rows), cost_model, shape, pricing)
+    terms = pricer.prefixes(experts, rows, detail=pricing.model == "paper")
+    predicted_s = price_terms(terms, cost_model, shape, pricing)
     best = int(np.argmin(predicted_s))
     if predicted_s[best] > (1.0 - min_gain) * predicted_s[0]:
         best = 0

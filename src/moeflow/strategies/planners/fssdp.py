@@ -217,7 +217,8 @@ def fssdp_plan(
     copied = order[holders[order].sum(1) > 1]
     # Prefix k: the first k copied experts with their copies (`perf.placement_pricing`).
     pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of)
-    predicted = price_terms(pricer.prefixes(copied, holders[copied]), cost_model, shape, pricing)
+    terms = pricer.prefixes(copied, holders[copied], detail=pricing.model == "paper")
+    predicted = price_terms(terms, cost_model, shape, pricing)
     best = int(np.argmin(predicted))
     if predicted[best] > (1.0 - min_gain) * predicted[0]:
         best = 0

@@ -137,7 +137,8 @@ def prophet_search(
     steps, rows = _search_steps(flow, tokens.astype(np.int64), owner_E, node_of, options)
     experts = np.array([e for e, _ in steps], dtype=np.int64)
     pricer = PlacementPricer(tokens, owner_E, cost_model, shape, node_of)
-    predicted = price_terms(pricer.prefixes(experts, rows), cost_model, shape, options.pricing())
+    terms = pricer.prefixes(experts, rows, detail=options.model == "paper")
+    predicted = price_terms(terms, cost_model, shape, options.pricing())
     accepted = int(np.argmin(predicted))  # the best prefix (first of equal minima: fewest copies)
     if predicted[accepted] > (1.0 - options.min_gain) * predicted[0]:
         accepted = 0  # not worth the model's error
@@ -175,18 +176,21 @@ def _search_steps(
     for heap in heaps:
         heapq.heapify(heap)
     open_W = np.array([bool(h) for h in heaps])
-    senders_EW = np.argsort(-flow_WE.T, axis=1, kind="stable")  # every expert's senders, most tokens first
+    # Every expert's senders, most tokens first (ties: the lower rank), as runs of one flat array.
+    order_EW = np.argsort(-flow_WE.T, axis=1, kind="stable")
+    sending = np.take_along_axis(sends_EW, order_EW, axis=1)
+    senders_flat, senders_start = order_EW[sending], np.r_[0, np.cumsum(sending.sum(1))]
     threshold = options.balance_alpha * flow_WE.sum() / E
     steps, rows = [], []
     while np.ptp(H_W) >= threshold and open_W.any():  # Eq. 7; some device can be relieved
         device = int(np.argmax(np.where(open_W, H_W, -1)))
         _, e = heapq.heappop(heaps[device])
-        order = senders_EW[e]
-        senders = order[sends_EW[e, order] & ~holders[e, order]]
+        order = senders_flat[senders_start[e] : senders_start[e + 1]]
+        senders = order[~holders[e, order]]
         to = senders[: max(1, senders.size - options.keep_out)]
         holders[e, to] = True
-        waiting = sends_EW[e] & ~holders[e]
-        if waiting.any() and (tokens_EW[e] > 0)[waiting].any():
+        waiting = senders[to.size :]  # the senders still without a copy
+        if waiting.size and (tokens_EW[e, waiting] > 0).any():
             # Some senders still send it away: the plan's column for the new holders.
             _, _, dst, count = dispatch_entries(tokens_WE[:, [e]], holders[[e]], node_of)
             column = np.bincount(dst, weights=count, minlength=W).astype(np.int64)
@@ -195,7 +199,7 @@ def _search_steps(
         H_W += column - computed_EW[e]
         computed_EW[e] = column
         at_owner[e] = int(column[owner_E[e]])
-        if waiting.any() and at_owner[e] > 0:  # still open: back on its device's heap
+        if waiting.size and at_owner[e] > 0:  # still open: back on its device's heap
             heapq.heappush(heaps[device], (-at_owner[e], e))
         open_W[device] = bool(heaps[device])
         steps.append((e, to.tolist()))

@@ -23,7 +23,8 @@ the column sums of the flow, i.e. tokens received from all senders (summing rows
 public FastMoE v1 code did, gives per-sender counts that are equal under equal batches, so nothing
 is ever shadowed). Every prefix of that order is priced at once (`perf.placement_pricing`: the
 owners' terms once, then each candidate's change — its tokens kept on their sources, its copies —
-as running sums over the order), then:
+as running sums over the order) up to the first whose copies alone cost more than the best priced
+prefix (no later prefix can be chosen: copies only grow along the order), then:
 
 - `search="prefix"` (default): the cheapest prefix. Algorithm 1 stops at the first expert that
   does not help, which misses two hot experts on two ranks: shadowing either alone leaves the other
@@ -64,7 +65,9 @@ class ShadowDecision:
     candidates: list[int]
     """Experts with any tokens, in descending received load (at most `max_shadowed`)."""
     predicted_s: list[float]
-    """predicted_s[i] = predicted layer time with the first i candidates shadowed (0: plain EP)."""
+    """predicted_s[i] = predicted layer time with the first i candidates shadowed (0: plain EP), up
+    to the last prefix priced: those whose copies alone cost more than the best priced prefix are
+    not priced (a prefix costs at least its copies, and they only grow along the order)."""
 
     @property
     def best_s(self) -> float:
@@ -145,7 +148,18 @@ class ShadowPlanner(Planner):
         # Prefix i: the first i candidates shadowed (0: plain EP), each step one expert everywhere.
         pricer = PlacementPricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
         everywhere = np.ones((candidates.size, placement.world_size), dtype=bool)
-        predicted = _shadow_time(pricer.prefixes(candidates, everywhere))
+        copies = pricer.everywhere_prefixes(candidates)
+        priced = min(candidates.size, PRICED_FIRST)
+        while True:
+            predicted = _shadow_time(pricer.prefixes(candidates[:priced], everywhere[:priced]))
+            # A prefix costs at least its copies, which only grow: past the first whose copies
+            # alone cost more than the best priced prefix, none can be chosen (nor end Algorithm 1's
+            # descent: it stops at a rise before it).
+            beyond = np.flatnonzero(copies > predicted.min())
+            last = int(beyond[0]) if beyond.size else candidates.size
+            if last <= priced:
+                break
+            priced = last
         if self.options.search == "prefix":
             chosen = int(np.argmin(predicted))  # the first of equal minima: fewest copies
         else:
@@ -155,6 +169,10 @@ class ShadowPlanner(Planner):
             chosen = 0  # not worth the model's error
         candidates = candidates.tolist()
         return ShadowDecision(candidates[:chosen], candidates, predicted.tolist())
+
+
+PRICED_FIRST = 32
+"""Prefixes priced before the copies' lower bound is consulted (`ShadowPlanner.decide`)."""
 
 
 def _shadow_time(terms) -> np.ndarray:
