@@ -105,6 +105,8 @@ class PlacementPricer:
         positive0 = send_by_owner((sent > 0).astype(np.int64), self.owner)  # diagonal 0: sent
         self.classes0 = np.bincount(topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N)
         self.tree = copies_by_tree(topo.node_of, cost_model.backend)
+        self._node_W = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
+        self._N = int(self._node_W.max()) + 1 if W else 1
 
     # ---- candidates ------------------------------------------------------------------------------
     def prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray, detail: bool = False) -> PlacementTerms:
@@ -156,9 +158,14 @@ class PlacementPricer:
         topo, cm, shape = self.topology, self.cm, self.shape
         owner_J = self.owner[experts]
         prev_JW = self._previous(experts, owner_J, new_JW, start)
-        # The dispatch of every step's expert after (state j) and before (state J + j) the step.
+        # The dispatch of every step's expert after (state j) and before (state J + j) the step, of
+        # the sources whose candidates it changes (the others' entries would cancel out) — unless
+        # the experts each device computes are counted (a fitted GEMM launch): then of all.
+        flow_WJ = self.flow[:, experts]
+        if not cm.prices_gemm_calls:
+            flow_WJ = np.where(self._affected(new_JW, prev_JW).T, flow_WJ, 0)
         k, src, dst, count = dispatch_entries(
-            self.flow[:, np.concatenate([experts, experts])], np.concatenate([new_JW, prev_JW]), self.node_of
+            np.concatenate([flow_WJ, flow_WJ], axis=1), np.concatenate([new_JW, prev_JW]), self.node_of
         )
         computed_KW = np.bincount(k * W + dst, weights=count, minlength=2 * J * W).reshape(2 * J, W)
         local = src == dst
@@ -242,6 +249,20 @@ class PlacementPricer:
             price = np.array([cm.collective_time(kind, n * self.param_bytes) if n else 0.0 for n in range(top + 1)])
             out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
         return out[0], out[1], None
+
+    def _affected(self, new_JW: np.ndarray, prev_JW: np.ndarray) -> np.ndarray:
+        """`[J, W]`: the sources whose dispatch candidates a step changes — those on a node whose
+        holders it changes, or on a node with none before and after (they spread over every
+        holder); a source on a node whose holders stay the same keeps its own or its node's."""
+        node = self._node_W
+        N = self._N
+        changed_JN = np.zeros((new_JW.shape[0], N), dtype=bool)
+        np.logical_or.at(changed_JN.T, node, (new_JW != prev_JW).T) if N > 1 else None
+        if N == 1:
+            return np.broadcast_to((new_JW != prev_JW).any(1)[:, None], new_JW.shape)
+        held_JN = np.zeros((new_JW.shape[0], N), dtype=bool)
+        np.logical_or.at(held_JN.T, node, (new_JW | prev_JW).T)
+        return (changed_JN | ~held_JN)[:, node]
 
     def _previous(self, experts: np.ndarray, owner_J: np.ndarray, new_JW: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Each step's expert's holders before it: its last earlier step's in the same candidate, or its owner."""

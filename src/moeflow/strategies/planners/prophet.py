@@ -161,34 +161,34 @@ def _search_steps(
     heaviest such expert (ties: the lower id: each device's open experts in a heap) — what `_relief`
     of the loop version finds by scanning every device and expert."""
     W, E = tokens_WE.shape
+    experts = np.arange(E)
     holders = np.zeros((E, W), dtype=bool)
-    holders[np.arange(E), owner_E] = True
+    holders[experts, owner_E] = True
     tokens_EW = np.ascontiguousarray(tokens_WE.T)
-    sends_EW = np.ascontiguousarray(flow_WE.T > 0)
+    flow_EW = np.ascontiguousarray(flow_WE.T)
+    waiting_EW = (flow_EW > 0) & ~holders  # senders without a copy
     computed_EW = np.zeros((E, W), dtype=np.int64)  # tokens each device computes of each expert
-    computed_EW[np.arange(E), owner_E] = tokens_EW.sum(1)
+    computed_EW[experts, owner_E] = tokens_EW.sum(1)
     H_W = computed_EW.sum(0)
-    at_owner = computed_EW[np.arange(E), owner_E].tolist()
-    open_E = ((sends_EW & ~holders).any(1) & (computed_EW[np.arange(E), owner_E] > 0)).tolist()
+    at_owner = computed_EW[experts, owner_E].tolist()
+    open_E = (waiting_EW.any(1) & (computed_EW[experts, owner_E] > 0)).tolist()
     heaps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
     for e in np.flatnonzero(open_E).tolist():
         heaps[owner_E[e]].append((-at_owner[e], e))
     for heap in heaps:
         heapq.heapify(heap)
-    open_W = np.array([bool(h) for h in heaps])
-    # Every expert's senders, most tokens first (ties: the lower rank), as runs of one flat array.
-    order_EW = np.argsort(-flow_WE.T, axis=1, kind="stable")
-    sending = np.take_along_axis(sends_EW, order_EW, axis=1)
-    senders_flat, senders_start = order_EW[sending], np.r_[0, np.cumsum(sending.sum(1))]
+    closed_W = np.array([0.0 if h else -np.inf for h in heaps])  # -inf: no open expert on the device
+    open_devices = int(np.isfinite(closed_W).sum())
     threshold = options.balance_alpha * flow_WE.sum() / E
-    steps, rows = [], []
-    while np.ptp(H_W) >= threshold and open_W.any():  # Eq. 7; some device can be relieved
-        device = int(np.argmax(np.where(open_W, H_W, -1)))
+    steps = []
+    while open_devices and H_W.max() - H_W.min() >= threshold:  # some device can be relieved; Eq. 7
+        device = int(np.argmax(H_W + closed_W))
         _, e = heapq.heappop(heaps[device])
-        order = senders_flat[senders_start[e] : senders_start[e + 1]]
-        senders = order[~holders[e, order]]
+        order = np.argsort(-flow_EW[e], kind="stable")  # its senders, most tokens first (ties: lower rank)
+        senders = order[waiting_EW[e, order]]
         to = senders[: max(1, senders.size - options.keep_out)]
         holders[e, to] = True
+        waiting_EW[e, to] = False
         waiting = senders[to.size :]  # the senders still without a copy
         if waiting.size and (tokens_EW[e, waiting] > 0).any():
             # Some senders still send it away: the plan's column for the new holders.
@@ -201,10 +201,17 @@ def _search_steps(
         at_owner[e] = int(column[owner_E[e]])
         if waiting.size and at_owner[e] > 0:  # still open: back on its device's heap
             heapq.heappush(heaps[device], (-at_owner[e], e))
-        open_W[device] = bool(heaps[device])
+        elif not heaps[device]:
+            closed_W[device] = -np.inf
+            open_devices -= 1
         steps.append((e, to.tolist()))
-        rows.append(holders[e].copy())
-    return steps, np.array(rows, dtype=bool).reshape(len(rows), W)
+    # Each step's expert's holders after it: its owner and every device an earlier step of it reached.
+    rows = np.zeros((len(steps), W), dtype=bool)
+    reached: dict[int, list[int]] = {}
+    for j, (e, to) in enumerate(steps):
+        reached.setdefault(e, [int(owner_E[e])]).extend(to)
+        rows[j, reached[e]] = True
+    return steps, rows
 
 
 class ProphetPlanner(PlanAheadPlanner):
