@@ -5,7 +5,10 @@ parallelism materializes each expert only on its owner; FasterMoE shadowing, Pro
 Hecate add holders. The dispatch plan (`dispatch_counts`) then decides, for each source rank and
 expert, how many assignments go to each holder — local first, then the same node, then remote,
 spread evenly (Hecate §4.4). Both are pure functions of numbers: every rank computes the same
-plan from the same global flow matrix, so no extra communication is needed.
+plan from the same global flow matrix, so no extra communication is needed. The plan is built from
+its nonzero entries (`dispatch_entries`), whose number grows with the copies, not with W·E·W: the
+planners and the simulator use those entries or their sums (`dispatch_loads`), the layer the dense
+plan of its few ranks.
 
 Shape suffixes: W ranks in the expert-parallel group (in a plan `[S, E, W]`: the destination), E experts,
 S source rank.

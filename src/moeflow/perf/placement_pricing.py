@@ -164,10 +164,16 @@ class PlacementPricer:
         flow_WJ = self.flow[:, experts]
         if not cm.prices_gemm_calls:
             flow_WJ = np.where(self._affected(new_JW, prev_JW).T, flow_WJ, 0)
-        k, src, dst, count = dispatch_entries(
-            np.concatenate([flow_WJ, flow_WJ], axis=1), np.concatenate([new_JW, prev_JW]), self.node_of
-        )
+        flow_WK, rows_KW = np.concatenate([flow_WJ, flow_WJ], axis=1), np.concatenate([new_JW, prev_JW])
+        spread = self._spread(flow_WK, rows_KW) if topo.nodes_under_root else None
+        if spread is not None:
+            flow_WK = np.where(spread.alone_WK, 0, flow_WK)
+        k, src, dst, count = dispatch_entries(flow_WK, rows_KW, self.node_of)
         computed_KW = np.bincount(k * W + dst, weights=count, minlength=2 * J * W).reshape(2 * J, W)
+        if spread is not None:
+            computed_KW += np.bincount(
+                spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * J * W
+            ).reshape(2 * J, W)
         local = src == dst
         tokens = _running(computed_KW[:J] - computed_KW[J:], self.tokens0, start)
         calls = None  # experts with tokens per device: priced only with a fitted GEMM launch
@@ -181,8 +187,13 @@ class PlacementPricer:
         remote = ~local
         k, src, dst, count = k[remote], src[remote], dst[remote], count[remote]
         step, sign = np.where(k < J, k, k - J), np.where(k < J, 1.0, -1.0)
-        traffic = _running(self._on_links(J, step, src, dst, sign * count * self.tok_bytes), self.traffic0, start)
-        classes = _running(self._per_class(J, step, src, dst, sign), self.classes0, start)
+        d_traffic = self._on_links(J, step, src, dst, sign * count * self.tok_bytes)
+        d_classes = self._per_class(J, step, src, dst, sign)
+        if spread is not None:
+            d_traffic += spread.traffic(J, self.tok_bytes)
+            d_classes += spread.classes(J)
+        traffic = _running(d_traffic, self.traffic0, start)
+        classes = _running(d_classes, self.classes0, start)
         # Copies: experts held everywhere by owner; the rest point-to-point owner -> extra holder.
         own_JW = np.zeros((J, W), dtype=bool)
         own_JW[np.arange(J), owner_J] = True
@@ -250,6 +261,17 @@ class PlacementPricer:
             out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
         return out[0], out[1], None
 
+    def _spread(self, flow_WK: np.ndarray, rows_KW: np.ndarray) -> _Spread | None:
+        """The sources that spread over every holder of a state (their node holds none of them),
+        summed instead of expanded (`_Spread`); None when there are none."""
+        held_KN = np.zeros((rows_KW.shape[0], self._N), dtype=bool)
+        np.logical_or.at(held_KN.T, self._node_W, rows_KW.T)
+        several_K = rows_KW.sum(1) > 1  # one holder takes the tokens whole: `dispatch_entries` is as cheap
+        alone_WK = ~held_KN[:, self._node_W].T & (flow_WK > 0) & several_K
+        if not alone_WK.any():
+            return None
+        return _Spread(self, flow_WK, rows_KW, alone_WK)
+
     def _affected(self, new_JW: np.ndarray, prev_JW: np.ndarray) -> np.ndarray:
         """`[J, W]`: the sources whose dispatch candidates a step changes — those on a node whose
         holders it changes, or on a node with none before and after (they spread over every
@@ -291,3 +313,60 @@ class PlacementPricer:
 
 
 DIRECTIONS = ("materialize", "reduce")
+
+
+class _Spread:
+    """Sources on a node without a holder, each spreading its tokens over every holder of its state
+    (`dispatch_entries`' last case), summed instead of expanded into an entry per (source, holder):
+    where every node hangs from the root (`Topology.nodes_under_root`), such a source's tokens all
+    leave by its own link and its node's, and reach each holder by the holder's node's link and its
+    own; a holder's share is the same quotient from every source plus one from each source whose
+    remainder reaches it in ring order — a cyclic window of the holder list, added as differences."""
+
+    def __init__(self, pricer: PlacementPricer, flow_WK: np.ndarray, rows_KW: np.ndarray, alone_WK: np.ndarray):
+        J2, W = rows_KW.shape
+        src, k = np.nonzero(alone_WK)
+        f = flow_WK[src, k].astype(np.int64)  # whole assignments (a split needs them)
+        self.alone_WK = alone_WK
+        hold_k, hold_w = np.nonzero(rows_KW)  # every state's holders by rank, state after state
+        n_K = np.bincount(hold_k, minlength=J2)
+        offset_K = np.cumsum(n_K) - n_K
+        n = n_K[k]
+        first = np.searchsorted(hold_k * W + hold_w, k * W + src) - offset_K[k]  # holders below the source
+        base, rem = f // n, f % n
+        # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders.
+        diff = np.zeros(hold_k.size + 1)
+        stop = first + rem
+        wrap = stop > n
+        np.add.at(diff, offset_K[k] + first, 1.0)
+        np.add.at(diff, offset_K[k] + np.where(wrap, n, stop), -1.0)
+        np.add.at(diff, offset_K[k][wrap], 1.0)
+        np.add.at(diff, offset_K[k][wrap] + (stop - n)[wrap], -1.0)
+        self.received = np.bincount(k, weights=base, minlength=J2)[hold_k] + np.cumsum(diff)[:-1]
+        self.hold_k, self.hold_w = hold_k, hold_w
+        self.src, self.k, self.f = src, k, f
+        self.positive = np.minimum(n, f)  # holders that get anything from the source
+        topo = pricer.topology
+        self.up, self.down = topo.leave_W2[src], topo.enter_W2[hold_w]  # the four links between two nodes
+        self.cls = topo.cross_class
+        self.L, self.N, self.J = len(topo.links), pricer.N, J2 // 2
+
+    def _step_sign(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.where(k < self.J, k, k - self.J), np.where(k < self.J, 1.0, -1.0)
+
+    def traffic(self, J: int, tok_bytes: float) -> np.ndarray:
+        """Their bytes on every link `[J, L]` (after the step minus before)."""
+        step, sign = self._step_sign(self.k)
+        hstep, hsign = self._step_sign(self.hold_k)
+        index = np.concatenate(
+            [(step[:, None] * (self.L + 1) + self.up).ravel(), (hstep[:, None] * (self.L + 1) + self.down).ravel()]
+        )
+        value = np.concatenate([np.repeat(sign * self.f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
+        return np.bincount(index, weights=value, minlength=J * (self.L + 1)).reshape(J, self.L + 1)[:, : self.L]
+
+    def classes(self, J: int) -> np.ndarray:
+        """The change in positive (source, holder) counts per route latency `[J, N]`."""
+        step, sign = self._step_sign(self.k)
+        return np.bincount(step * self.N + self.cls, weights=sign * self.positive, minlength=J * self.N).reshape(
+            J, self.N
+        )

@@ -209,6 +209,14 @@ class Topology:
         """Bottleneck bandwidth of every route (inf on the diagonal)."""
         self.reverse_L = np.array([self._index.get((lk.dst, lk.src), -1) for lk in links], dtype=np.int64)
         """Each directed link's opposite direction (-1: none)."""
+        self.nodes_under_root = len(node_groups) > 1 and all(len(self._chain[d]) == 2 for d in range(W))
+        """Every node hangs from the root switch: bytes between two nodes take the same four links —
+        their source's, its node's up, the other node's down, their destination's."""
+        if self.nodes_under_root:  # those links of every device, from a device of the next node
+            partner = [node_groups[(self.node_of[d] + 1) % len(node_groups)][0] for d in range(W)]
+            self.leave_W2 = self.route_WWH[np.arange(W), partner][:, :2]
+            self.enter_W2 = self.route_WWH[partner, np.arange(W)][:, 2:4]
+            self.cross_class = int(self.latency_class_WW[0, partner[0]])
         H = self.route_WWH.shape[-1]
         hops = self.route_WWH.reshape(-1)
         keep = hops < L

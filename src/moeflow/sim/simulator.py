@@ -12,7 +12,11 @@ copies a planner asked for (``CostModel.copies_time``: materialize in forward, r
 backward), plus the dense part of the block (``nonmoe_forward_s``, backward 2×).
 
 A trace of another size is rescaled to the cluster (``Trace.rescale``). Planners that never copy
-(``ep``) take a vectorised path, so a 64×64×1000 replay is a few numpy calls.
+(``ep``) take a vectorised path, so a 64×64×1000 replay is a few numpy calls; the others are asked
+call by call (a progress bar with ``progress=True``). Every row also carries plain EP's time and the
+force-balanced ceiling's — plain EP, same schedule, with the same tokens routed perfectly evenly
+(``Trace.balanced``) — and so its share of the ceiling (``Breakdown.share_of_ceiling``, the
+``(T_ep − T) / (T_ep − T_ceiling)`` that ``moeflow bench --ceiling`` reports for measured rows).
 
 Shape suffixes: I iterations, L layers, W ranks, E experts; ``...`` = (I, L).
 

@@ -20,6 +20,11 @@ with the lowest predicted time under the shared cost model is kept (none unless 
 than the owners alone); the published "migration cost" variant adds the same term to every
 expert and so changes no decision.
 
+`replicate_experts` is one sort (its greedy takes the largest loads per copy in descending order);
+`pack_copies` keeps nodes and devices in heaps by load; every prefix of the copies is priced in
+one pass (`perf.placement_pricing`). The copies, packing and choice are those of the loops that
+scanned every expert, node and device and priced each prefix's whole plan (tested).
+
 Shape suffixes: W devices (ranks of the expert-parallel group), E experts, N nodes.
 """
 

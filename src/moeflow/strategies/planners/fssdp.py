@@ -25,6 +25,9 @@ calibration (§4.2, after the gate) re-runs Algorithm 1 on the real flow with th
 accepts the result only if predicted faster with all its copies on the critical path (under the
 prefetch a changed placement is materialized again, synchronously).
 
+The prefixes of deviation (1) are priced in one pass: the owners' terms, then each copied expert's
+change (`perf.placement_pricing`).
+
 Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
 """
 

@@ -15,6 +15,10 @@ all but each layer's top t) are placed first — layers with the heaviest such e
 heaviest first, each on the least-loaded node, then its least-loaded device (ties: fewer free
 slots) — then the top-t experts fill the remaining slots (most free slots first, spreading them).
 
+Both are greedy — each placement depends on the slots and loads the previous ones left — so they
+run step by step, with heaps keyed as the algorithms order nodes and devices (O(log W) a step
+instead of a scan of every device; the same choices, ties included, as the scans: tested).
+
 Recorded readings of the pseudocode: a replica count n (Algorithm 1, line 12) counts copies beyond
 the owner, at least 1 and at most W − 1, and never more than the free slots; a node's or device's
 "load" in Algorithm 2 is the load placed on it so far *in the layer being placed* (each layer's

@@ -9,6 +9,13 @@ the block-wise scheduler hiding the copies), and stop once the load is balanced 
 ``max(H) − min(H) < α·I/E``) or the heaviest device comes round again. It returns the *prefix* of
 the steps that achieved the lowest predicted time.
 
+A step changes one expert, so the search keeps its state per expert and re-prices only that one:
+its column of the dispatch plan (`core.placement.dispatch_entries`) updates every device's load,
+each device's relievable experts wait in a heap by load; the steps found, every prefix is priced
+in one pass from the owners' terms and each step's change (`perf.placement_pricing`). The steps,
+prices and choice are those of the loop that recomputed and priced the whole plan at every step
+(tested against it on random and trace flows).
+
 Two defects of the public implementation are fixed, each with a test: the number of transferred
 experts ``s`` grows with every step (it is the length of the step list, not a counter that only
 accepted steps move), and the returned placement is the best prefix (not the last one tried).
