@@ -244,10 +244,17 @@ def dispatch_loads(
         computed = np.zeros((world, num_experts), dtype=np.int64)
         computed[placement.owner_E, np.arange(num_experts)] = flow.sum(0)
         return send_by_owner(flow, placement.owner_E), computed
-    k, src, dst, count = dispatch_entries(flow, placement.holders_EW, node_of)
-    send = np.bincount(src * world + dst, weights=count, minlength=world * world).reshape(world, world)
-    computed = np.bincount(dst * num_experts + k, weights=count, minlength=world * num_experts)
-    return send.astype(np.int64), computed.reshape(world, num_experts).astype(np.int64)
+    # Experts on their owners alone as under plain EP; those with copies through their entries.
+    copied = np.flatnonzero(placement.materialized_EW().any(1))
+    alone = flow.copy()
+    alone[:, copied] = 0
+    send, computed = dispatch_loads(alone, Placement.owners_only(placement.owner_E, world))
+    k, src, dst, count = dispatch_entries(flow[:, copied], placement.holders_EW[copied], node_of)
+    send += (
+        np.bincount(src * world + dst, weights=count, minlength=world * world).reshape(world, world).astype(np.int64)
+    )
+    np.add.at(computed, (dst, copied[k]), count)
+    return send, computed
 
 
 def copies_by_tree(node_of: Sequence[int] | None, backend: str) -> bool:

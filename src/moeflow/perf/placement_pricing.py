@@ -105,8 +105,11 @@ class PlacementPricer:
         positive0 = send_by_owner((sent > 0).astype(np.int64), self.owner)  # diagonal 0: sent
         self.classes0 = np.bincount(topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N)
         self.tree = copies_by_tree(topo.node_of, cost_model.backend)
-        self._node_W = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
+        node_W = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
+        _, self._node_W = np.unique(node_W, return_inverse=True)  # nodes numbered 0..N-1
         self._N = int(self._node_W.max()) + 1 if W else 1
+        self._by_node = np.argsort(self._node_W, kind="stable")  # ranks node by node
+        self._node_start = np.searchsorted(self._node_W[self._by_node], np.arange(self._N))
 
     # ---- candidates ------------------------------------------------------------------------------
     def prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray, detail: bool = False) -> PlacementTerms:
@@ -264,8 +267,7 @@ class PlacementPricer:
     def _spread(self, flow_WK: np.ndarray, rows_KW: np.ndarray) -> _Spread | None:
         """The sources that spread over every holder of a state (their node holds none of them),
         summed instead of expanded (`_Spread`); None when there are none."""
-        held_KN = np.zeros((rows_KW.shape[0], self._N), dtype=bool)
-        np.logical_or.at(held_KN.T, self._node_W, rows_KW.T)
+        held_KN = self._per_node(rows_KW)
         several_K = rows_KW.sum(1) > 1  # one holder takes the tokens whole: `dispatch_entries` is as cheap
         alone_WK = ~held_KN[:, self._node_W].T & (flow_WK > 0) & several_K
         if not alone_WK.any():
@@ -276,15 +278,15 @@ class PlacementPricer:
         """`[J, W]`: the sources whose dispatch candidates a step changes — those on a node whose
         holders it changes, or on a node with none before and after (they spread over every
         holder); a source on a node whose holders stay the same keeps its own or its node's."""
-        node = self._node_W
-        N = self._N
-        changed_JN = np.zeros((new_JW.shape[0], N), dtype=bool)
-        np.logical_or.at(changed_JN.T, node, (new_JW != prev_JW).T) if N > 1 else None
-        if N == 1:
+        if self._N == 1:
             return np.broadcast_to((new_JW != prev_JW).any(1)[:, None], new_JW.shape)
-        held_JN = np.zeros((new_JW.shape[0], N), dtype=bool)
-        np.logical_or.at(held_JN.T, node, (new_JW | prev_JW).T)
-        return (changed_JN | ~held_JN)[:, node]
+        changed_JN = self._per_node(new_JW != prev_JW)
+        held_JN = self._per_node(new_JW | prev_JW)
+        return (changed_JN | ~held_JN)[:, self._node_W]
+
+    def _per_node(self, rows_XW: np.ndarray) -> np.ndarray:
+        """`[X, N]`: whether any rank of each node is set in each row."""
+        return np.logical_or.reduceat(rows_XW[:, self._by_node], self._node_start, axis=1)
 
     def _previous(self, experts: np.ndarray, owner_J: np.ndarray, new_JW: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Each step's expert's holders before it: its last earlier step's in the same candidate, or its owner."""
@@ -335,13 +337,12 @@ class _Spread:
         first = np.searchsorted(hold_k * W + hold_w, k * W + src) - offset_K[k]  # holders below the source
         base, rem = f // n, f % n
         # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders.
-        diff = np.zeros(hold_k.size + 1)
         stop = first + rem
         wrap = stop > n
-        np.add.at(diff, offset_K[k] + first, 1.0)
-        np.add.at(diff, offset_K[k] + np.where(wrap, n, stop), -1.0)
-        np.add.at(diff, offset_K[k][wrap], 1.0)
-        np.add.at(diff, offset_K[k][wrap] + (stop - n)[wrap], -1.0)
+        at = offset_K[k]
+        index = np.concatenate([at + first, at + np.where(wrap, n, stop), at[wrap], at[wrap] + (stop - n)[wrap]])
+        step = np.concatenate([np.ones(k.size), -np.ones(k.size), np.ones(wrap.sum()), -np.ones(wrap.sum())])
+        diff = np.bincount(index, weights=step, minlength=hold_k.size + 1)
         self.received = np.bincount(k, weights=base, minlength=J2)[hold_k] + np.cumsum(diff)[:-1]
         self.hold_k, self.hold_w = hold_k, hold_w
         self.src, self.k, self.f = src, k, f

@@ -87,13 +87,7 @@ def sparse_materialization(
         return holders
     slots = _Slots(np.full(world, m, dtype=np.int64), node_W)
     for e, n in zip(top.tolist(), replica_counts(load, top, world * m, world).tolist()):
-        held = {int(owner[e])}
-        for _ in range(n):
-            d = slots.next_holder(held)
-            if d is None:
-                break
-            held.add(d)
-        holders[e, list(held)] = True
+        holders[e, slots.replicas(int(owner[e]), n)] = True
     return holders
 
 
@@ -119,27 +113,31 @@ class _Slots:
         for heap in self.devices.values():
             heapq.heapify(heap)
 
-    def next_holder(self, held: set[int]) -> int | None:
-        """Take a slot for the next replica of an expert held on `held`; None if no device can."""
-        held_nodes = {self.node[d] for d in held}
-        node = self._free_node(held_nodes)
-        if node is None:
-            # Every node with room holds the expert: the most free slots on devices without it.
-            room = {n: self.node_free[n] - sum(self.free[d] for d in held if self.node[d] == n) for n in held_nodes}
-            best = min((n for n in room if room[n] > 0), key=lambda n: (-room[n], n), default=None)
-            if best is None:
-                return None
-            node = best
-        d = self._free_device(node, held)
-        self.free[d] -= 1
-        self.node_free[node] -= 1
-        if self.free[d]:
-            heapq.heappush(self.devices[node], (-self.free[d], d))
-        if self.node_free[node]:
-            heapq.heappush(self.nodes, (-self.node_free[node], node))
-        return d
+    def replicas(self, owner: int, n: int) -> list[int]:
+        """Slots for up to `n` replicas of an expert owned by `owner`: the devices that take them."""
+        held, held_free = {owner}, {self.node[owner]: self.free[owner]}  # free slots on its holders, per node
+        placed = []
+        for _ in range(n):
+            node = self._free_node(held_free)
+            if node is None:
+                # Every node with room holds the expert: the most free slots on devices without it.
+                room = [(-(self.node_free[m] - f), m) for m, f in held_free.items() if self.node_free[m] > f]
+                if not room:
+                    break
+                node = min(room)[1]
+            d = self._free_device(node, held)
+            self.free[d] -= 1
+            self.node_free[node] -= 1
+            if self.free[d]:
+                heapq.heappush(self.devices[node], (-self.free[d], d))
+            if self.node_free[node]:
+                heapq.heappush(self.nodes, (-self.node_free[node], node))
+            held.add(d)
+            held_free[node] = held_free.get(node, 0) + self.free[d]
+            placed.append(d)
+        return placed
 
-    def _free_node(self, held_nodes: set[int]) -> int | None:
+    def _free_node(self, held_nodes: dict[int, int]) -> int | None:
         """The node without the expert with the most free slots (entries of other counts are stale)."""
         skipped, found = [], None
         while self.nodes:
