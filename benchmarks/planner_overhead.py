@@ -116,7 +116,7 @@ def main() -> int:
         action="store_true",
         help="the scale benchmark instead (benchmarks/planner_scale.py: 16x32 to 1024x1024, trace and Zipf loads)",
     )
-    parser.add_argument("--out", default="results/planner_overhead.json")
+    parser.add_argument("--out", default=None, help="the JSON (default results/planner_overhead.json)")
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--gap-ms", type=float, default=30.0)
     parser.add_argument("--load", choices=("dirichlet", "even"), default="dirichlet", help="the flows (docstring)")
@@ -130,9 +130,10 @@ def main() -> int:
     if args.scale:
         from planner_scale import main as scale_main
 
-        return scale_main(rest)
+        return scale_main(rest + (["--out", args.out] if args.out else []))
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.out = args.out or "results/planner_overhead.json"
     finite_number("--hidden-share", args.hidden_share, 0.0, 1.0)
     result = {
         "command": " ".join(["python", *sys.argv]),

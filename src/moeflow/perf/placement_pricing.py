@@ -144,20 +144,29 @@ class PlacementPricer:
         fields = {f: getattr(terms, f) for f in PlacementTerms.__dataclass_fields__}
         return PlacementTerms(**{f: None if v is None else v[pick] for f, v in fields.items()})
 
-    def everywhere_prefixes(self, experts_J: np.ndarray) -> np.ndarray:
-        """Copies out and back `[J + 1]` of the prefixes of putting `experts_J` (held by their owners
-        alone) on every device, one per step: what the prefixes' copies cost, nothing else (a lower
-        bound of their price, non-decreasing in the prefix)."""
+    def cheapest_prefixes(self, experts_J, holders_JW, price, detail: bool = False, bounded: bool = True) -> np.ndarray:
+        """`price(terms) -> [C]` of the prefixes of the steps, up to the last that can be the
+        cheapest: a prefix costs at least its copies (`bounded`: when its price is a sum of
+        non-negative terms with the copies in full), so past the first prefix after which every
+        prefix's copies alone cost more than the best priced one, none is priced. The first
+        `PRICED_FIRST` are priced, then as many more as the bound leaves (the list is that long)."""
         experts = np.asarray(experts_J, dtype=np.int64)
-        start = np.zeros(experts.size, dtype=bool)
-        start[:1] = True
-        step = np.full(experts.size, 1 if self.W > 1 else 0, dtype=np.int64)
-        trans, agg, _ = self._everywhere(self.owner[experts], step, start)
-        return trans + agg
+        rows = np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W)
+        if not bounded or experts.size <= PRICED_FIRST:
+            return price(self.prefixes(experts, rows, detail))
+        floor = np.minimum.accumulate(self.copies_of_prefixes(experts, rows)[::-1])[::-1]  # from each prefix on
+        priced = PRICED_FIRST
+        while True:
+            predicted = price(self.prefixes(experts[:priced], rows[:priced], detail))
+            beyond = np.flatnonzero(floor > predicted.min())
+            last = int(beyond[0]) if beyond.size else experts.size
+            if last <= priced:
+                return predicted
+            priced = last
 
     # ---- the work ------------------------------------------------------------------------------------
     def _terms(self, experts: np.ndarray, new_JW: np.ndarray, start: np.ndarray, detail: bool) -> PlacementTerms:
-        W, L, N, J = self.W, self.L, self.N, experts.size
+        W, J = self.W, experts.size
         topo, cm, shape = self.topology, self.cm, self.shape
         owner_J = self.owner[experts]
         prev_JW = self._previous(experts, owner_J, new_JW, start)
@@ -197,7 +206,19 @@ class PlacementPricer:
             d_classes += spread.classes(J)
         traffic = _running(d_traffic, self.traffic0, start)
         classes = _running(d_classes, self.classes0, start)
-        # Copies: experts held everywhere by owner; the rest point-to-point owner -> extra holder.
+        trans, agg, trans_pf, agg_pf, copies = self._copies(experts, owner_J, new_JW, prev_JW, start)
+        gemm_calls = None if calls is None else calls * shape.gemms
+        compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
+        active = classes > 0.5  # positive entries per latency class (integer counts)
+        latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
+        a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
+        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_C, copies)
+
+    def _copies(self, experts, owner_J, new_JW, prev_JW, start):
+        """Copies out and back per candidate `[J + 1]` (and as the prefetch sends them), and their
+        number: experts held everywhere by owner, the rest point-to-point owner -> extra holder."""
+        W, L, N, J = self.W, self.L, self.N, experts.size
+        cm, topo = self.cm, self.topology
         own_JW = np.zeros((J, W), dtype=bool)
         own_JW[np.arange(J), owner_J] = True
         extra_new, extra_prev = new_JW & ~own_JW, prev_JW & ~own_JW
@@ -207,30 +228,28 @@ class PlacementPricer:
         copies = _running((extra_new.sum(1) - extra_prev.sum(1))[:, None], np.zeros(1, np.int64), start)[:, 0]
         part = np.concatenate([extra_new & ~every_new[:, None], extra_prev & ~every_prev[:, None]])
         pk, holder = np.nonzero(part)
+        p2p = np.zeros(J + 1)
         if pk.size:
             pstep, psign = np.where(pk < J, pk, pk - J), np.where(pk < J, 1.0, -1.0)
             powner = owner_J[pstep]
-            copy_traffic = _running(
-                self._on_links(J, pstep, powner, holder, psign * self.param_bytes), np.zeros(L), start
-            )
-            copy_active = _running(self._per_class(J, pstep, powner, holder, psign), np.zeros(N), start) > 0.5
-            p2p = np.where(
-                copy_active.any(-1),
-                cm.link_time_from_traffic(copy_traffic)
-                + np.where(copy_active, topo.latency_classes, 0.0).max(-1, initial=0.0),
-                0.0,
-            )
-        else:
-            p2p = np.zeros(J + 1)
-
-        gemm_calls = None if calls is None else calls * shape.gemms
-        compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
-        active = classes > 0.5  # positive entries per latency class (integer counts)
-        latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
-        a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
+            traffic = _running(self._on_links(J, pstep, powner, holder, psign * self.param_bytes), np.zeros(L), start)
+            active = _running(self._per_class(J, pstep, powner, holder, psign), np.zeros(N), start) > 0.5
+            latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
+            p2p = np.where(active.any(-1), cm.link_time_from_traffic(traffic) + latency, 0.0)
         trans, agg = every_trans + p2p, every_agg + p2p
         trans_pf, agg_pf = (every_pf[0] + p2p, every_pf[1] + p2p) if self.tree else (trans, agg)
-        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_C, copies)
+        return trans, agg, trans_pf, agg_pf, copies
+
+    def copies_of_prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray) -> np.ndarray:
+        """Copies out and back `[J + 1]` of every prefix of the steps (as `prefixes` prices them, the
+        rest left out): a lower bound of each prefix's price."""
+        experts = np.asarray(experts_J, dtype=np.int64)
+        start = np.zeros(experts.size, dtype=bool)
+        start[:1] = True
+        new_JW = np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W)
+        owner_J = self.owner[experts]
+        trans, agg, *_ = self._copies(experts, owner_J, new_JW, self._previous(experts, owner_J, new_JW, start), start)
+        return trans + agg
 
     def _everywhere(self, owner_J: np.ndarray, d_every_J: np.ndarray, start: np.ndarray):
         """The broadcasts / reduces of the experts held everywhere, per candidate `[J + 1]` each way
@@ -315,6 +334,8 @@ class PlacementPricer:
 
 
 DIRECTIONS = ("materialize", "reduce")
+PRICED_FIRST = 32
+"""Prefixes priced before the copies' bound decides how many more (`cheapest_prefixes`)."""
 
 
 class _Spread:

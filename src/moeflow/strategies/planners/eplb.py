@@ -41,7 +41,7 @@ from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
 from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
-from moeflow.strategies.planners.prophet_model import Pricing, price_terms
+from moeflow.strategies.planners.prophet_model import Pricing, price_terms, prune_by_copies
 
 
 @dataclass(frozen=True)
@@ -193,8 +193,9 @@ def eplb_plan(
         holders[e, d] = True
         rows[k] = holders[e]
     pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of)
-    terms = pricer.prefixes(experts, rows, detail=pricing.model == "paper")
-    predicted_s = price_terms(terms, cost_model, shape, pricing)
+    predicted_s = pricer.cheapest_prefixes(
+        experts, rows, lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
+    )
     best = int(np.argmin(predicted_s))
     if predicted_s[best] > (1.0 - min_gain) * predicted_s[0]:
         best = 0
@@ -214,7 +215,8 @@ class EPLBPlanner(PlanAheadPlanner):
         self.options = options or EPLBOptions()
         super().__init__(self.options.window, background)
         self.last: list[float] = []
-        """The predicted times of the prefixes of the copies the running plan chose among."""
+        """The predicted times of the prefixes of the copies the running plan chose among (up to
+        the last priced: `PlacementPricer.cheapest_prefixes`)."""
 
     def search(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
         o = self.options

@@ -44,7 +44,7 @@ from moeflow.core.placement import Placement
 from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
 from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
-from moeflow.strategies.planners.prophet_model import Pricing, price_placement, price_terms
+from moeflow.strategies.planners.prophet_model import Pricing, price_placement, price_terms, prune_by_copies
 
 OVERLAPS = ("priced", "eq1")
 
@@ -106,7 +106,8 @@ class FSSDPDecision:
     memory: int
     """m used."""
     predicted_s: list[float]
-    """predicted_s[i]: the layer's predicted time with the first i experts' copies (0: owners)."""
+    """predicted_s[i]: the layer's predicted time with the first i experts' copies (0: owners), up
+    to the last prefix priced (`PlacementPricer.cheapest_prefixes`)."""
     accepted: int
     """How many experts' copies the placement applies."""
     calibrated: bool = False
@@ -220,8 +221,9 @@ def fssdp_plan(
     copied = order[holders[order].sum(1) > 1]
     # Prefix k: the first k copied experts with their copies (`perf.placement_pricing`).
     pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of)
-    terms = pricer.prefixes(copied, holders[copied], detail=pricing.model == "paper")
-    predicted = price_terms(terms, cost_model, shape, pricing)
+    predicted = pricer.cheapest_prefixes(
+        copied, holders[copied], lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
+    )
     best = int(np.argmin(predicted))
     if predicted[best] > (1.0 - min_gain) * predicted[0]:
         best = 0

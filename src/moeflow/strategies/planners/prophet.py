@@ -58,6 +58,7 @@ from moeflow.strategies.planners.prophet_model import (
     Pricing,
     price_placement,  # noqa: F401 (part of this module's interface)
     price_terms,
+    prune_by_copies,
 )
 
 PREDICTORS = ("last", "mean")
@@ -115,7 +116,9 @@ class ProphetDecision:
     steps: list[tuple[int, list[int]]]
     """(expert, devices it was sent to) in search order."""
     predicted_s: list[float]
-    """predicted_s[i]: the layer's predicted time with the first i steps (0: plain EP)."""
+    """predicted_s[i]: the layer's predicted time with the first i steps (0: plain EP), up to the
+    last prefix priced (`PlacementPricer.cheapest_prefixes`: none past those whose copies alone
+    cost more than the best)."""
     accepted: int
     """How many steps the returned placement applies (the best prefix; 0: plain EP)."""
     flow_WE: np.ndarray = field(repr=False)
@@ -144,8 +147,10 @@ def prophet_search(
     steps, rows = _search_steps(flow, tokens.astype(np.int64), owner_E, node_of, options)
     experts = np.array([e for e, _ in steps], dtype=np.int64)
     pricer = PlacementPricer(tokens, owner_E, cost_model, shape, node_of)
-    terms = pricer.prefixes(experts, rows, detail=options.model == "paper")
-    predicted = price_terms(terms, cost_model, shape, options.pricing())
+    pricing = options.pricing()
+    predicted = pricer.cheapest_prefixes(
+        experts, rows, lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
+    )
     accepted = int(np.argmin(predicted))  # the best prefix (first of equal minima: fewest copies)
     if predicted[accepted] > (1.0 - options.min_gain) * predicted[0]:
         accepted = 0  # not worth the model's error

@@ -128,6 +128,13 @@ def price_terms(terms: PlacementTerms, cost_model: Any, shape: ExpertShape, pric
     return 4 * terms.a2a_s + 3 * terms.compute_s + copies
 
 
+def prune_by_copies(pricing: Pricing) -> tuple[bool, bool]:
+    """`(detail, bounded)` of `PlacementPricer.cheapest_prefixes` for `price_terms` under `pricing`:
+    Eq. 1's local tokens for the paper model; the copies' bound holds where the copies count in
+    full, as the shared cost model prices them (not hidden by Eq. 8, not Eq. 4's mean bandwidth)."""
+    return pricing.model == "paper", pricing.model == "links" and not pricing.overlap
+
+
 def price_placement(
     flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, pricing: Pricing, node_of=None
 ) -> float:

@@ -148,18 +148,7 @@ class ShadowPlanner(Planner):
         # Prefix i: the first i candidates shadowed (0: plain EP), each step one expert everywhere.
         pricer = PlacementPricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
         everywhere = np.ones((candidates.size, placement.world_size), dtype=bool)
-        copies = pricer.everywhere_prefixes(candidates)
-        priced = min(candidates.size, PRICED_FIRST)
-        while True:
-            predicted = _shadow_time(pricer.prefixes(candidates[:priced], everywhere[:priced]))
-            # A prefix costs at least its copies, which only grow: past the first whose copies
-            # alone cost more than the best priced prefix, none can be chosen (nor end Algorithm 1's
-            # descent: it stops at a rise before it).
-            beyond = np.flatnonzero(copies > predicted.min())
-            last = int(beyond[0]) if beyond.size else candidates.size
-            if last <= priced:
-                break
-            priced = last
+        predicted = pricer.cheapest_prefixes(candidates, everywhere, _shadow_time)
         if self.options.search == "prefix":
             chosen = int(np.argmin(predicted))  # the first of equal minima: fewest copies
         else:
@@ -169,10 +158,6 @@ class ShadowPlanner(Planner):
             chosen = 0  # not worth the model's error
         candidates = candidates.tolist()
         return ShadowDecision(candidates[:chosen], candidates, predicted.tolist())
-
-
-PRICED_FIRST = 32
-"""Prefixes priced before the copies' lower bound is consulted (`ShadowPlanner.decide`)."""
 
 
 def _shadow_time(terms) -> np.ndarray:
