@@ -32,7 +32,8 @@ Per planner and load, medians over `--calls` calls after `--warmup`:
   (tests/reference_planners.py) on the same flows, process CPU time.
 
 DeepSeek's EPLB on each load (the window mean moeflow's `eplb` balances for), replica budget E + W
-(one redundant slot per GPU, moeflow `eplb`'s default), groups = nodes (its hierarchical policy):
+(one redundant slot per GPU, moeflow `eplb`'s default), groups = nodes (its hierarchical policy:
+each node replicates only the experts packed onto it) and one group (its global policy):
 its time, and the max per-GPU load it reaches — each expert's load split evenly over its replicas,
 EPLB's own objective — beside moeflow `eplb`'s copies (all packed; and the prefix its pricing
 keeps), plain EP and the ideal (total / W); also the max per-GPU tokens under moeflow's dispatch
@@ -188,6 +189,10 @@ def compare_deepseek(flows: np.ndarray, cm: CostModel, window: int = 10) -> dict
     groups = nodes if experts % nodes == 0 else 1
     cpu, (phy2log, _, count) = _cpu(lambda: rebalance_experts(weight, experts + world, groups, nodes, world))
     deepseek = gpu_loads(weight, phy2log, count, world)[0].numpy()
+    # Its global policy too (one group: replicas may go to any node), where the hierarchical one
+    # keeps every node's replicas among its own experts.
+    cpu_global, (g_phy2log, _, g_count) = _cpu(lambda: rebalance_experts(weight, experts + world, 1, nodes, world))
+    deepseek_global = gpu_loads(weight, g_phy2log, g_count, world)[0].numpy()
     # DeepSeek's layout as moeflow holders (an expert's first replica's GPU its owner) for the dispatch plan.
     slot_gpu = np.arange(experts + world) // ((experts + world) // world)
     logical = phy2log[0].numpy()
@@ -217,11 +222,13 @@ def compare_deepseek(flows: np.ndarray, cm: CostModel, window: int = 10) -> dict
         "replica_budget": experts + world,
         "groups": groups,
         "deepseek_ms": 1e3 * cpu,
+        "deepseek_global_ms": 1e3 * cpu_global,
         "moeflow_replicate_pack_ms": 1e3 * (cpu_moeflow + cpu_pack),
         "max_gpu_load": {
             "ideal": float(load.sum() / world),
             "ep": even_split(owners.holders_EW),
             "deepseek": float(deepseek.max()),
+            "deepseek_global": float(deepseek_global.max()),
             "moeflow_eplb_packed": even_split(packed),
             "moeflow_eplb_chosen": even_split(chosen.holders_EW),
         },
