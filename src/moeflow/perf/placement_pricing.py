@@ -17,6 +17,11 @@ something iff it has a positive count, so the latency is read from the number of
 expert, destination) counts on routes of each latency (integers: exact); the broadcasts are priced
 per owner from the number of experts each owner has held everywhere.
 
+At scale: a step's sources whose candidates it does not change are left out (their entries would
+cancel); where every node hangs from the root, the sources that spread over every holder of an
+expert are summed per holder instead of expanded per (source, holder); and a prefix search stops
+where every later prefix's copies alone cost more than the best priced one (`cheapest_prefixes`).
+
 Shape suffixes: W ranks, E experts, L links, J steps (an expert and its new holders), K dispatched
 states (a step's new and previous holders), C candidates, N route-latency classes, X any.
 """
