@@ -3,9 +3,9 @@
 Copied from the source tree at commit 5d57491 ("One mechanism per idea") before the planners were
 restated over arrays: `core.placement.dispatch_counts`, `prophet_model.placement_times` and
 `price_placement`, the shadow planner's `cost`/`decide`, Pro-Prophet's `prophet_search`, Hecate's
-Algorithms 1-2, FSSDP's and EPLB's plans, `auto`'s `layer_terms`. Only the imports and
-the names of the module-level helpers they call were changed (to call each other here); the cost
-model is the current one (its formulas are shared by both sides).
+Algorithms 1-2, FSSDP's and EPLB's plans, `auto`'s `layer_terms`. Only the imports changed (the
+functions call each other here) and the shadow planner's three methods sit in `ShadowReference`;
+the cost model is the current one (its formulas are shared by both sides).
 
 Shape suffixes: W ranks, E experts, S source ranks, P candidate shadow sets, L layers, N nodes.
 """
