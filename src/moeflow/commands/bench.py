@@ -113,9 +113,14 @@ def _strategy_worker(cfg, cost_model_source):
 
 def _print_strategy_rows(rows: list[dict]) -> None:
     header = f"{'routing':<18}{'strategy':<15}{'schedule':<18}{'dispatch':<14}{'wire':<10}{'ms':>9}{'speedup':>9}"
-    print(header + f"{'copies':>8}{'load std':>9}{'predicted':>10}{'model ms':>9}{'bound':>7}{'of bound':>9}")
+    print(
+        header
+        + f"{'copies':>8}{'load std':>9}{'predicted':>10}{'model ms':>9}{'bound':>7}{'of bound':>9}{'ceiling':>9}"
+    )
     for r in rows:
         bound = f"{r['pairwise_bound']:7.2f}{r['share_of_bound']:9.0%}" if "pairwise_bound" in r else f"{'':7}{'':9}"
+        share = r.get("share_of_ceiling")  # with --ceiling: the part of EP's gap to even routing closed
+        bound += f"{share:9.0%}" if share is not None else f"{'':9}"
         predicted, model = r["planner_predicted_speedup"], r.get("model_predicted_s")
         schedule = r["schedule"] + ("+prefetch" if r.get("prefetch") else "")
         strategy = r["strategy"] + (" (even)" if r.get("ceiling") else "")
