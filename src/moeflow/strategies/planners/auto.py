@@ -191,12 +191,18 @@ class AutoPlanner(Planner):
             return None
         flow_WE, placement, cost_model = self._last_call
         ahead = {n: p.next_placement() for n, p in self.planners.items() if p.plans_ahead}
-        ahead = {n: p for n, p in ahead.items() if p is not None and not p.is_owners_only()}
-        ep = Placement.owners_only(placement.owner_E, placement.world_size)
-        node_of = cost_model.topology.node_of
-        prices = {"ep": self.price(layer_terms(flow_WE, ep, cost_model, self.shape, node_of))}
-        for name, p in ahead.items():
-            prices[name] = self.price(layer_terms(flow_WE, p, cost_model, self.shape, node_of, self.prefetch))
+        ahead = {
+            n: p
+            for n, p in ahead.items()
+            if p is not None and not p.is_owners_only() and np.array_equal(p.owner_E, placement.owner_E)
+        }
+        pricer = PlacementPricer(
+            np.rint(flow_WE), placement.owner_E, cost_model, self.shape, cost_model.topology.node_of
+        )
+        owners = Placement.owners_only(placement.owner_E, placement.world_size)
+        priced = pricer.placements([owners.holders_EW, *(p.holders_EW for p in ahead.values())])
+        prices = {"ep": self.price(_terms(priced, 0, None))}
+        prices |= {n: self.price(_terms(priced, c, self.prefetch)) for c, n in enumerate(ahead, start=1)}
         best = self._cheapest(prices)
         self.sent_ahead = None if best == "ep" else ahead[best]
         return self.sent_ahead
