@@ -81,7 +81,10 @@ def load_measured(path: str | Path) -> list[RooflinePoint]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"--measured file {str(path)!r} does not exist")
-    data = json.loads(p.read_text())
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--measured file {str(path)!r}: not JSON ({exc})") from None
     pts = data.get("points") if isinstance(data, dict) else None
     if not isinstance(pts, list):
         raise ValueError(f"--measured file {str(path)!r}: expected an object with a 'points' list")

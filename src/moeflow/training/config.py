@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeflow.core.checks import did_you_mean
 from moeflow.core.hooks import WIRE_DTYPES
 from moeflow.layer import AXES
 from moeflow.routing import check_balance_fits_gate, default_balance, routing_kind
@@ -40,7 +41,9 @@ def _positive(section: str, **values: float) -> None:
 
 def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{section}.{name} must be one of {', '.join(allowed)}; got {value!r}")
+        raise ValueError(
+            f"{section}.{name} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}"
+        )
 
 
 @dataclass
@@ -156,7 +159,8 @@ class MoEConfig:
         for axis, registry in AXES.items():
             name = getattr(self, axis)
             if name not in registry:
-                raise ValueError(f"moe.{axis}={name!r}: unknown; valid: {registry.names()}")
+                hint = did_you_mean(name, registry.names())
+                raise ValueError(f"moe.{axis}={name!r}: unknown{hint}; valid: {registry.names()}")
             raw = getattr(self, f"{axis}_options")
             typed = dataclasses.asdict(registry.options(name, raw, where=f"moe.{axis}_options"))
             setattr(self, f"{axis}_options", {key: typed[key] for key in raw})  # the keys given, typed
