@@ -47,6 +47,15 @@ from moeflow.strategies.planners.base import as_planner
 from moeflow.strategies.planners.ep import plan_ep
 from moeflow.strategies.timing import LayerTimer
 
+
+class ClusterMismatchWarning(UserWarning):
+    """The layer's cost model describes another number of devices than its group: it runs without it."""
+
+
+_MISMATCH_SAID: set[tuple[str, int, int]] = set()
+"""(cost model, its devices, the group's size) already said in this process: one notice, not one per
+layer and step."""
+
 AXES = {"gate": GATES, "balance": BALANCES, "strategy": PLANNERS, "schedule": SCHEDULES, "dispatch": DISPATCHERS}
 """The axes of a MoE layer and the registry of names of each (docs/architecture.md)."""
 
@@ -376,11 +385,16 @@ class MoELayer(nn.Module):
         return materialize(weights, placement, self.group, self.experts.expert_ids, held_J, self.node_of)
 
     def _notice_mismatch(self) -> None:
-        """Say once (Python's warnings filter keeps one per place) that the cost model is unused."""
+        """Say once per process (not per layer and step) that the cost model is unused."""
+        key = (self.cost_model.name, self.cost_model.topology.num_devices, self.placement.world_size)
+        if key in _MISMATCH_SAID:
+            return
+        _MISMATCH_SAID.add(key)
         warnings.warn(
             f"moeflow: the cost model {self.cost_model.name!r} describes {self.cost_model.topology.num_devices} "
             f"devices but this expert-parallel group has {self.placement.world_size}: running without it "
             f"(strategy as 'ep', topology-aware gate and balance terms in their topology-free form)",
+            ClusterMismatchWarning,
             stacklevel=3,
         )
 

@@ -314,14 +314,20 @@ def topology_from_fits(nodes: list[list[int]], fits: dict[str, dict[str, Any]]) 
     inter-node route 2 device hops + 2 network hops; the bottleneck sets 1/β."""
 
     def bw(kind: str) -> float | None:
+        # A fit that noise dominates (r² < 0.5: a shared CPU descheduling the ranks) says nothing
+        # about the bandwidth; its slope can be near zero, i.e. an absurdly fast link.
         f = fits.get(kind)
-        return 1.0 / f["beta_s_per_unit"] if f and f["beta_s_per_unit"] > 0 else None
+        return 1.0 / f["beta_s_per_unit"] if f and f["beta_s_per_unit"] > 0 and (f.get("r2") is None or f["r2"] >= 0.5) else None
 
     def lat(kind: str) -> float:
         f = fits.get(kind)
         return max(f["alpha_s"], 0.0) if f else 0.0
 
     intra, inter = bw("p2p_intra"), bw("p2p_inter")
+    # Without a usable point-to-point fit: the uniform all-to-all's, each rank sending (W-1)/W of n.
+    world = sum(len(g) for g in nodes)
+    uniform = bw("a2a") * world / (world - 1) if bw("a2a") and world > 1 else None
+    intra = intra or (uniform if len(nodes) == 1 else None)
     if len(nodes) == 1:
         b = intra or 10e9
         return {

@@ -58,6 +58,19 @@ def recovery_totals(path: Path) -> dict[str, Any]:
     return {"restarts": restarts, "steps_lost": lost, "recovery_s": seconds}
 
 
+def check_fresh(out: Path) -> None:
+    """A fresh run never replaces an earlier one by surprise: a folder holding a run's metrics or
+    checkpoints needs `--resume` (continue it) or `--overwrite` (replace it)."""
+    held = [p.name for p in (out / METRICS_FILE, out / "checkpoints") if p.exists()]
+    if held:
+        newest = checkpoint.latest_checkpoint(out / "checkpoints")
+        what = f"checkpoints/{newest.name}" if newest is not None else " and ".join(held)
+        raise ValueError(
+            f"--out {str(out)!r} holds a run ({what}): continue it with --resume, or replace it with "
+            f"--overwrite (or choose another --out)"
+        )
+
+
 def clear_run(out: Path) -> None:
     """A fresh (not resumed) run replaces the files of an earlier run in the same folder."""
     old = [out / METRICS_FILE, out / TRACE_FILE, out / "checkpoints"]
