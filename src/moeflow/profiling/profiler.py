@@ -317,7 +317,8 @@ def topology_from_fits(nodes: list[list[int]], fits: dict[str, dict[str, Any]]) 
         # A fit that noise dominates (r² < 0.5: a shared CPU descheduling the ranks) says nothing
         # about the bandwidth; its slope can be near zero, i.e. an absurdly fast link.
         f = fits.get(kind)
-        return 1.0 / f["beta_s_per_unit"] if f and f["beta_s_per_unit"] > 0 and (f.get("r2") is None or f["r2"] >= 0.5) else None
+        usable = f and f["beta_s_per_unit"] > 0 and (f.get("r2") is None or f["r2"] >= 0.5)
+        return 1.0 / f["beta_s_per_unit"] if usable else None
 
     def lat(kind: str) -> float:
         f = fits.get(kind)
