@@ -59,6 +59,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
+    from moeflow.training.checkpoint import latest_checkpoint
     from moeflow.training.config_files import load_config
     from moeflow.training.entry import launch
     from moeflow.training.run_dir import format_summary
@@ -74,12 +75,20 @@ def run(args) -> int:
     if args.resume and config_path is None and (out / "config.toml").is_file():
         config_path = out / "config.toml"  # continue with the run's own resolved config
     cfg = load_config(config_path, overrides)
-    summary = launch(cfg, out, args.resume, args.nproc, overwrite=args.overwrite)
+    resume_command = f"moeflow train --out {out} --resume" + (f" --nproc {args.nproc}" if args.nproc else "")
+    try:
+        summary = launch(cfg, out, args.resume, args.nproc, overwrite=args.overwrite)
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
+        newest = latest_checkpoint(out / "checkpoints")
+        kept = f"the newest checkpoint is {newest}" if newest is not None else "no checkpoint was written yet"
+        print(f"\nmoeflow train: stopped at once; {kept} (continue with: {resume_command})", file=sys.stderr)
+        return 130
     if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
+    summary["resume_command"] = resume_command
     if "error" in summary:
         # Found by the training processes (non-finite loss, checkpoint mismatch): one line, like bad input.
         print(f"moeflow train: error: {summary['error']}", file=sys.stderr)
         return 1
     print(json.dumps(summary) if args.json else format_summary(summary))
-    return 0
+    return 130 if summary.get("interrupted") else 0

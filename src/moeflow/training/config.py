@@ -280,6 +280,9 @@ class TrainConfig:
     moe.cost_model); docs/training.md."""
     grad_bucket_mb: float = 25.0
     """Bucket size of grad_sync=ddp, in MB (PyTorch DDP's default)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars to DIR/tensorboard/ (needs `pip install
+    'moeflow[tensorboard]'`; `training.tensorboard_log`)."""
     collective_timeout_s: float = 300.0
     """A collective that waits longer than this fails the run with an error naming the operation, the
     rank it timed out on and the ranks that did not answer (a stalled or dead peer), instead of

@@ -28,8 +28,10 @@ from moeflow.training.config import RunConfig
 from moeflow.training.config_files import config_from_dict, config_to_dict
 from moeflow.training.cost_model_setup import check_cost_model, provide_cost_model
 from moeflow.training.data import Corpus, load_corpus
+from moeflow.training.interrupts import StopRequest, launcher_signals
 from moeflow.training.loop import run
 from moeflow.training.run_dir import check_fresh
+from moeflow.training.tensorboard_log import check_tensorboard
 
 
 def preflight(
@@ -48,6 +50,7 @@ def preflight(
             f"evenly over {world} processes (use a divisor of {cfg.moe.num_experts})"
         )
     cfg.validate_world_size(world)
+    check_tensorboard(cfg)
     note = check_cost_model(cfg, world, out, resume)
     if note and int(os.environ.get("RANK", "0")) == 0:
         print(note, flush=True)
@@ -59,13 +62,22 @@ def preflight(
     return corpus if in_process else None
 
 
-def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = None, launched_at: int = 0) -> dict:
+def worker(
+    cfg_dict: dict,
+    out_dir: str,
+    resume: bool,
+    corpus: Corpus | None = None,
+    launched_at: int = 0,
+    in_process: bool = False,
+) -> dict:
     """Entry point of every rank (elastic launcher, torchrun, or in-process for one process).
 
     Returns the run summary, or {"error": message} for bad input / a non-finite loss: such errors
     are reached by all ranks together (they follow from shared values), so no rank is left waiting.
     A restarted group (torch's elastic agent, `train.max_restarts`) resumes from the newest complete
-    checkpoint by itself (`launched_at`: the step the command started from, for its summary). A
+    checkpoint by itself (`launched_at`: the step the command started from, for its summary).
+    SIGINT/SIGTERM stop it after the current step, with a checkpoint (`training.interrupts`;
+    `in_process`: this is the command's own process). A
     collective that timed out (a stalled or dead peer) raises with a message that names it, this
     rank and the ranks that did not answer, so that the agent restarts the group or ends the run.
     """
@@ -74,10 +86,12 @@ def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = N
     quiet_notices()
     if restart and checkpoint.latest_checkpoint(Path(out_dir) / "checkpoints") is not None:
         resume = True
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    stop = StopRequest(in_process, say=rank0).install()
     try:
         device = init_distributed(cfg.train.device, cfg.train.deterministic, cfg.train.collective_timeout_s)
-        provide_cost_model(cfg, Path(out_dir), device, say=int(os.environ.get("RANK", "0")) == 0)
-        summary = run(cfg, out_dir, resume=resume, device=device, corpus=corpus, restart=restart)
+        provide_cost_model(cfg, Path(out_dir), device, say=rank0)
+        summary = run(cfg, out_dir, resume=resume, device=device, corpus=corpus, restart=restart, stop=stop)
         if restart:  # the summary describes the command, not only its last attempt
             summary["first_step"] = launched_at
         return summary
@@ -93,6 +107,7 @@ def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = N
         # A new message for the launcher's one-line error (torch's record() keeps the last one).
         raise RuntimeError(timeout) from exc
     finally:
+        stop.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -156,23 +171,25 @@ def launch(
                 f"pass --max-restarts to torchrun (the restarted group resumes by itself either way)",
                 flush=True,
             )
-        summary = worker(config_to_dict(cfg), str(out), resume, corpus)
+        summary = worker(config_to_dict(cfg), str(out), resume, corpus, in_process=True)
         return summary if not under_torchrun or int(os.environ["RANK"]) == 0 else None
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        return launch_local(
-            worker,
-            world,
-            config_to_dict(cfg),
-            str(out),
-            resume,
-            None,
-            _step_of(checkpoint.latest_checkpoint(out / "checkpoints")) if resume else 0,
-            name="moeflow-train",
-            max_restarts=cfg.train.max_restarts,
-        )[0]
+        with launcher_signals():  # SIGINT/SIGTERM reach the ranks, which finish their step and checkpoint
+            return launch_local(
+                worker,
+                world,
+                config_to_dict(cfg),
+                str(out),
+                resume,
+                None,
+                _step_of(checkpoint.latest_checkpoint(out / "checkpoints")) if resume else 0,
+                name="moeflow-train",
+                max_restarts=cfg.train.max_restarts,
+                ranks_handle_interrupts=True,
+            )[0]
     except ChildFailedError as exc:
         # The failing process printed its traceback above; name it in one line.
         rank, failure = exc.get_first_failure()

@@ -1,11 +1,12 @@
 """PNG plots of a run folder's metrics.jsonl (matplotlib, Agg backend: no display needed).
 
     write_plots("runs/default/metrics.jsonl", "runs/default")
-    # -> loss.png, expert_load.png, throughput.png
+    # -> loss.png, expert_load.png, rank_load.png, throughput.png
 
 `expert_load.png` is one heatmap per MoE layer, steps on the x axis and experts on the y axis,
 colour = share of the layer's assignments that went to the expert (FasterMoE Fig. 4 / Hecate
-Fig. 3 show the same picture: a few hot experts, drifting over training).
+Fig. 3 show the same picture: a few hot experts, drifting over training). `rank_load.png` is its
+companion: the load of each rank after the strategy's placement (what copies did to it).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path | None:
     if steps.size == 0:
         return None
     L, E, _ = shares_LES.shape
-    plt, (fig, axes) = _figure(nrows=L, figsize=(8, 1.2 + 0.35 * E * L), squeeze=False)
+    plt, (fig, axes) = _figure(nrows=L, figsize=(8, 1.2 + 0.35 * E * L + 0.5 * L), squeeze=False, sharex=True)
     vmax = max(float(shares_LES.max()), 1e-9)
     for layer, ax in enumerate(axes[:, 0]):
         image = ax.imshow(
@@ -86,8 +87,60 @@ def plot_expert_load(records: list[dict[str, Any]], path: Path) -> Path | None:
         ax.set_ylabel(f"MoE layer {layer}\nexpert")
         ax.set_yticks(range(E))
     axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.get_major_locator().set_params(integer=True)
     axes[0, 0].set_title("Expert load (share of each layer's token assignments)")
     fig.colorbar(image, ax=axes[:, 0].tolist(), label="share")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_rank_load(records: list[dict[str, Any]], path: Path) -> Path | None:
+    """Companion of `expert_load.png`: what the strategy did to the ranks. Top: the per-rank load
+    imbalance (max/mean tokens computed per rank, mean over layers) with every expert on its owner
+    only and after the placement that ran, and the expert copies made; below, one heatmap per MoE
+    layer of each rank's share of the tokens it computed after placement."""
+    rows = [r for r in records if r.get("rank_loads")]
+    if not rows:
+        return None
+    steps = np.array([r["step"] for r in rows])
+    loads_SLW = np.array([r["rank_loads"] for r in rows], dtype=np.float64)
+    shares_LWS = (loads_SLW / np.maximum(loads_SLW.sum(-1, keepdims=True), 1)).transpose(1, 2, 0)
+    L, W, _ = shares_LWS.shape
+    plt, (fig, axes) = _figure(
+        nrows=L + 1, figsize=(8, 2.6 + 0.3 * W * L + 0.6 * L), squeeze=False, sharex=True, layout="constrained"
+    )
+    top = axes[0, 0]
+    top.plot(steps, [r["rank_load_imbalance_owners"] for r in rows], color="tab:red", lw=1.2, label="owners only (EP)")
+    top.plot(steps, [r["rank_load_imbalance"] for r in rows], color="tab:blue", lw=1.2, label="after placement")
+    top.set_ylabel("max / mean\ntokens per rank")
+    top.grid(alpha=0.3)
+    copies = top.twinx()
+    copies.bar(steps, [r.get("copies") or 0 for r in rows], color="tab:gray", alpha=0.3, width=1.0, label="copies")
+    copies.set_ylabel("expert copies")
+    copies.set_zorder(top.get_zorder() - 1)
+    top.patch.set_visible(False)
+    handles = top.get_legend_handles_labels()[0] + copies.get_legend_handles_labels()[0]
+    top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.12, 1.0), fontsize=8, frameon=False)
+    top.set_title("Per-rank load: owners only vs after the strategy's placement")
+    vmax = max(float(shares_LWS.max()), 1e-9)
+    for layer in range(L):
+        ax = axes[layer + 1, 0]
+        image = ax.imshow(
+            shares_LWS[layer],
+            aspect="auto",
+            origin="lower",
+            cmap="viridis",
+            vmin=0,
+            vmax=vmax,
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, W - 0.5),
+            interpolation="nearest",
+        )
+        ax.set_ylabel(f"MoE layer {layer}\nrank")
+        ax.set_yticks(range(W))
+    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].xaxis.get_major_locator().set_params(integer=True)
+    fig.colorbar(image, ax=axes[1:, 0].tolist(), label="share of the layer's tokens computed")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -116,6 +169,7 @@ def write_plots(metrics_path: str | Path, out_dir: str | Path) -> list[Path]:
     written = [
         plot_loss(records, out_dir / "loss.png"),
         plot_expert_load(records, out_dir / "expert_load.png"),
+        plot_rank_load(records, out_dir / "rank_load.png"),
         plot_throughput(records, out_dir / "throughput.png"),
     ]
     return [p for p in written if p is not None]

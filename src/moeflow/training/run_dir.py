@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from moeflow.training import checkpoint
+from moeflow.training.strategy_report import format_strategy
 
 METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "routing.npz"
@@ -97,6 +98,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     if summary.get("skipped_steps"):
         lines.append(f"skipped {summary['skipped_steps']} step(s) with a non-finite loss or gradient")
+    lines += format_strategy(summary.get("strategy") or {})
     if "first_loss" in summary:
         val = summary.get("val_loss")
         lines.append(
@@ -109,4 +111,6 @@ def format_summary(summary: dict[str, Any]) -> str:
     newest = checkpoint.latest_checkpoint(out / "checkpoints")
     if newest is not None:
         lines.append(f"  checkpoints/{newest.name}  (moeflow train --out {out} --resume; moeflow generate --run {out})")
+    if summary.get("interrupted"):
+        lines.append(f"interrupted at step {summary['last_step']}: continue with  {summary['resume_command']}")
     return "\n".join(lines)
