@@ -155,3 +155,37 @@ def _stamp_and_cache(profile: dict[str, Any], path: Path, seconds: float, writer
         f"ranks, {len(profile['nodes'])} node(s)): {describe(profile)}; cached in {path}"
     )
     return profile, report
+
+
+def _startup_worker() -> tuple[dict[str, Any], str]:
+    from moeflow.core.launch import init_distributed
+
+    device = init_distributed("auto")
+    try:
+        return startup_profile(device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def this_machine(nproc: int) -> tuple[dict[str, Any], str]:
+    """The cost model of `nproc` local ranks on this machine, from outside any process group
+    (`moeflow advise --cluster this`): the cache of that layout when there is one (the one
+    `moeflow train` uses), else measured on `nproc` processes started here and cached."""
+    import torch
+
+    from moeflow.core.checks import positive_int
+    from moeflow.core.launch import launch_local
+
+    positive_int("--nproc", nproc)
+    cuda = torch.cuda.is_available()
+    backend = ("nccl" if cuda else "gloo") if nproc > 1 else "none"
+    path = cache_path(socket.gethostname(), backend, "cuda" if cuda else "cpu", nproc, 1)
+    cached = _read_cached(path)
+    if cached is not None:
+        return cached, f"cost model: {path} (this layout, measured {cached.get('measured_at', '?')}): " + describe(
+            cached
+        )
+    if nproc == 1:
+        return startup_profile(torch.device("cuda" if cuda else "cpu"))
+    return launch_local(_startup_worker, nproc, name="moeflow-startup-profile")[0]
