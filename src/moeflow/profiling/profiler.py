@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from moeflow.core.checks import positive_int
 from moeflow.core.launch import init_distributed, launch_local, under_torchrun
@@ -259,8 +260,9 @@ def _measure_copies(sweep: _Sweep) -> None:
     sweep.record("copies", sweep.comm_sizes, times, "byte")
 
 
-def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
-    """Measure on the initialised default process group; every rank returns the same dict."""
+def run_profile(config: ProfileConfig, device: Any = None, progress: bool = False) -> dict[str, Any]:
+    """Measure on the initialised default process group; every rank returns the same dict.
+    `progress`: rank 0 shows a progress bar over the sweeps (tqdm, on stderr)."""
     if not dist.is_initialized():
         raise RuntimeError("run_profile needs an initialised torch.distributed process group")
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -271,11 +273,18 @@ def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
     node_of = [order.index(k) for k in keys]
     nodes = [[r for r in range(W) if node_of[r] == n] for n in range(len(order))]
     sweep = _Sweep(config, device, rank, W, node_of)
-    _measure_compute(sweep)
-    _measure_collectives(sweep)
-    _measure_p2p(sweep, nodes)
-    _measure_copies(sweep)
-    measure_chunks(sweep)
+    phases = [
+        ("GEMM", _measure_compute),
+        ("collectives", _measure_collectives),
+        ("point-to-point", lambda sw: _measure_p2p(sw, nodes)),
+        ("copies", _measure_copies),
+        ("pipeline chunks", measure_chunks),
+    ]
+    with tqdm(total=len(phases), unit="sweep", disable=not progress or rank != 0, leave=False) as bar:
+        for label, measure in phases:
+            bar.set_description(f"profiling {label}")
+            measure(sweep)
+            bar.update(1)
     src = "moeflow profile"
     fits = {
         k: (
@@ -356,7 +365,7 @@ def _worker(config: ProfileConfig, backend: str) -> dict[str, Any]:
     created = not dist.is_initialized()
     device = init_distributed({"nccl": "cuda", "gloo": "cpu"}.get(backend, "auto"))
     try:
-        return run_profile(config, device)
+        return run_profile(config, device, progress=True)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
