@@ -27,11 +27,12 @@ from moeflow.training import checkpoint
 from moeflow.training.config import RunConfig
 from moeflow.training.config_files import config_from_dict, config_to_dict
 from moeflow.training.cost_model_setup import check_cost_model, provide_cost_model
-from moeflow.training.data import Corpus, load_corpus
+from moeflow.training.data import Corpus, load_corpus, read_text, training_part
 from moeflow.training.interrupts import StopRequest, launcher_signals
 from moeflow.training.loop import run
 from moeflow.training.run_dir import check_fresh
 from moeflow.training.tensorboard_log import check_tensorboard
+from moeflow.training.tokenizer import load_tokenizer, prepare_tokenizer
 
 
 def preflight(
@@ -58,7 +59,18 @@ def preflight(
         raise ValueError(f"--resume: no complete checkpoint in {str(out / 'checkpoints')!r}")
     if not resume and not overwrite:
         check_fresh(out)
-    corpus = load_corpus(cfg.data, min_tokens=cfg.model.seq_len + 1)  # bad data fails here, before any spawn
+    # Bad data fails here, before any spawn; a BPE (data.tokenizer = "bpe:N") is trained here, once.
+    text, _, _ = read_text(cfg.data)
+    tokenizer, said = prepare_tokenizer(cfg.data.tokenizer, out, training_part(text, cfg.data), resume)
+    if said and int(os.environ.get("RANK", "0")) == 0:
+        print(said, flush=True)
+    if cfg.model.vocab_size not in (256, tokenizer.vocab_size):  # 256: the default, following the tokenizer
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} but data.tokenizer={cfg.data.tokenizer!r} has "
+            f"{tokenizer.vocab_size} tokens (leave model.vocab_size out: it follows the tokenizer)"
+        )
+    cfg.model.vocab_size = tokenizer.vocab_size
+    corpus = load_corpus(cfg.data, cfg.model.seq_len + 1, tokenizer)
     return corpus if in_process else None
 
 
@@ -91,6 +103,9 @@ def worker(
     try:
         device = init_distributed(cfg.train.device, cfg.train.deterministic, cfg.train.collective_timeout_s)
         provide_cost_model(cfg, Path(out_dir), device, say=rank0)
+        if corpus is None:  # a worker process: its own copy of the text, in the run's tokens
+            tokenizer = load_tokenizer(cfg.data.tokenizer, out_dir)
+            corpus = load_corpus(cfg.data, cfg.model.seq_len + 1, tokenizer)
         summary = run(cfg, out_dir, resume=resume, device=device, corpus=corpus, restart=restart, stop=stop)
         if restart:  # the summary describes the command, not only its last attempt
             summary["first_step"] = launched_at
