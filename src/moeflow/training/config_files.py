@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moeflow.core.checks import did_you_mean, typed_value
+from moeflow.layer import AXES
 from moeflow.training.config import RENAMED_KEYS, RunConfig
 
 if sys.version_info >= (3, 11):
@@ -81,6 +82,8 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
                     values[key] = typed_value(f"{section}.{key}", value, hints[key], parse_text=False)
             except (ValueError, TypeError) as exc:
                 _problem(problems, exc)
+        if section == "moe":
+            _check_axis_names(values, problems)
         sections[section] = values
     cls_of = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
     built = {}
@@ -91,6 +94,18 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
             _problem(problems, exc)
     _raise(problems)
     return RunConfig(**built)
+
+
+def _check_axis_names(values: dict[str, Any], problems: list[Exception]) -> None:
+    """The MoE layer's axes (`moe.gate`, `moe.strategy`, ...) by name, checked on their own: an unknown
+    name is reported (and left out) so that the table's other checks still run."""
+    for axis, registry in AXES.items():
+        name = values.get(axis)
+        if isinstance(name, str) and name not in registry:
+            hint = did_you_mean(name, registry.names())
+            problems.append(ValueError(f"moe.{axis}={name!r}: unknown{hint}; valid: {registry.names()}"))
+            del values[axis]
+            values.pop(f"{axis}_options", None)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
