@@ -121,18 +121,19 @@ def plot_rank_load(records: list[dict[str, Any]], path: Path) -> Path | None:
     copies.set_zorder(top.get_zorder() - 1)
     top.patch.set_visible(False)
     handles = top.get_legend_handles_labels()[0] + copies.get_legend_handles_labels()[0]
-    top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.12, 1.0), fontsize=8, frameon=False)
-    top.set_title("Per-rank load: owners only vs after the strategy's placement")
-    vmax = max(float(shares_LWS.max()), 1e-9)
+    top.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=3, fontsize=8, frameon=False)
+    fig.suptitle("Per-rank load: owners only (plain EP) vs after the strategy's placement")
+    # Diverging around the even share 1/W: white = balanced, red = a rank over its share, blue = under.
+    spread = max(float(np.abs(shares_LWS - 1.0 / W).max()), 0.02)
     for layer in range(L):
         ax = axes[layer + 1, 0]
         image = ax.imshow(
             shares_LWS[layer],
             aspect="auto",
             origin="lower",
-            cmap="viridis",
-            vmin=0,
-            vmax=vmax,
+            cmap="coolwarm",
+            vmin=1.0 / W - spread,
+            vmax=1.0 / W + spread,
             extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, W - 0.5),
             interpolation="nearest",
         )
@@ -140,7 +141,7 @@ def plot_rank_load(records: list[dict[str, Any]], path: Path) -> Path | None:
         ax.set_yticks(range(W))
     axes[-1, 0].set_xlabel("step")
     axes[-1, 0].xaxis.get_major_locator().set_params(integer=True)
-    fig.colorbar(image, ax=axes[1:, 0].tolist(), label="share of the layer's tokens computed")
+    fig.colorbar(image, ax=axes[1:, 0].tolist(), label=f"share of the layer's tokens computed (even: 1/{W})")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -151,7 +152,15 @@ def plot_throughput(records: list[dict[str, Any]], path: Path) -> Path | None:
     if not points:
         return None
     plt, (fig, ax) = _figure(figsize=(7, 3.5))
-    ax.plot(*zip(*points), lw=1)
+    steps, rates = (np.array(v, dtype=np.float64) for v in zip(*points))
+    window = 10
+    if len(rates) > 2 * window:  # a shared machine's noise: the raw line faint, a running median on top
+        ax.plot(steps, rates, lw=0.8, color="tab:blue", alpha=0.35, label="each logged step")
+        median = [np.median(rates[max(0, i - window + 1) : i + 1]) for i in range(len(rates))]
+        ax.plot(steps, median, lw=1.6, color="tab:blue", label=f"median of the last {window}")
+        ax.legend(fontsize=8, loc="lower right")
+    else:
+        ax.plot(steps, rates, lw=1, color="tab:blue")
     ax.set_xlabel("step")
     ax.set_ylabel("tokens / s (all ranks)")
     ax.set_title("Training throughput")
