@@ -49,6 +49,13 @@ def cost_model_users(cfg: RunConfig) -> list[str]:
     return users
 
 
+def relocate_measured(cfg: RunConfig, run_dir: Path) -> None:
+    """A run folder that moved: its measured cost model is the one in the folder now."""
+    source, here = cfg.moe.cost_model, run_dir / MEASURED_FILE
+    if source and Path(source).name == MEASURED_FILE and not Path(source).exists() and here.is_file():
+        cfg.moe.cost_model = str(here)
+
+
 def is_measured(cfg: RunConfig, out: Path) -> bool:
     """The run's cost model is the one measured at start-up (in the run folder)."""
     return cfg.moe.cost_model is not None and Path(cfg.moe.cost_model) == out / MEASURED_FILE
@@ -61,6 +68,7 @@ def check_cost_model(cfg: RunConfig, world: int, out: Path, resume: bool) -> str
     run a strategy as plain EP."""
     if cfg.moe.cost_model is None:
         return None
+    relocate_measured(cfg, out)
     cost_model = CostModel.resolve(cfg.moe.cost_model)
     ep_size = world // cfg.moe.esp_size
     devices = cost_model.topology.num_devices

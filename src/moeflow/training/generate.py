@@ -18,6 +18,7 @@ import torch
 from moeflow.perf.costmodel import CostModel
 from moeflow.training import checkpoint
 from moeflow.training.config_files import load_config
+from moeflow.training.cost_model_setup import relocate_measured
 from moeflow.training.model import MoEGPT
 from moeflow.training.tokenizer import Tokenizer, load_tokenizer
 
@@ -35,6 +36,7 @@ def load_model(
     if path is None:
         raise ValueError(f"--run {str(run_dir)!r} has no complete checkpoint in checkpoints/")
     # The run's cluster, if it had one: the layers say once that it has another size and run without it.
+    relocate_measured(cfg, run_dir)
     cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None
     model = MoEGPT(cfg.model, cfg.moe, cost_model)
     checkpoint.load_checkpoint(path, model, optimizer=None, extra={})
