@@ -123,6 +123,7 @@ def test_records_bar_and_summary_show_the_placement(tmp_path):
     assert rec["rank_load_imbalance"] == pytest.approx((1.0 + 1.25) / 2)
     assert rec["copies"] == 1 and rec["strategy_per_layer"] == ["shadow", "ep"]
     assert "imb=1.25 ranks=1.38→1.12 copies=1 auto→" in bar_fields(rec, "auto")
+    assert bar_fields({**rec, "loss": None}, "ep").startswith("loss=nan ")  # a skipped step
     tally = StrategyTally("auto", "sync")
     tally.add(rec)
     summary = tally.summary()

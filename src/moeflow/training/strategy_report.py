@@ -21,7 +21,8 @@ def bar_fields(rec: dict[str, Any], strategy: str) -> str:
     """`loss=2.443 tok/s=10,809 imb=1.17 ranks=1.31→1.02 copies=2`: the routing's expert imbalance,
     then the per-rank imbalance before → after placement, and the copies (when the strategy made any);
     for `strategy="auto"` the planner it chose most this step."""
-    text = f"loss={rec['loss']:.3f} tok/s={rec['tokens_per_s']:,.0f} imb={rec['load_imbalance']:.2f}"
+    loss = "nan" if rec["loss"] is None else f"{rec['loss']:.3f}"  # a skipped step's non-finite loss is null
+    text = f"loss={loss} tok/s={rec['tokens_per_s']:,.0f} imb={rec['load_imbalance']:.2f}"
     if "rank_load_imbalance" in rec:
         text += f" ranks={rec['rank_load_imbalance_owners']:.2f}→{rec['rank_load_imbalance']:.2f}"
         if rec.get("copies"):
