@@ -106,7 +106,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             + (f" (validation {val:.3f})" if val is not None else "")
         )
     lines.append(f"results in {out}/:")
-    lines.append(f"  config.toml, {METRICS_FILE}" + (f", {TRACE_FILE}" if (out / TRACE_FILE).exists() else ""))
+    kept = [name for name in (TRACE_FILE, "cost_model.json", "tokenizer.json") if (out / name).exists()]
+    lines.append(", ".join(["  config.toml", METRICS_FILE, *kept]))
     lines += [f"  {Path(p).name}" for p in summary.get("plots", [])]
     newest = checkpoint.latest_checkpoint(out / "checkpoints")
     if newest is not None:
