@@ -132,8 +132,9 @@ def test_records_bar_and_summary_show_the_placement(tmp_path):
     assert line.startswith("strategy auto (chose shadow 50%, ep 50% of layer-steps), schedule sync: 1.0 expert")
     assert "1.38 with owners only -> 1.12 after placement" in line
     with (tmp_path / "metrics.jsonl").open("w") as fh:
-        for step in range(1, 6):
-            fh.write(json.dumps({**rec, "step": step}) + "\n")
+        for step in range(1, 6):  # resumed on 3 ranks after step 2
+            loads = rec["rank_loads"] if step <= 2 else [[3, 3, 2], [2, 3, 3]]
+            fh.write(json.dumps({**rec, "step": step, "rank_loads": loads}) + "\n")
     names = {p.name for p in write_plots(tmp_path / "metrics.jsonl", tmp_path)}
     assert {"loss.png", "expert_load.png", "rank_load.png", "throughput.png"} <= names
 

@@ -103,6 +103,9 @@ def plot_rank_load(records: list[dict[str, Any]], path: Path) -> Path | None:
     rows = [r for r in records if r.get("rank_loads")]
     if not rows:
         return None
+    # A run resumed on another process count: the heatmaps show the steps of the last layout.
+    shape = np.shape(rows[-1]["rank_loads"])
+    rows = [r for r in rows if np.shape(r["rank_loads"]) == shape]
     steps = np.array([r["step"] for r in rows])
     loads_SLW = np.array([r["rank_loads"] for r in rows], dtype=np.float64)
     shares_LWS = (loads_SLW / np.maximum(loads_SLW.sum(-1, keepdims=True), 1)).transpose(1, 2, 0)
