@@ -44,10 +44,10 @@ def run(args) -> int:
         print(json.dumps({"step": step, "prompt": args.prompt, "text": args.prompt + tokenizer.decode(generated)}))
         return 0
     print(f"# {args.run}, checkpoint step {step}", file=sys.stderr)
-    sys.stdout.write(args.prompt)
-    sys.stdout.flush()
+    pending = args.prompt  # shown with the first token: notices of the first forward come before the text
     for token in tokens:  # the text as it is sampled
-        sys.stdout.write(stream.push(token))
+        sys.stdout.write(pending + stream.push(token))
         sys.stdout.flush()
-    sys.stdout.write(stream.finish() + "\n")
+        pending = ""
+    sys.stdout.write(pending + stream.finish() + "\n")
     return 0
