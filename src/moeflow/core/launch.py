@@ -124,10 +124,19 @@ def launch_local(
         rdzv_endpoint="localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
-        **({"signals_to_handle": "SIGHUP,SIGQUIT"} if ranks_handle_interrupts else {}),
+        **_signal_options(LaunchConfig, ranks_handle_interrupts),
     )
     results = elastic_launch(config, fn)(*args)
     return [results[r] for r in sorted(results)]
+
+
+def _signal_options(config_class: type, ranks_handle_interrupts: bool) -> dict[str, str]:
+    """`LaunchConfig.signals_to_handle` (torch >= 2.7) without SIGINT/SIGTERM when the ranks handle
+    them; an older agent has no such field and stops the ranks on the first signal."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(config_class)}
+    return {"signals_to_handle": "SIGHUP,SIGQUIT"} if ranks_handle_interrupts and "signals_to_handle" in known else {}
 
 
 def restart_count() -> int:
