@@ -106,7 +106,7 @@ def _strategy_worker(cfg, cost_model_source):
                 f"--cost-model {cost_model_source!r} describes {cost_model.topology.num_devices} devices, "
                 f"but {dist.get_world_size()} ranks run"
             )
-        return run_strategy_bench(cfg, cost_model)
+        return run_strategy_bench(cfg, cost_model, progress=True)
     finally:
         dist.destroy_process_group()
 
@@ -175,6 +175,7 @@ def _strategy_result(args, world: int, outer: bool) -> dict | None:
 
 def _layer_result(args) -> dict:
     from moeflow.bench.layer import LayerBenchConfig, run_layer_bench
+    from moeflow.bench.quiet import transformers_quiet
 
     cfg = LayerBenchConfig(
         tokens=args.tokens,
@@ -186,7 +187,8 @@ def _layer_result(args) -> dict:
         expert=args.expert or "swiglu",
         min_run_time_s=args.min_run_time,
     )
-    return run_layer_bench(cfg, compare_hf=not args.no_hf)
+    with transformers_quiet():
+        return run_layer_bench(cfg, compare_hf=not args.no_hf, progress=True)
 
 
 def run(args) -> int:

@@ -430,7 +430,12 @@ class CostModel(CopiesPricing):
             data = json.loads(p.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"cost model file {str(path)!r}: not JSON ({exc.msg})") from None
-        return cls.from_dict(data)
+        except UnicodeDecodeError:
+            raise ValueError(f"cost model file {str(path)!r}: not JSON (binary data)") from None
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"cost model file {str(path)!r}: {exc}") from None
 
     @classmethod
     def resolve(cls, value: str, gemm_flops_per_s: float | None = None) -> CostModel:
@@ -441,5 +446,5 @@ class CostModel(CopiesPricing):
             if gemm_flops_per_s is None:
                 return cls.load(value)
             # override before validation: a profile without a GEMM sweep has no P of its own
-            return cls.from_dict({**json.loads(Path(value).read_text()), "gemm_flops_per_s": gemm_flops_per_s})
+            return cls.from_dict({**cls.load(value).to_dict(), "gemm_flops_per_s": gemm_flops_per_s})
         raise ValueError(f"cost model {value!r}: not a topology preset ({sorted(PRESETS)}) nor a profile JSON file")

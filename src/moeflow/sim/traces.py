@@ -156,6 +156,18 @@ def load_trace(path: str | Path) -> Trace:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace {str(path)!r} does not exist")
+    try:
+        return _read_trace(p)
+    except (OSError, ValueError, KeyError, EOFError, json.JSONDecodeError) as exc:
+        if str(p) in str(exc):
+            raise
+        # numpy reads a file that is not an .npz archive as a pickle and refuses it: say what it is not.
+        why = "not a NumPy .npz archive" if "pickled" in str(exc) else str(exc)
+        raise ValueError(f"trace {str(path)!r}: not a routing trace ({why}; format: docs/traces.md)") from None
+
+
+def _read_trace(p: Path) -> Trace:
+    path = p
     with np.load(p, allow_pickle=False) as data:
         meta = json.loads(str(data["meta"])) if "meta" in data.files else {}
         if "flow" in data.files:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moeflow.core.checks import did_you_mean
 from moeflow.core.expert_shape import EXPERT_KINDS, ExpertShape
 from moeflow.core.registry import LayerContext
 from moeflow.layer import AXES
@@ -113,7 +114,9 @@ def _names(text: str, registry, flag: str) -> list[str]:
         if name in BALANCES and registry is PLANNERS:
             raise ValueError(f"{flag}={name!r} is a balance term, not a strategy: use --balance {name}")
         if name not in registry:
-            raise ValueError(f"{flag}={name!r}: unknown; valid: {registry.names()}")
+            raise ValueError(
+                f"{flag}={name!r}: unknown{did_you_mean(name, registry.names())}; valid: {registry.names()}"
+            )
     return names
 
 
@@ -157,7 +160,9 @@ def workload_from_args(
         raise ValueError(f"--nonmoe-ms={args.nonmoe_ms!r}: must be a time >= 0 (milliseconds)")
     for flag, value, registry in (("--gate", args.gate, GATES), ("--balance", args.balance, BALANCES)):
         if value not in registry:
-            raise ValueError(f"{flag}={value!r}: unknown; valid: {registry.names()}")
+            raise ValueError(
+                f"{flag}={value!r}: unknown{did_you_mean(value, registry.names())}; valid: {registry.names()}"
+            )
     layer = SimulatedLayer(
         shape,
         top_k=int(trace.meta.get("top_k", 2)),
