@@ -31,11 +31,13 @@ from moeflow.training.loop import run
 
 def preflight(cfg: RunConfig, out: Path, resume: bool, world: int, in_process: bool) -> Corpus | None:
     """Everything that can be checked before processes start, each input read once: the process
-    count against the experts and the batch, the cost model (a preset or a profile JSON), the data
+    count against the mesh (`[parallel]`), the experts and the batch, the cost model (a preset or a
+    profile JSON), the data
     (loaded here when training runs in this process, so the trainer reuses it; only listed when
     worker processes will each load their own), the checkpoint to resume from. Names and options
     of the layer's components were validated when the config was built (`MoEConfig`)."""
-    if cfg.moe.esp_size == 1 and cfg.moe.num_experts % world:  # esp_size > 1: validate_world_size says it
+    default_layout = cfg.parallel.ep_size is None and cfg.parallel.esp_size == 1
+    if default_layout and cfg.moe.num_experts % world:  # other layouts: validate_world_size says it
         raise ValueError(
             f"--nproc {world}: moe.num_experts={cfg.moe.num_experts} experts cannot be split "
             f"evenly over {world} processes (use a divisor of {cfg.moe.num_experts})"
@@ -66,7 +68,12 @@ def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = N
     if restart and checkpoint.latest_checkpoint(Path(out_dir) / "checkpoints") is not None:
         resume = True
     try:
-        device = init_distributed(cfg.train.device, cfg.train.deterministic, cfg.train.collective_timeout_s)
+        device = init_distributed(
+            cfg.train.device,
+            cfg.train.deterministic,
+            cfg.train.collective_timeout_s,
+            needs_group=cfg.parallel.dense == "fsdp",
+        )
         summary = run(cfg, out_dir, resume=resume, device=device, corpus=corpus, restart=restart)
         if restart:  # the summary describes the command, not only its last attempt
             summary["first_step"] = launched_at
