@@ -252,7 +252,8 @@ def apply_fsdp(model: MoEGPT, layout: ParallelLayout, experts: bool) -> None:
       gradient already sums its EP group's tokens.
     - `layout.dense == "fsdp"`: each block, then the root (embeddings, final norm, head), over all
       ranks (`layout.dense_mesh`); expert parameters not sharded by the layer's unit are left out
-      (`ignored_params`), kept whole and summed over their replicas as before.
+      (`ignored_params`), kept whole and summed over their replicas as before, and so are scalar
+      parameters (FSDP2 shards none), replicated and all-reduced like `replicate`'s.
     """
     if experts:
         # The layer's output is a reshaped view; FSDP2 warns for in-place ops on it, which Block never does.
@@ -263,7 +264,10 @@ def apply_fsdp(model: MoEGPT, layout: ParallelLayout, experts: bool) -> None:
             layer.set_gradient_divide_factor(float(layout.world_size))
             layer.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
     if layout.dense == "fsdp":
-        ignored = None if experts else {p for _, p in expert_parameters(model)}
+        # FSDP2 shards no scalar parameter (xmoe's temperature): those stay replicated.
+        ignored = {p for p in model.parameters() if p.dim() == 0}
+        if not experts:
+            ignored |= {p for _, p in expert_parameters(model)}
         for block in model.blocks:
             fully_shard(block, mesh=layout.dense_mesh, ignored_params=ignored)
         fully_shard(model, mesh=layout.dense_mesh, ignored_params=ignored)
