@@ -45,7 +45,7 @@ from moeflow.training.config import RunConfig
 from moeflow.training.config_files import config_to_dict
 from moeflow.training.data import BatchSampler, Corpus, load_corpus, validation_batches
 from moeflow.training.init import init_weights
-from moeflow.training.metrics import StepResult
+from moeflow.training.metrics import StepResult, placement_fields
 from moeflow.training.model import MoEGPT, parallelize
 from moeflow.training.optim import build_optimizer, clip_gradients, lr_factor
 from moeflow.training.run_dir import TRACE_FILE
@@ -325,7 +325,8 @@ class Trainer:
 
     def _result(self, step, loss, aux, lr, grad_norm, skipped, stats_ML) -> StepResult:
         """The step's record: statistics of its micro-steps (M) summed (counts, drops, copies,
-        flows) or averaged (imbalance, load spread, cross-node share) per layer (L)."""
+        flows) or averaged (imbalance, load spread, cross-node share) per layer (L); what the
+        strategy did (per-rank loads, planner and schedule) from the last micro-step."""
         per_layer = list(zip(*stats_ML))
 
         def mean(f) -> list[float]:
@@ -350,6 +351,7 @@ class Trainer:
                 if self.trace is not None
                 else None
             ),
+            **placement_fields(stats_ML[-1]),
         )
 
     @torch.no_grad()
