@@ -99,3 +99,26 @@ def test_layouts_that_cannot_work_are_one_line_errors(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "parallel.experts='fsdp' with 4 processes as ep 4 × esp 1" in err and "\n" not in err
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_measured_cost_model_narrowed_to_the_planning_group():
+    """The start-up cost model measures every rank; the MoE layers plan over one expert-parallel
+    group (or, for FSSDP with experts="fsdp", the dp × ep mesh): the profile is narrowed to it."""
+    from moeflow.training.config_files import config_from_dict
+    from moeflow.training.cost_model_setup import expert_group_profile, planning_group_size
+
+    fits = {
+        "p2p_intra": {"alpha_s": 1e-5, "beta_s_per_unit": 1e-10, "r2": 0.99},
+        "p2p_inter": {"alpha_s": 1e-5, "beta_s_per_unit": 1e-9, "r2": 0.99},
+    }
+    profile = {"name": "p", "world_size": 8, "nodes": [[0, 1, 2, 3], [4, 5, 6, 7]], "fits": fits}
+    two_nodes = expert_group_profile(profile, ep_size=4, esp_size=2)  # ranks 0, 2, 4, 6
+    assert two_nodes["world_size"] == 4 and two_nodes["nodes"] == [[0, 1], [2, 3]]
+    assert Topology.from_dict(two_nodes["topology"]).num_nodes == 2
+    one_node = expert_group_profile(profile, ep_size=2, esp_size=1)  # ranks 0, 1
+    assert one_node["nodes"] == [[0, 1]] and Topology.from_dict(one_node["topology"]).num_devices == 2
+
+    cfg = config_from_dict({"parallel": {"ep_size": 2}, "moe": {"strategy": "shadow"}})
+    assert planning_group_size(cfg, 4) == 2
+    cfg = config_from_dict({"parallel": {"ep_size": 2, "experts": "fsdp"}, "moe": {"strategy": "fssdp"}})
+    assert planning_group_size(cfg, 4) == 4

@@ -25,7 +25,6 @@ import math
 import os
 import pickle
 import random
-import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from moeflow.core.resharding import reshard_experts
 from moeflow.model_step import all_reduce_gradients, finish_prefetch, fssdp_layers, maybe_reshard, set_gradient_sync
 from moeflow.perf.costmodel import CostModel
 from moeflow.sim.traces import TraceRecorder
+from moeflow.strategies.planners.base import FunctionPlanner
 from moeflow.training import checkpoint, faults
 from moeflow.training.config import RunConfig
 from moeflow.training.config_files import config_to_dict
@@ -385,13 +385,13 @@ class Trainer:
     def _planner_state(self) -> dict[str, bytes]:
         """Each MoE layer's planner, pickled: Pro-Prophet's, EPLB's and FSSDP's windows of past
         flows and the placement each planned ahead, `auto`'s calibration, what the prefetch measured.
-        Restored, the next steps are placed as the uninterrupted run would have placed them. (Plain
-        EP is a function: nothing to keep. Planners see the flows of their EP group — averaged over
+        Restored, the next steps are placed as the uninterrupted run would have placed them. (A planner
+        wrapping a plain function keeps nothing. Planners see the flows of their EP group — averaged over
         its data-parallel replicas —, the same on every rank.)"""
         state = {
             f"layer{i}": pickle.dumps(layer.planner)
             for i, layer in self.model.moe_layers()
-            if not isinstance(layer.planner, types.FunctionType)
+            if not isinstance(layer.planner, FunctionPlanner)
         }
         # Hecate's re-sharded owners: the restored planners planned ahead on them.
         state["fssdp_owners"] = pickle.dumps([layer.placement.owner_E for layer in fssdp_layers(self.model)])
