@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from moeflow.core import dispatch
 
-HIDDEN_AXIS = {"w1": 2, "w3": 2, "b1": 1, "w2": 1}
+HIDDEN_AXIS = {"w1": 2, "w3": 2, "b1": 1, "b3": 1, "w2": 1}
 """The axis of each `[J, ...]` expert parameter that runs over the hidden dimension; `b2` has none
 (whole on every member)."""
 

@@ -3,7 +3,11 @@ computed as grouped matmuls over variable-size groups of tokens (never a loop ov
 
 `expert="ffn"`:    y = gelu(x·w1[e] + b1[e])·w2[e] + b2[e]     (exact erf GELU; GPT, FasterMoE)
 `expert="swiglu"`: y = (silu(x·w1[e]) * (x·w3[e]))·w2[e]        (Mixtral; no biases)
-Their parameters, FLOPs and GEMMs as numbers: `moeflow.core.expert_shape`.
+`expert="clamped_swiglu"`: g = min(x·w1[e] + b1[e], l), u = clamp(x·w3[e] + b3[e], −l, l),
+                   y = ((u + 1) · g·σ(α·g))·w2[e] + b2[e]        (GPT-OSS; α, l: `expert_options`)
+Their parameters, FLOPs and GEMMs as numbers: `moeflow.core.expert_shape`. `SharedExperts` is the
+same formula as one dense MLP on every token (DeepSeek-MoE's shared experts): its parameters are
+dense parameters, never planned, copied or dispatched.
 
 Shape suffixes: N rows (tokens × choices) sorted by expert, D d_model, H d_hidden, L local experts.
 """
@@ -19,6 +23,7 @@ from torch import nn
 
 from moeflow.core.expert_shape import EXPERT_KINDS
 from moeflow.core.expert_sharding import ForwardOnMemberZero
+from moeflow.core.registry import parse_options
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -187,27 +192,49 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def activate(kind: str, options, h1_NH: torch.Tensor, h3_NH: torch.Tensor | None) -> torch.Tensor:
+    """The hidden activation of expert `kind` from its first projection (`h1`: ffn's, or the gate)
+    and, for gated kinds, the up projection `h3` (biases already added)."""
+    if kind == "ffn":
+        return F.gelu(h1_NH)  # exact erf GELU, as GPT's
+    if kind == "swiglu":
+        return F.silu(h1_NH) * h3_NH
+    # GPT-OSS (transformers' GptOssExperts._apply_gate, the same operations in the same order).
+    gate_NH = h1_NH.clamp(min=None, max=options.limit)
+    up_NH = h3_NH.clamp(min=-options.limit, max=options.limit)
+    return (up_NH + 1) * (gate_NH * torch.sigmoid(gate_NH * options.alpha))
+
+
+def expert_options(kind: str, options, where: str = "expert_options") -> object:
+    """The validated options dataclass of expert `kind` (a mapping, an instance, or None)."""
+    if kind not in EXPERT_KINDS:
+        raise ValueError(f"unknown expert={kind!r}; valid: {sorted(EXPERT_KINDS)}")
+    return parse_options(EXPERT_KINDS[kind].options, options, f"{where} for expert={kind!r}")
+
+
 class GroupedExperts(nn.Module):
     """`num_local` experts of one layer; row l holds global expert `expert_ids[l]` (ascending).
 
     Plain expert parallelism keeps a contiguous range; Hecate's heterogeneous sharding (§4.3) any
     set, of any size (0 included), per layer and rank (`reshard_`)."""
 
-    def __init__(self, num_local: int, d_model: int, d_hidden: int, kind: str = "ffn"):
+    def __init__(self, num_local: int, d_model: int, d_hidden: int, kind: str = "ffn", options=None):
         super().__init__()
-        if kind not in EXPERT_KINDS:
-            raise ValueError(f"unknown expert={kind!r}; valid: {sorted(EXPERT_KINDS)}")
+        self.options = expert_options(kind, options)
         self.kind = kind
+        spec = EXPERT_KINDS[kind]
         self.expert_ids = list(range(num_local))
         self.d_model, self.d_hidden = d_model, d_hidden
         self.esp_rank, self.esp_size = None, 1  # expert sharding by hidden slice (core.expert_sharding)
         self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
         self.w2 = nn.Parameter(torch.empty(num_local, d_hidden, d_model))
-        if EXPERT_KINDS[kind].biases:
+        if spec.biases:
             self.b1 = nn.Parameter(torch.zeros(num_local, d_hidden))
             self.b2 = nn.Parameter(torch.zeros(num_local, d_model))
-        if EXPERT_KINDS[kind].matrices == 3:
+        if spec.matrices == 3:
             self.w3 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
+            if spec.biases:
+                self.b3 = nn.Parameter(torch.zeros(num_local, d_hidden))
         self.reset_parameters()
 
     @property
@@ -231,14 +258,15 @@ class GroupedExperts(nn.Module):
         w = self.weights() if weights is None else weights
         dtype = _compute_dtype(x_ND)
         x_ND = x_ND.to(dtype)
-        if self.kind == "ffn":
-            # Biases are broadcast over each group's rows, never gathered per row (Tutel's way):
-            # their backward is a sum over contiguous rows, not a scatter over all of them.
-            hidden_NH = F.gelu(grouped_mm(x_ND, w["w1"], counts_L, w["b1"]))  # exact erf GELU, as GPT's
-            b2 = w["b2"] if self.esp_rank is None else ForwardOnMemberZero.apply(w["b2"], self.esp_rank == 0)
-            return grouped_mm(hidden_NH, w["w2"], counts_L, b2)
-        gated_NH = F.silu(grouped_mm(x_ND, w["w1"], counts_L)) * grouped_mm(x_ND, w["w3"], counts_L)
-        return grouped_mm(gated_NH, w["w2"], counts_L)
+        # Biases are broadcast over each group's rows, never gathered per row (Tutel's way): their
+        # backward is a sum over contiguous rows, not a scatter over all of them.
+        h1_NH = grouped_mm(x_ND, w["w1"], counts_L, w.get("b1"))
+        h3_NH = grouped_mm(x_ND, w["w3"], counts_L, w.get("b3")) if "w3" in w else None
+        hidden_NH = activate(self.kind, self.options, h1_NH, h3_NH)
+        b2 = w.get("b2")
+        if b2 is not None and self.esp_rank is not None:
+            b2 = ForwardOnMemberZero.apply(b2, self.esp_rank == 0)
+        return grouped_mm(hidden_NH, w["w2"], counts_L, b2)
 
     def row_of(self, expert: int) -> int:
         """Local row of global expert `expert` (KeyError when this rank does not own it)."""
@@ -267,3 +295,46 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, experts={self.expert_ids}, d_model={self.d_model}, d_hidden={self.d_hidden}"
+
+
+class SharedExperts(nn.Module):
+    """Shared experts (DeepSeek-MoE, DeepSeek-V3 §2.1.2): one dense MLP of the routed experts' kind,
+    hidden width `d_hidden` (= shared experts × their width), applied to every token and added to
+    the routed output by `MoELayer`. Its parameters are dense: replicated on every rank and
+    averaged like attention's, never planned, copied or dispatched."""
+
+    def __init__(self, d_model: int, d_hidden: int, kind: str = "ffn", options=None):
+        super().__init__()
+        self.options = expert_options(kind, options)
+        self.kind = kind
+        spec = EXPERT_KINDS[kind]
+        self.d_model, self.d_hidden = d_model, d_hidden
+        self.w1 = nn.Parameter(torch.empty(d_model, d_hidden))
+        self.w2 = nn.Parameter(torch.empty(d_hidden, d_model))
+        if spec.biases:
+            self.b1 = nn.Parameter(torch.zeros(d_hidden))
+            self.b2 = nn.Parameter(torch.zeros(d_model))
+        if spec.matrices == 3:
+            self.w3 = nn.Parameter(torch.empty(d_model, d_hidden))
+            if spec.biases:
+                self.b3 = nn.Parameter(torch.zeros(d_hidden))
+        for name, param in self.named_parameters():
+            if name.startswith("w"):
+                bound = 1.0 / math.sqrt(param.shape[0])
+                nn.init.uniform_(param, -bound, bound)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        w = dict(self.named_parameters())
+        dtype = _compute_dtype(x_TD)
+        x_TD = x_TD.to(dtype)
+
+        def project(name: str, bias: str, x: torch.Tensor) -> torch.Tensor:
+            out = x @ w[name].to(dtype)
+            return out if bias not in w else out + w[bias].to(dtype)
+
+        h3_TH = project("w3", "b3", x_TD) if "w3" in w else None
+        hidden_TH = activate(self.kind, self.options, project("w1", "b1", x_TD), h3_TH)
+        return project("w2", "b2", hidden_TH)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, d_model={self.d_model}, d_hidden={self.d_hidden}"

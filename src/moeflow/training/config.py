@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeflow.core.experts import expert_options
 from moeflow.core.hooks import WIRE_DTYPES
 from moeflow.layer import AXES
 from moeflow.routing import check_balance_fits_gate, default_balance, routing_kind
@@ -59,6 +60,9 @@ class ModelConfig:
     """Hidden width of the dense FFN in blocks that are not MoE blocks (see `moe_every`)."""
     moe_every: int = 1
     """Every n-th block has an MoE FFN (1 = all; 2 = blocks 1, 3, 5, ...); the others are dense."""
+    moe_first_dense: int = 0
+    """The first this many blocks have a dense FFN whatever `moe_every` says (DeepSeek-V3's
+    `first_k_dense_replace`: the first 3 of its 61 blocks are dense)."""
     vocab_size: int = 256
     """Vocabulary size; 256 because tokens are raw bytes."""
 
@@ -72,6 +76,13 @@ class ModelConfig:
             d_ff=self.d_ff,
             moe_every=self.moe_every,
         )
+        if isinstance(self.moe_first_dense, bool) or not isinstance(self.moe_first_dense, int):
+            raise ValueError(f"model.moe_first_dense must be an int >= 0, got {self.moe_first_dense!r}")
+        if not 0 <= self.moe_first_dense < self.n_layers:
+            raise ValueError(
+                f"model.moe_first_dense={self.moe_first_dense} must be in [0, model.n_layers={self.n_layers}): "
+                f"at least one block must be a MoE block"
+            )
         if self.d_model % self.n_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}")
         if self.vocab_size != 256:
@@ -99,7 +110,14 @@ class MoEConfig:
     gate: str = "topk"
     """Router: a name of `moeflow.routing.GATES`."""
     expert: str = "ffn"
-    """Expert kind: `ffn` (GELU, biases) or `swiglu`."""
+    """Expert kind: `ffn` (GELU, biases), `swiglu` or `clamped_swiglu` (GPT-OSS's, biases)."""
+    expert_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the expert kind (`alpha`, `limit` of `clamped_swiglu`)."""
+    num_shared_experts: int = 0
+    """Shared experts (DeepSeek-MoE): a dense MLP of the experts' kind on every token, added to the
+    routed output; never planned, copied or dispatched."""
+    shared_d_hidden: int | None = None
+    """Hidden width of the shared MLP; None: `num_shared_experts · d_hidden`."""
     capacity_factor: float | None = None
     """Per-expert capacity factor; `None` is dropless."""
     balance: str | None = None
@@ -161,6 +179,15 @@ class MoEConfig:
             typed = dataclasses.asdict(registry.options(name, raw, where=f"moe.{axis}_options"))
             setattr(self, f"{axis}_options", {key: typed[key] for key in raw})  # the keys given, typed
         check_balance_fits_gate(self.balance, self.gate)
+        typed = dataclasses.asdict(expert_options(self.expert, self.expert_options, where="moe.expert_options"))
+        self.expert_options = {key: typed[key] for key in self.expert_options}
+        shared = self.num_shared_experts
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"moe.num_shared_experts must be an int >= 0, got {shared!r}")
+        if self.shared_d_hidden is not None:
+            _positive("moe", shared_d_hidden=self.shared_d_hidden)
+            if not shared:
+                raise ValueError(f"moe.shared_d_hidden={self.shared_d_hidden} needs moe.num_shared_experts >= 1")
         if self.dispatch_dtype is not None and self.dispatch_dtype not in WIRE_DTYPES:
             raise ValueError(f"moe.dispatch_dtype={self.dispatch_dtype!r}: expected one of {sorted(WIRE_DTYPES)}")
         self._check_esp()

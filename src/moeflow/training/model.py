@@ -70,6 +70,9 @@ def build_moe_layer(d_model: int, moe: MoEConfig, cost_model: CostModel | None =
         top_k=moe.top_k,
         gate=moe.gate,
         expert=moe.expert,
+        expert_options=moe.expert_options,
+        num_shared_experts=moe.num_shared_experts,
+        shared_d_hidden=moe.shared_d_hidden,
         capacity_factor=moe.capacity_factor,
         strategy=moe.strategy,
         schedule=moe.schedule,
@@ -99,9 +102,10 @@ class Block(nn.Module):
         return x_BTD + self.ffn(self.ln2(x_BTD))
 
 
-def is_moe_block(index: int, moe_every: int) -> bool:
-    """Blocks moe_every-1, 2*moe_every-1, ... are MoE blocks (all of them when moe_every = 1)."""
-    return (index + 1) % moe_every == 0
+def is_moe_block(index: int, moe_every: int, first_dense: int = 0) -> bool:
+    """Blocks moe_every-1, 2*moe_every-1, ... are MoE blocks (all of them when moe_every = 1),
+    except the first `first_dense` blocks (DeepSeek-V3's dense first blocks)."""
+    return index >= first_dense and (index + 1) % moe_every == 0
 
 
 class MoEGPT(nn.Module):
@@ -110,8 +114,11 @@ class MoEGPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, cost_model: CostModel | None = None) -> None:
         super().__init__()
-        if not any(is_moe_block(i, cfg.moe_every) for i in range(cfg.n_layers)):
-            raise ValueError(f"model.moe_every={cfg.moe_every} leaves no MoE block among model.n_layers={cfg.n_layers}")
+        if not any(is_moe_block(i, cfg.moe_every, cfg.moe_first_dense) for i in range(cfg.n_layers)):
+            raise ValueError(
+                f"model.moe_every={cfg.moe_every} with model.moe_first_dense={cfg.moe_first_dense} leaves no MoE "
+                f"block among model.n_layers={cfg.n_layers}"
+            )
         if routing_kind(moe.gate) != "token_choice":
             # Expert choice ranks a batch's tokens per expert and SoftMoE mixes them into slots: a
             # token's output depends on later tokens of the batch (both papers' limitations
@@ -126,7 +133,8 @@ class MoEGPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(
-            Block(cfg, moe if is_moe_block(i, cfg.moe_every) else None, cost_model) for i in range(cfg.n_layers)
+            Block(cfg, moe if is_moe_block(i, cfg.moe_every, cfg.moe_first_dense) else None, cost_model)
+            for i in range(cfg.n_layers)
         )
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -173,5 +181,6 @@ def parallelize(model: MoEGPT, layout) -> MoEGPT:
     layout.validate_experts(model.moe_layers()[0][1].num_experts)
     for _, layer in model.moe_layers():
         layer.to_expert_parallel(layout.ep_group)  # group None (one rank): keeps every expert
+        layer.balance_group = layout.balance_group  # global-batch balance sums counts over the replicas
         to_expert_sharding(layer, getattr(layout, "esp_group", None))  # FSMoE ESP: hidden slices
     return model
