@@ -57,6 +57,9 @@ class BalanceTerm(nn.Module):
     """Whether `observe` uses the step's expert choices (the layer accumulates them only then)."""
     token_choice_only = True
     """Whether it shapes a token's choice of experts (refused with expert-choice and slot gates)."""
+    model_bias = False
+    """Whether its selection bias is part of the model's routing, applied at inference too
+    (aux-free): a Hugging Face export adds it to the router's own correction bias."""
     topology_aware = False
     """Whether its bias and state belong to its loss term and to the cluster (TA-MoE): the layer
     then uses it only with `balance_weight > 0` and a cost model that describes its group, and
@@ -154,6 +157,7 @@ class AuxFreeBalance(BalanceTerm):
     less likely to be picked. The bias is part of the model's routing: it applies at inference too."""
 
     observes = True
+    model_bias = True
 
     def __init__(self, num_experts: int, update_rate: float = 1e-3) -> None:
         super().__init__(num_experts)
