@@ -19,6 +19,7 @@ one mechanism for every component, errors naming the key.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,11 @@ from moeflow.core.experts import expert_options
 from moeflow.core.hooks import WIRE_DTYPES
 from moeflow.layer import AXES
 from moeflow.routing import check_balance_fits_gate, default_balance, routing_kind
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
 
 PRECISIONS = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -37,6 +43,16 @@ def _positive(section: str, **values: float) -> None:
     for name, value in values.items():
         if value <= 0:
             raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _toml_value(value: Any) -> Any:
+    """A text value as the TOML value it spells (`64`, `1e-5`, `true`, `[0, 1]`), else unchanged."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
 
 
 def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -65,6 +81,15 @@ class ModelConfig:
     `first_k_dense_replace`: the first 3 of its 61 blocks are dense)."""
     vocab_size: int = 256
     """Vocabulary size; 256 because tokens are raw bytes."""
+    hf_architecture: str | None = None
+    """Train a Hugging Face model instead of MoE-GPT: a `transformers` *ForCausalLM class name
+    (`DeepseekV3ForCausalLM`, ...), randomly initialised from `hf_config` (docs/architectures.md);
+    its MoE blocks run on `MoELayer` with the `[moe]` table's strategy, schedule and balance. The
+    shape keys above (but `seq_len`) are then unused."""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """The configuration of `hf_architecture` (its config class's keyword arguments)."""
+    hf_pretrained: str | None = None
+    """Train a Hugging Face model from a local `save_pretrained` directory (nothing is downloaded)."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -87,6 +112,22 @@ class ModelConfig:
             raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}")
         if self.vocab_size != 256:
             raise ValueError(f"model.vocab_size must be 256 (byte tokens), got {self.vocab_size!r}")
+        if self.hf_architecture is not None and self.hf_pretrained is not None:
+            raise ValueError(
+                f"model.hf_architecture={self.hf_architecture!r} and model.hf_pretrained={self.hf_pretrained!r}: "
+                f"set one (a random model of an architecture, or a saved one)"
+            )
+        # `--set model.hf_config.KEY=VALUE` gives text: read it as a TOML value (64, 1e-5, true, [1, 2]).
+        self.hf_config = {key: _toml_value(value) for key, value in self.hf_config.items()}
+        if self.hf_config and self.hf_architecture is None:
+            raise ValueError(
+                "model.hf_config needs model.hf_architecture (a hf_pretrained directory has its own config)"
+            )
+
+    @property
+    def is_hf(self) -> bool:
+        """Whether the model is a Hugging Face one (`hf_architecture` or `hf_pretrained`)."""
+        return self.hf_architecture is not None or self.hf_pretrained is not None
 
 
 # Keys of earlier releases, and where their value lives now.
@@ -344,10 +385,20 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def validate_world_size(self, world_size: int, node_size: int | None = None) -> None:
+    def __post_init__(self) -> None:
+        if self.model.is_hf and self.train.grad_sync == "fsmoe":
+            raise ValueError(
+                "train.grad_sync='fsmoe' prices MoE-GPT's own blocks; with a Hugging Face model use "
+                "'after_backward' or 'ddp'"
+            )
+
+    def validate_world_size(
+        self, world_size: int, node_size: int | None = None, num_experts: int | None = None
+    ) -> None:
         """Cross-field checks that depend on how many processes run: experts over the
         `world_size / moe.esp_size` EP ranks, each ESP group of `moe.esp_size` ranks one EP rank.
-        `node_size`: processes per node when known (the launcher's `LOCAL_WORLD_SIZE`)."""
+        `node_size`: processes per node when known (the launcher's `LOCAL_WORLD_SIZE`);
+        `num_experts`: the model's experts per layer when not `moe.num_experts` (a Hugging Face model)."""
         esp = self.moe.esp_size
         if world_size % esp:
             raise ValueError(f"moe.esp_size={esp} must divide the number of processes, {world_size}")
@@ -358,15 +409,16 @@ class RunConfig:
                 f"stays inside a node"
             )
         ep_size = world_size // esp
-        if self.moe.num_experts % ep_size:
+        experts = self.moe.num_experts if num_experts is None else num_experts
+        if experts % ep_size:
             if esp == 1:
                 raise ValueError(
-                    f"{world_size} processes cannot share moe.num_experts={self.moe.num_experts} experts "
+                    f"{world_size} processes cannot share moe.num_experts={experts} experts "
                     f"evenly (expert parallelism needs world size dividing num_experts)"
                 )
             raise ValueError(
                 f"{ep_size} expert-parallel ranks ({world_size} processes / moe.esp_size={esp}) cannot share "
-                f"moe.num_experts={self.moe.num_experts} experts evenly"
+                f"moe.num_experts={experts} experts evenly"
             )
         if self.train.global_batch_size % world_size:
             raise ValueError(

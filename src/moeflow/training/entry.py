@@ -35,12 +35,18 @@ def preflight(cfg: RunConfig, out: Path, resume: bool, world: int, in_process: b
     (loaded here when training runs in this process, so the trainer reuses it; only listed when
     worker processes will each load their own), the checkpoint to resume from. Names and options
     of the layer's components were validated when the config was built (`MoEConfig`)."""
-    if cfg.moe.esp_size == 1 and cfg.moe.num_experts % world:  # esp_size > 1: validate_world_size says it
+    experts = cfg.moe.num_experts
+    if cfg.model.is_hf:  # the model's own blocks, built on the meta device: no weights read
+        from moeflow.training.hf_model import check_moe_keys, hf_experts
+
+        check_moe_keys(cfg.moe, cfg.model)
+        experts = hf_experts(cfg.model)[0]
+    if cfg.moe.esp_size == 1 and experts % world:  # esp_size > 1: validate_world_size says it
         raise ValueError(
-            f"--nproc {world}: moe.num_experts={cfg.moe.num_experts} experts cannot be split "
-            f"evenly over {world} processes (use a divisor of {cfg.moe.num_experts})"
+            f"--nproc {world}: moe.num_experts={experts} experts cannot be split "
+            f"evenly over {world} processes (use a divisor of {experts})"
         )
-    cfg.validate_world_size(world)
+    cfg.validate_world_size(world, num_experts=experts)
     if cfg.moe.cost_model:
         CostModel.resolve(cfg.moe.cost_model)
     if resume and checkpoint.latest_checkpoint(out / "checkpoints") is None:

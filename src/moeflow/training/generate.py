@@ -16,7 +16,7 @@ import torch
 from moeflow.perf.costmodel import CostModel
 from moeflow.training import checkpoint
 from moeflow.training.config_files import load_config
-from moeflow.training.model import MoEGPT
+from moeflow.training.model import MoEGPT, build_model
 
 
 def load_model(
@@ -33,7 +33,7 @@ def load_model(
         raise ValueError(f"--run {str(run_dir)!r} has no complete checkpoint in checkpoints/")
     # The run's cluster, if it had one: the layers say once that it has another size and run without it.
     cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None
-    model = MoEGPT(cfg.model, cfg.moe, cost_model)
+    model = build_model(cfg, cost_model)
     checkpoint.load_checkpoint(path, model, optimizer=None, extra={})
     step = int(path.name.rsplit("_", 1)[-1]) if path.name.startswith("step_") else -1
     return model.to(device or torch.device("cpu")).eval(), step

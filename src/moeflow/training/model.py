@@ -170,6 +170,17 @@ class MoEGPT(nn.Module):
         return self.head(self.ln_f(x_BTD))
 
 
+def build_model(cfg, cost_model: CostModel | None = None) -> nn.Module:
+    """The model of a run's config (`RunConfig`): MoE-GPT, or a Hugging Face causal LM on
+    `MoELayer` when `[model]` names one (`training.hf_model.HFCausalLM`). Seed first: the same
+    seed on every rank builds the same full model."""
+    if cfg.model.is_hf:
+        from moeflow.training.hf_model import HFCausalLM  # imports transformers: only when asked for
+
+        return HFCausalLM(cfg.model, cfg.moe, cost_model)
+    return MoEGPT(cfg.model, cfg.moe, cost_model)
+
+
 def parallelize(model: MoEGPT, layout) -> MoEGPT:
     """Apply expert parallelism in place: every MoE layer keeps this rank's experts, and with
     `layout.esp_size > 1` (FSMoE §3) only this ESP member's hidden slice of them.

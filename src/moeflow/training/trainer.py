@@ -42,7 +42,7 @@ from moeflow.training.config import RunConfig
 from moeflow.training.config_files import config_to_dict
 from moeflow.training.data import BatchSampler, Corpus, load_corpus, validation_batches
 from moeflow.training.metrics import StepResult
-from moeflow.training.model import MoEGPT, parallelize
+from moeflow.training.model import MoEGPT, build_model, parallelize
 from moeflow.training.optim import build_optimizer, clip_gradients, lr_factor
 from moeflow.training.run_dir import TRACE_FILE
 
@@ -128,17 +128,18 @@ class Trainer:
         # The launcher's ranks per node (torchrun, the testbed); one process: none.
         node_size = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
         node_size = node_size if self.distributed else None
-        cfg.validate_world_size(self.world_size, node_size)
         self.device = device or torch.device("cpu")
 
         # warn_only: an op without a deterministic kernel warns instead of stopping the run.
         torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
         torch.manual_seed(cfg.train.seed)  # identical full model on every rank before sharding
         cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None  # read once
-        model = MoEGPT(cfg.model, cfg.moe, cost_model)
+        model = build_model(cfg, cost_model)
+        first = model.moe_layers()[0][1]
+        cfg.validate_world_size(self.world_size, node_size, num_experts=first.num_experts)
         esp_size = cfg.moe.esp_size
         self.layout = ParallelLayout(
-            ep_size=self.world_size // esp_size, esp_size=esp_size, node_size=node_size, d_hidden=cfg.moe.d_hidden
+            ep_size=self.world_size // esp_size, esp_size=esp_size, node_size=node_size, d_hidden=first.d_hidden
         )
         self.model = parallelize(model, self.layout).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
