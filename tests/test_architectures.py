@@ -123,7 +123,8 @@ def test_softmax_after_topk_router_bias_and_scaled_inputs():
     want = []
     for t in range(16):
         e, xin = int(e_T[t]), x_TD[t] * torch.sigmoid(logits_TE[t, e_T[t]])
-        want.append((F.silu(xin @ w["w1"][e]) * (xin @ w["w3"][e])) @ w["w2"][e])
+        gate_up = xin @ w["w13"][e]
+        want.append((F.silu(gate_up[0::2]) * gate_up[1::2]) @ w["w2"][e])
     torch.testing.assert_close(y_TD, torch.stack(want), rtol=1e-5, atol=1e-6)
 
 
@@ -137,7 +138,7 @@ def test_clamped_swiglu_is_gpt_oss_expert_and_shared_experts_are_dense():
         for name, p in layer.experts.named_parameters():
             if name.startswith("b"):
                 p.normal_(generator=GEN)
-    assert layer.shared_experts.d_hidden == 32 and layer.shared_experts.b3.shape == (32,)
+    assert layer.shared_experts.d_hidden == 32 and layer.shared_experts.b13.shape == (64,)
     x_TD = torch.randn(10, 8, generator=GEN)
     y_TD = layer(x_TD)
     routing = layer.gate(x_TD)
@@ -145,8 +146,9 @@ def test_clamped_swiglu_is_gpt_oss_expert_and_shared_experts_are_dense():
 
     def expert(xr, p, e=None):
         pick = (lambda n: p[n][e]) if e is not None else (lambda n: p[n])
-        g = (xr @ pick("w1") + pick("b1")).clamp(max=0.3)
-        u = (xr @ pick("w3") + pick("b3")).clamp(-0.3, 0.3)
+        gate_up = xr @ pick("w13") + pick("b13")  # gate and up in alternating columns
+        g = gate_up[0::2].clamp(max=0.3)
+        u = gate_up[1::2].clamp(-0.3, 0.3)
         return ((u + 1) * (g * torch.sigmoid(1.5 * g))) @ pick("w2") + pick("b2")
 
     shared = dict(layer.shared_experts.named_parameters())
@@ -155,7 +157,7 @@ def test_clamped_swiglu_is_gpt_oss_expert_and_shared_experts_are_dense():
         want[t] += wt * expert(x_TD[t], w, e)
     torch.testing.assert_close(y_TD, want, rtol=1e-5, atol=1e-6)
     dense = {n for n, _ in dense_parameters(layer)}
-    assert {f"shared_experts.{n}" for n in ("w1", "w2", "w3", "b1", "b2", "b3")} <= dense
+    assert {f"shared_experts.{n}" for n in ("w13", "w2", "b13", "b2")} <= dense
     assert not any(n.startswith("shared") for n, _ in expert_parameters(layer))
     # The routed experts alone are what is dispatched: the flow counts k rows per token.
     assert int(layer.stats.flow.sum()) == 20
@@ -247,3 +249,20 @@ def test_config_wires_the_new_keys():
     with pytest.raises(ValueError, match="moe.expert_options for expert='ffn': unknown option 'limit'"):
         load_config(None, ["moe.expert_options.limit=5"])
     assert math.isfinite(cfg.moe.balance_weight)
+
+
+def test_the_fine_grained_layer_benchmark_compares_the_same_block():
+    """`bench.layer` with `block="deepseek_v3"`: moeflow and transformers' `DeepseekV3MoE` hold the
+    same weights and compute the same outputs (its experts by `grouped_mm`, a model's default)."""
+    pytest.importorskip("transformers")
+    from moeflow.bench.layer import LayerBenchConfig, deepseek_block_from
+
+    cfg = LayerBenchConfig(tokens=64, d_model=16, d_hidden=8, num_experts=16, top_k=4, block="deepseek_v3")
+    torch.manual_seed(5)
+    layer = MoELayer(16, 8, 16, top_k=4, **cfg.layer_kwargs())
+    block, impl = deepseek_block_from(layer)
+    x_TD = torch.randn(64, 16, generator=GEN)
+    assert impl == "grouped_mm" and layer.gate.group_limit.n_group == 8
+    torch.testing.assert_close(block(x_TD[None])[0], layer(x_TD), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="block='deepseek_v3' has swiglu experts, got expert='ffn'"):
+        LayerBenchConfig(block="deepseek_v3", expert="ffn")

@@ -293,7 +293,7 @@ class MoELayer(nn.Module):
         else:
             counts_E = None
             if self.balance.global_counts:
-                counts_E = torch.from_numpy(choices_WE.sum(0)).to(self.experts.w1.device)
+                counts_E = torch.from_numpy(choices_WE.sum(0)).to(self.experts.w2.device)
                 if self.balance_group is not None:
                     dist.all_reduce(counts_E, group=self.balance_group)
             aux = self.balance_weight * self.balance.loss(routing, rank, counts_E)
@@ -324,6 +324,7 @@ class MoELayer(nn.Module):
 
         # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
         dest_A = dispatch.assignment_destinations(expert_A, plan_SEW[me])
+        remote_nodes = self._remote_nodes_per_token(routing, dest_A, me)
         order_A = torch.sort(dest_A * self.num_experts + expert_A, stable=True).indices
         self._calls += 1
         block = ExchangeBlock(
@@ -350,7 +351,7 @@ class MoELayer(nn.Module):
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
         if self.shared_experts is not None:  # dense, on every token: added to the routed output
             y_TD = y_TD + self.shared_experts(x_TD)
-        self._record(block, flow_WE, choices_WE, plan_SEW, placement, dropped, routing.redirected, me)
+        self._record(block, flow_WE, choices_WE, plan_SEW, placement, dropped, routing.redirected, me, remote_nodes)
         return y_TD.reshape(x.shape)
 
     def _plan(self, flow_WE: np.ndarray) -> Placement:
@@ -384,7 +385,17 @@ class MoELayer(nn.Module):
             return self.experts(x_RD, counts_J, weights_J)
         return sharded_compute(self.experts, x_RD, counts_J, self.esp_group, weights_J)
 
-    def _record(self, block, flow_WE, choices_WE, plan_SEW, placement, dropped, redirected, me) -> None:
+    def _remote_nodes_per_token(self, routing: Routing, dest_A: torch.Tensor, me: int) -> float:
+        """`MoEStats.remote_nodes_per_token`: distinct other nodes the rows of a token go to, averaged."""
+        if self.node_of is None or routing.token_A is None or routing.num_tokens == 0:
+            return 0.0
+        node_W = torch.tensor(self.node_of, dtype=torch.int64, device=dest_A.device)
+        node_A = node_W[dest_A]
+        remote_A = node_A != self.node_of[me]
+        pairs = torch.unique(routing.token_A[remote_A] * len(self.node_of) + node_A[remote_A])
+        return pairs.numel() / routing.num_tokens
+
+    def _record(self, block, flow_WE, choices_WE, plan_SEW, placement, dropped, redirected, me, remote_nodes) -> None:
         """`stats` of this forward; in training, the expert choices for the step's balance update."""
         wire = WIRE_DTYPES[self.dispatch_dtype] if self.dispatch_dtype else block.x_sent_AD.dtype
         self.stats = MoEStats.of_forward(
@@ -398,6 +409,7 @@ class MoELayer(nn.Module):
             dropped=dropped,
             placement=placement,
             redirected=redirected,
+            remote_nodes_per_token=remote_nodes,
             strategy=self.planner.choice() or self.strategy,
             schedule=self.schedule.choice() or self.axes["schedule"],
             materialized_bytes=self.held_bytes[0],
@@ -449,7 +461,7 @@ class MoELayer(nn.Module):
         choices_WE = self._choices_WE / self._forwards
         self._choices_WE, self._forwards = None, 0
         if dp_group is not None and dp_size > 1:
-            choices_WE = choices_WE.to(self.experts.w1.device)  # nccl reduces CUDA tensors
+            choices_WE = choices_WE.to(self.experts.w2.device)  # nccl reduces CUDA tensors
             dist.all_reduce(choices_WE, group=dp_group)
             choices_WE = choices_WE / dp_size
         if self._balance_active():

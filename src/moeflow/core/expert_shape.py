@@ -5,8 +5,9 @@ moves), the cost model (compute time), the simulator and the roofline (FLOPs) �
 numbers from here, so a new expert kind is described once.
 
 `expert="ffn"`:    y = gelu(x·w1 + b1)·w2 + b2      2 matrices d×h, biases; 4·d·h FLOPs per token
-`expert="swiglu"`: y = (silu(x·w1) * (x·w3))·w2     3 matrices d×h, no biases; 6·d·h FLOPs per token
-`expert="clamped_swiglu"` (GPT-OSS): g = min(x·w1 + b1, l), u = clamp(x·w3 + b3, −l, l),
+`expert="swiglu"`: y = (silu(x·w_gate) * (x·w_up))·w2   3 matrices d×h (gate and up in one
+                   d×2h tensor `w13`), no biases; 6·d·h FLOPs per token
+`expert="clamped_swiglu"` (GPT-OSS): g = min(x·w_gate + b_gate, l), u = clamp(x·w_up + b_up, −l, l),
                    y = ((u + 1) · g·σ(α·g))·w2 + b2   3 matrices d×h, biases; 6·d·h FLOPs per token
 
 A matmul of a token row through a d×h matrix costs 2·d·h FLOPs forward; backward costs twice the
@@ -44,17 +45,31 @@ class ExpertKind:
     """What distinguishes one expert formula from another, as numbers."""
 
     matrices: int
-    """d×h weight matrices (each one GEMM per forward): w1, w2 (and w3 when 3)."""
+    """d×h weight matrices: 2 (w1, w2) or 3 (gate and up, stored as one d×2h `w13`, and w2)."""
     biases: bool
-    """Whether it has per-expert biases: b1 [h] (and b3 [h] with 3 matrices) and b2 [d]."""
+    """Whether it has per-expert biases: on the first projection (`b1` [h], or `b13` [2h]) and b2 [d]."""
     options: type = NoExpertOptions
     """Dataclass of its options (`MoELayer(expert_options=...)`, `[moe.expert_options]`)."""
 
     @property
-    def bias_names(self) -> tuple[str, ...]:
-        if not self.biases:
-            return ()
-        return ("b1", "b3", "b2") if self.matrices == 3 else ("b1", "b2")
+    def gated(self) -> bool:
+        """Gate and up projections (3 matrices), stored interleaved in `w13`."""
+        return self.matrices == 3
+
+    @property
+    def first_projection(self) -> str:
+        """Name of the `[d, width]` input projection: `w1` (ffn) or `w13` (gate and up)."""
+        return "w13" if self.gated else "w1"
+
+    @property
+    def first_bias(self) -> str:
+        """Name of its bias."""
+        return "b13" if self.gated else "b1"
+
+    @property
+    def first_width(self) -> int:
+        """Its width in units of h."""
+        return 2 if self.gated else 1
 
 
 EXPERT_KINDS: dict[str, ExpertKind] = {
@@ -87,7 +102,8 @@ class ExpertShape:
 
     @property
     def gemms(self) -> int:
-        """GEMMs per expert forward (one per weight matrix)."""
+        """GEMMs per expert forward (one per weight matrix; gate and up count twice, though one
+        grouped GEMM computes both)."""
         return self.spec.matrices
 
     @property

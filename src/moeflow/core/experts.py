@@ -2,10 +2,16 @@
 computed as grouped matmuls over variable-size groups of tokens (never a loop over tokens).
 
 `expert="ffn"`:    y = gelu(x·w1[e] + b1[e])·w2[e] + b2[e]     (exact erf GELU; GPT, FasterMoE)
-`expert="swiglu"`: y = (silu(x·w1[e]) * (x·w3[e]))·w2[e]        (Mixtral; no biases)
-`expert="clamped_swiglu"`: g = min(x·w1[e] + b1[e], l), u = clamp(x·w3[e] + b3[e], −l, l),
+`expert="swiglu"`: [g | u] = x·w13[e],  y = (silu(g) * u)·w2[e]  (Mixtral; no biases)
+`expert="clamped_swiglu"`: [g | u] = x·w13[e] + b13[e], g = min(g, l), u = clamp(u, −l, l),
                    y = ((u + 1) · g·σ(α·g))·w2[e] + b2[e]        (GPT-OSS; α, l: `expert_options`)
-Their parameters, FLOPs and GEMMs as numbers: `moeflow.core.expert_shape`. `SharedExperts` is the
+The gated kinds keep the gate and up projections in one `[L, D, 2H]` tensor `w13`, gate and up in
+alternating columns (2j: gate of hidden unit j, 2j+1: its up), as GPT-OSS stores them: one grouped
+GEMM computes both (transformers' fused `gate_up_proj`; two would double the per-expert GEMMs, and
+on a CPU every one of them is a parallel region — the cost that dominates fine-grained experts),
+and a contiguous slice of the columns is a slice of hidden units with both halves (expert
+sharding, checkpoints of any `esp_size`). Their parameters, FLOPs and GEMMs as numbers:
+`moeflow.core.expert_shape`. `SharedExperts` is the
 same formula as one dense MLP on every token (DeepSeek-MoE's shared experts): its parameters are
 dense parameters, never planned, copied or dispatched.
 
@@ -192,11 +198,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def activate(kind: str, options, h1_NH: torch.Tensor, h3_NH: torch.Tensor | None) -> torch.Tensor:
-    """The hidden activation of expert `kind` from its first projection (`h1`: ffn's, or the gate)
-    and, for gated kinds, the up projection `h3` (biases already added)."""
+def activate(kind: str, options, h_NX: torch.Tensor) -> torch.Tensor:
+    """The hidden activation `[N, H]` of expert `kind` from its first projection (biases added):
+    ffn's `[N, H]`, or the gated kinds' interleaved gate and up `[N, 2H]`."""
     if kind == "ffn":
-        return F.gelu(h1_NH)  # exact erf GELU, as GPT's
+        return F.gelu(h_NX)  # exact erf GELU, as GPT's
+    h1_NH, h3_NH = h_NX.unflatten(-1, (-1, 2)).unbind(-1)  # gate, up (backward: one stack)
     if kind == "swiglu":
         return F.silu(h1_NH) * h3_NH
     # GPT-OSS (transformers' GptOssExperts._apply_gate, the same operations in the same order).
@@ -226,20 +233,17 @@ class GroupedExperts(nn.Module):
         self.expert_ids = list(range(num_local))
         self.d_model, self.d_hidden = d_model, d_hidden
         self.esp_rank, self.esp_size = None, 1  # expert sharding by hidden slice (core.expert_sharding)
-        self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
+        first, width = spec.first_projection, spec.first_width * d_hidden
+        setattr(self, first, nn.Parameter(torch.empty(num_local, d_model, width)))
         self.w2 = nn.Parameter(torch.empty(num_local, d_hidden, d_model))
         if spec.biases:
-            self.b1 = nn.Parameter(torch.zeros(num_local, d_hidden))
+            setattr(self, spec.first_bias, nn.Parameter(torch.zeros(num_local, width)))
             self.b2 = nn.Parameter(torch.zeros(num_local, d_model))
-        if spec.matrices == 3:
-            self.w3 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
-            if spec.biases:
-                self.b3 = nn.Parameter(torch.zeros(num_local, d_hidden))
         self.reset_parameters()
 
     @property
     def num_local(self) -> int:
-        return self.w1.shape[0]
+        return self.w2.shape[0]
 
     def reset_parameters(self) -> None:
         # nn.Linear's default bound 1/sqrt(fan_in), expert by expert.
@@ -260,9 +264,9 @@ class GroupedExperts(nn.Module):
         x_ND = x_ND.to(dtype)
         # Biases are broadcast over each group's rows, never gathered per row (Tutel's way): their
         # backward is a sum over contiguous rows, not a scatter over all of them.
-        h1_NH = grouped_mm(x_ND, w["w1"], counts_L, w.get("b1"))
-        h3_NH = grouped_mm(x_ND, w["w3"], counts_L, w.get("b3")) if "w3" in w else None
-        hidden_NH = activate(self.kind, self.options, h1_NH, h3_NH)
+        spec = EXPERT_KINDS[self.kind]
+        h_NX = grouped_mm(x_ND, w[spec.first_projection], counts_L, w.get(spec.first_bias))
+        hidden_NH = activate(self.kind, self.options, h_NX)
         b2 = w.get("b2")
         if b2 is not None and self.esp_rank is not None:
             b2 = ForwardOnMemberZero.apply(b2, self.esp_rank == 0)
@@ -309,15 +313,12 @@ class SharedExperts(nn.Module):
         self.kind = kind
         spec = EXPERT_KINDS[kind]
         self.d_model, self.d_hidden = d_model, d_hidden
-        self.w1 = nn.Parameter(torch.empty(d_model, d_hidden))
+        first, width = spec.first_projection, spec.first_width * d_hidden
+        setattr(self, first, nn.Parameter(torch.empty(d_model, width)))
         self.w2 = nn.Parameter(torch.empty(d_hidden, d_model))
         if spec.biases:
-            self.b1 = nn.Parameter(torch.zeros(d_hidden))
+            setattr(self, spec.first_bias, nn.Parameter(torch.zeros(width)))
             self.b2 = nn.Parameter(torch.zeros(d_model))
-        if spec.matrices == 3:
-            self.w3 = nn.Parameter(torch.empty(d_model, d_hidden))
-            if spec.biases:
-                self.b3 = nn.Parameter(torch.zeros(d_hidden))
         for name, param in self.named_parameters():
             if name.startswith("w"):
                 bound = 1.0 / math.sqrt(param.shape[0])
@@ -332,8 +333,8 @@ class SharedExperts(nn.Module):
             out = x @ w[name].to(dtype)
             return out if bias not in w else out + w[bias].to(dtype)
 
-        h3_TH = project("w3", "b3", x_TD) if "w3" in w else None
-        hidden_TH = activate(self.kind, self.options, project("w1", "b1", x_TD), h3_TH)
+        spec = EXPERT_KINDS[self.kind]
+        hidden_TH = activate(self.kind, self.options, project(spec.first_projection, spec.first_bias, x_TD))
         return project("w2", "b2", hidden_TH)
 
     def extra_repr(self) -> str:

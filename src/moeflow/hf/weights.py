@@ -1,15 +1,15 @@
 """Expert weights between the `transformers` layouts and `MoELayer`'s experts, and the gather of
 every expert from its owner under expert parallelism.
 
-moeflow (`core.experts`): `w1` (gate) and `w3` (up) `[E, D, I]`, `w2` (down) `[E, I, D]`, applied
-as `x·W`; biases `b1`, `b3` `[E, I]` and `b2` `[E, D]` where the kind has them. `transformers`
-stores them three ways (`ExpertLayout`), each a transpose or a strided slice of the other:
+moeflow (`core.experts`): gate and up in one `w13 [E, D, 2I]` with alternating columns (2j the gate,
+2j+1 the up of hidden unit j), `w2` (down) `[E, I, D]`, applied as `x·W`; biases `b13 [E, 2I]` and
+`b2 [E, D]` where the kind has them. `transformers` stores them three ways (`ExpertLayout`):
 
 - `fused` (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE): `gate_up_proj [E, 2I, D]` (gate
   rows, then up rows) and `down_proj [E, D, I]`, applied as `F.linear`, i.e. `x·Wᵀ`; SiLU gate.
 - `interleaved` (GPT-OSS): `gate_up_proj [E, D, 2I]` with gate and up in alternating columns
   (gate at even ones), `gate_up_proj_bias [E, 2I]` likewise, `down_proj [E, I, D]`,
-  `down_proj_bias [E, D]`, applied as `x·W + b`; the clamped SwiGLU.
+  `down_proj_bias [E, D]`, applied as `x·W + b`; the clamped SwiGLU. moeflow's own layout.
 - `stacked` (Llama 4): `gate_up_proj [E, D, 2I]` (gate columns, then up columns) and
   `down_proj [E, I, D]`, applied as `x·W` (a `bmm`); SiLU gate.
 
@@ -40,43 +40,33 @@ class ExpertLayout:
 
     def source_of(self, moeflow_name: str) -> str:
         """The `transformers` tensor a moeflow weight is taken from (its `requires_grad` is kept)."""
-        if moeflow_name in ("w2", "b2"):
-            return "down_proj" if moeflow_name == "w2" else "down_proj_bias"
-        return "gate_up_proj_bias" if moeflow_name.startswith("b") else "gate_up_proj"
+        return {"w13": "gate_up_proj", "b13": "gate_up_proj_bias", "w2": "down_proj", "b2": "down_proj_bias"}[
+            moeflow_name
+        ]
 
     def to_moeflow(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """moeflow's `[E, ...]` weights as views of the `transformers` tensors."""
+        """moeflow's `[E, ...]` weights from the `transformers` tensors (views where the layouts agree)."""
         gate_up = hf["gate_up_proj"]
+        if self.name == "interleaved":
+            return {"w13": gate_up, "b13": hf["gate_up_proj_bias"], "w2": hf["down_proj"], "b2": hf["down_proj_bias"]}
         if self.name == "fused":
             inter = gate_up.shape[1] // 2
-            return {
-                "w1": gate_up[:, :inter, :].transpose(1, 2),
-                "w3": gate_up[:, inter:, :].transpose(1, 2),
-                "w2": hf["down_proj"].transpose(1, 2),
-            }
-        if self.name == "stacked":
-            inter = gate_up.shape[2] // 2
-            return {"w1": gate_up[:, :, :inter], "w3": gate_up[:, :, inter:], "w2": hf["down_proj"]}
-        bias = hf["gate_up_proj_bias"]
-        return {
-            "w1": gate_up[:, :, 0::2],
-            "w3": gate_up[:, :, 1::2],
-            "w2": hf["down_proj"],
-            "b1": bias[:, 0::2],
-            "b3": bias[:, 1::2],
-            "b2": hf["down_proj_bias"],
-        }
+            gate, up = gate_up[:, :inter, :].transpose(1, 2), gate_up[:, inter:, :].transpose(1, 2)
+            return {"w13": _interleave(gate, up), "w2": hf["down_proj"].transpose(1, 2)}
+        inter = gate_up.shape[2] // 2
+        return {"w13": _interleave(gate_up[:, :, :inter], gate_up[:, :, inter:]), "w2": hf["down_proj"]}
 
     def to_hf(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The `transformers` tensors, contiguous, from moeflow's `[E, ...]` weights."""
+        gate, up = w["w13"][..., 0::2], w["w13"][..., 1::2]
         if self.name == "fused":
-            gate_up = torch.cat([w["w1"], w["w3"]], dim=2).transpose(1, 2).contiguous()
+            gate_up = torch.cat([gate, up], dim=2).transpose(1, 2).contiguous()
             return {"gate_up_proj": gate_up, "down_proj": w["w2"].transpose(1, 2).contiguous()}
         if self.name == "stacked":
-            return {"gate_up_proj": torch.cat([w["w1"], w["w3"]], dim=2), "down_proj": w["w2"].contiguous()}
+            return {"gate_up_proj": torch.cat([gate, up], dim=2), "down_proj": w["w2"].contiguous()}
         return {
-            "gate_up_proj": torch.stack([w["w1"], w["w3"]], dim=-1).flatten(-2),
-            "gate_up_proj_bias": torch.stack([w["b1"], w["b3"]], dim=-1).flatten(-2),
+            "gate_up_proj": w["w13"].contiguous(),
+            "gate_up_proj_bias": w["b13"].contiguous(),
             "down_proj": w["w2"].contiguous(),
             "down_proj_bias": w["b2"].contiguous(),
         }
@@ -87,6 +77,11 @@ class ExpertLayout:
         if self.name == "fused":
             return gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2
         return gate_up.shape[0], gate_up.shape[1], gate_up.shape[2] // 2
+
+
+def _interleave(gate_EDI: torch.Tensor, up_EDI: torch.Tensor) -> torch.Tensor:
+    """`[E, D, 2I]` with gate and up in alternating columns (a new tensor)."""
+    return torch.stack([gate_EDI, up_EDI], dim=-1).flatten(-2)
 
 
 LAYOUTS = {

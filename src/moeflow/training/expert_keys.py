@@ -4,7 +4,7 @@ whatever the layout that saves or loads it.
 A `[J, ...]` expert tensor (parameter or AdamW moment) is split into its J rows, keyed
 `<name>.e<global id>`: each rank offers exactly the experts it holds, so a checkpoint written by one
 expert-parallel group size loads into any other. Under expert sharding (ESP, FSMoE §3,
-`moeflow.core.expert_sharding`) a row is only this member's hidden slice (w1/w3 columns, b1, w2
+`moeflow.core.expert_sharding`) a row is only this member's hidden slice (w1 or w13 columns, b1/b13, w2
 rows): it is offered as this member's shard of a DTensor over the ESP group (`Shard(hidden axis)`,
 the full size as its global shape). DCP then stores each slice as a chunk of the full tensor at its
 offset, and a load reads, from however many chunks, exactly the part the loading rank holds: full

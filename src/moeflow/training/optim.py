@@ -24,7 +24,7 @@ def lr_factor(completed_steps: int, warmup_steps: int, total_steps: int, min_rat
 def _is_no_decay(name: str, param: torch.Tensor) -> bool:
     # Biases (also the per-expert b1/b2, which are 2-D [E_local, H]) and LayerNorm gains are not decayed.
     leaf = name.rsplit(".", 1)[-1]
-    return param.dim() < 2 or leaf in ("bias", "b1", "b2", "b3")
+    return param.dim() < 2 or leaf in ("bias", "b1", "b13", "b2")
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
@@ -41,7 +41,7 @@ def clip_gradients(model: torch.nn.Module, layout: ParallelLayout, max_norm: flo
 
     Dense gradients are identical on every rank after all_reduce_gradients; expert gradients are
     sharded, so their squared norms are summed over the EP group (each expert counted once). Under
-    expert sharding (FSMoE §3) the hidden slices (w1/w3 columns, b1, w2 rows) differ on every ESP
+    expert sharding (FSMoE §3) the hidden slices (w1 or w13 columns, their biases, w2 rows) differ on every ESP
     member, so their squares are summed over the ESP group first, while `b2`, whole and identical on
     every member, counts once. Expert-DP replicas hold the same gradients: never summed over them.
     """

@@ -265,6 +265,7 @@ class Trainer:
             cross_node_share_L=[s.cross_node_share for s in stats],
             extra_copies_L=[int(s.placement.materialized_EW().sum()) for s in stats],
             redirected=sum(s.redirected for s in stats),
+            remote_nodes_per_token_L=[s.remote_nodes_per_token for s in stats],
             flow_LWE=np.stack([s.flow.numpy() for s in stats]) if self.trace is not None else None,
         )
 
