@@ -22,14 +22,14 @@ from moeflow.strategies.schedules.pipeline_pricing import agree_over_esp
 
 from .equivalence import TOL, D, H
 
-HIDDEN_AXIS = {"w1": 2, "w13": 2, "b1": 1, "b13": 1, "w2": 1}
+HIDDEN_AXIS = {"w1": 2, "w13": 3, "b1": 1, "b13": 2, "w2": 1}
 
 
 def _expected_slice(name: str, full: torch.Tensor, layout: ParallelLayout, per_rank: int) -> torch.Tensor:
     rows = full[layout.ep_rank * per_rank : (layout.ep_rank + 1) * per_rank]
     key = name.rsplit(".", 1)[-1]
     if key in HIDDEN_AXIS:
-        width = H // layout.esp_size * (2 if key in ("w13", "b13") else 1)  # gate/up column pairs
+        width = H // layout.esp_size
         rows = rows.narrow(HIDDEN_AXIS[key], layout.esp_rank * width, width)
     return rows
 

@@ -123,8 +123,8 @@ def test_softmax_after_topk_router_bias_and_scaled_inputs():
     want = []
     for t in range(16):
         e, xin = int(e_T[t]), x_TD[t] * torch.sigmoid(logits_TE[t, e_T[t]])
-        gate_up = xin @ w["w13"][e]
-        want.append((F.silu(gate_up[0::2]) * gate_up[1::2]) @ w["w2"][e])
+        gate, up = xin @ w["w13"][e][:, 0], xin @ w["w13"][e][:, 1]  # w13 [D, 2, H]
+        want.append((F.silu(gate) * up) @ w["w2"][e])
     torch.testing.assert_close(y_TD, torch.stack(want), rtol=1e-5, atol=1e-6)
 
 
@@ -138,7 +138,7 @@ def test_clamped_swiglu_is_gpt_oss_expert_and_shared_experts_are_dense():
         for name, p in layer.experts.named_parameters():
             if name.startswith("b"):
                 p.normal_(generator=GEN)
-    assert layer.shared_experts.d_hidden == 32 and layer.shared_experts.b13.shape == (64,)
+    assert layer.shared_experts.d_hidden == 32 and layer.shared_experts.b13.shape == (2, 32)
     x_TD = torch.randn(10, 8, generator=GEN)
     y_TD = layer(x_TD)
     routing = layer.gate(x_TD)
@@ -146,9 +146,8 @@ def test_clamped_swiglu_is_gpt_oss_expert_and_shared_experts_are_dense():
 
     def expert(xr, p, e=None):
         pick = (lambda n: p[n][e]) if e is not None else (lambda n: p[n])
-        gate_up = xr @ pick("w13") + pick("b13")  # gate and up in alternating columns
-        g = gate_up[0::2].clamp(max=0.3)
-        u = gate_up[1::2].clamp(-0.3, 0.3)
+        g = (xr @ pick("w13")[:, 0] + pick("b13")[0]).clamp(max=0.3)  # w13 [D, 2, H], b13 [2, H]
+        u = (xr @ pick("w13")[:, 1] + pick("b13")[1]).clamp(-0.3, 0.3)
         return ((u + 1) * (g * torch.sigmoid(1.5 * g))) @ pick("w2") + pick("b2")
 
     shared = dict(layer.shared_experts.named_parameters())
@@ -266,3 +265,19 @@ def test_the_fine_grained_layer_benchmark_compares_the_same_block():
     torch.testing.assert_close(block(x_TD[None])[0], layer(x_TD), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="block='deepseek_v3' has swiglu experts, got expert='ffn'"):
         LayerBenchConfig(block="deepseek_v3", expert="ffn")
+
+
+def test_stable_topk_is_the_stable_sort_prefix_with_and_without_ties():
+    """`stable_topk` (top-k, then the k ordered; the full sort only where the k-th score ties one
+    outside) equals the first k of a stable descending sort, on distinct, tied and masked scores."""
+    from moeflow.routing.routing import stable_topk
+
+    gen = torch.Generator().manual_seed(9)
+    for scores in (
+        torch.randn(200, 64, generator=gen),
+        torch.randint(0, 4, (200, 64), generator=gen).float(),  # ties everywhere
+        torch.randn(200, 64, generator=gen).masked_fill(torch.rand(200, 64, generator=gen) < 0.7, -math.inf),
+    ):
+        for k in (1, 6, 8, 64):
+            want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+            assert torch.equal(stable_topk(scores, k), want), k

@@ -154,7 +154,7 @@ def _balanced_bound(layer: MoELayer, cfg: LayerBenchConfig):
     def fn(x_TD):
         x_ECD = x_TD.repeat(cfg.top_k, 1)[: per_expert * cfg.num_experts].view(cfg.num_experts, per_expert, -1)
         if cfg.expert == "swiglu":
-            gate, up = torch.bmm(x_ECD, w["w13"]).unflatten(-1, (-1, 2)).unbind(-1)
+            gate, up = torch.bmm(x_ECD, w["w13"].flatten(2)).unflatten(-1, (2, -1)).unbind(-2)
             hidden = F.silu(gate) * up
             return torch.bmm(hidden, w["w2"])
         hidden = F.gelu(torch.baddbmm(w["b1"][:, None], x_ECD, w["w1"]))
@@ -213,8 +213,8 @@ def deepseek_block_from(layer: MoELayer, impl: str = "grouped_mm"):
         block.gate.e_score_correction_bias.zero_()
         for name, tensor in LAYOUTS["fused"].to_hf(w).items():
             getattr(block.experts, name).copy_(tensor)
-        block.shared_experts.gate_proj.weight.copy_(shared.w13[:, 0::2].t())
-        block.shared_experts.up_proj.weight.copy_(shared.w13[:, 1::2].t())
+        block.shared_experts.gate_proj.weight.copy_(shared.w13[:, 0].t())
+        block.shared_experts.up_proj.weight.copy_(shared.w13[:, 1].t())
         block.shared_experts.down_proj.weight.copy_(shared.w2.t())
     return block, impl
 
@@ -267,7 +267,7 @@ def load_moeflow_layer_class(src_dir: str) -> type:
 
 def _state_for(module, state: dict) -> dict:
     """`state` in `module`'s parameter names: a revision that kept the gate and up projections apart
-    (`w1`, `w3`) gets them from the interleaved `w13` (and `b13`)."""
+    (`w1`, `w3`) gets them from `w13` (and `b13`), `[..., 2, H]`."""
     want = module.state_dict()
     out = {}
     for name, value in state.items():
@@ -275,7 +275,7 @@ def _state_for(module, state: dict) -> dict:
         prefix = f"{stem}." if stem else ""
         if leaf in ("w13", "b13") and name not in want:
             first, up = ("w1", "w3") if leaf == "w13" else ("b1", "b3")
-            out[prefix + first], out[prefix + up] = value[..., 0::2].contiguous(), value[..., 1::2].contiguous()
+            out[prefix + first], out[prefix + up] = value[..., 0, :].contiguous(), value[..., 1, :].contiguous()
         else:
             out[name] = value
     return out

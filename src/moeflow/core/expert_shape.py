@@ -6,7 +6,7 @@ numbers from here, so a new expert kind is described once.
 
 `expert="ffn"`:    y = gelu(x·w1 + b1)·w2 + b2      2 matrices d×h, biases; 4·d·h FLOPs per token
 `expert="swiglu"`: y = (silu(x·w_gate) * (x·w_up))·w2   3 matrices d×h (gate and up in one
-                   d×2h tensor `w13`), no biases; 6·d·h FLOPs per token
+                   d×2×h tensor `w13`), no biases; 6·d·h FLOPs per token
 `expert="clamped_swiglu"` (GPT-OSS): g = min(x·w_gate + b_gate, l), u = clamp(x·w_up + b_up, −l, l),
                    y = ((u + 1) · g·σ(α·g))·w2 + b2   3 matrices d×h, biases; 6·d·h FLOPs per token
 
@@ -45,9 +45,9 @@ class ExpertKind:
     """What distinguishes one expert formula from another, as numbers."""
 
     matrices: int
-    """d×h weight matrices: 2 (w1, w2) or 3 (gate and up, stored as one d×2h `w13`, and w2)."""
+    """d×h weight matrices: 2 (w1, w2) or 3 (gate and up, stored as one d×2×h `w13`, and w2)."""
     biases: bool
-    """Whether it has per-expert biases: on the first projection (`b1` [h], or `b13` [2h]) and b2 [d]."""
+    """Whether it has per-expert biases: on the first projection (`b1` [h], or `b13` [2, h]) and b2 [d]."""
     options: type = NoExpertOptions
     """Dataclass of its options (`MoELayer(expert_options=...)`, `[moe.expert_options]`)."""
 
@@ -65,11 +65,6 @@ class ExpertKind:
     def first_bias(self) -> str:
         """Name of its bias."""
         return "b13" if self.gated else "b1"
-
-    @property
-    def first_width(self) -> int:
-        """Its width in units of h."""
-        return 2 if self.gated else 1
 
 
 EXPERT_KINDS: dict[str, ExpertKind] = {

@@ -5,12 +5,12 @@ computed as grouped matmuls over variable-size groups of tokens (never a loop ov
 `expert="swiglu"`: [g | u] = x·w13[e],  y = (silu(g) * u)·w2[e]  (Mixtral; no biases)
 `expert="clamped_swiglu"`: [g | u] = x·w13[e] + b13[e], g = min(g, l), u = clamp(u, −l, l),
                    y = ((u + 1) · g·σ(α·g))·w2[e] + b2[e]        (GPT-OSS; α, l: `expert_options`)
-The gated kinds keep the gate and up projections in one `[L, D, 2H]` tensor `w13`, gate and up in
-alternating columns (2j: gate of hidden unit j, 2j+1: its up), as GPT-OSS stores them: one grouped
-GEMM computes both (transformers' fused `gate_up_proj`; two would double the per-expert GEMMs, and
-on a CPU every one of them is a parallel region — the cost that dominates fine-grained experts),
-and a contiguous slice of the columns is a slice of hidden units with both halves (expert
-sharding, checkpoints of any `esp_size`). Their parameters, FLOPs and GEMMs as numbers:
+The gated kinds keep the gate and up projections in one `[L, D, 2, H]` tensor `w13` (`[..., 0, :]`
+the gate, `[..., 1, :]` the up; bias `b13 [L, 2, H]`): one grouped GEMM on its `[L, D, 2H]` view
+computes both, as transformers' fused `gate_up_proj` does — two would double the per-expert GEMMs,
+and on a CPU each is a parallel region, the cost that dominates fine-grained experts — and a slice
+of the last axis is a slice of hidden units with both halves (expert sharding, checkpoints of any
+`esp_size`). Their parameters, FLOPs and GEMMs as numbers:
 `moeflow.core.expert_shape`. `SharedExperts` is the
 same formula as one dense MLP on every token (DeepSeek-MoE's shared experts): its parameters are
 dense parameters, never planned, copied or dispatched.
@@ -203,7 +203,7 @@ def activate(kind: str, options, h_NX: torch.Tensor) -> torch.Tensor:
     ffn's `[N, H]`, or the gated kinds' interleaved gate and up `[N, 2H]`."""
     if kind == "ffn":
         return F.gelu(h_NX)  # exact erf GELU, as GPT's
-    h1_NH, h3_NH = h_NX.unflatten(-1, (-1, 2)).unbind(-1)  # gate, up (backward: one stack)
+    h1_NH, h3_NH = h_NX.unflatten(-1, (2, -1)).unbind(-2)  # gate, up (backward: one stack)
     if kind == "swiglu":
         return F.silu(h1_NH) * h3_NH
     # GPT-OSS (transformers' GptOssExperts._apply_gate, the same operations in the same order).
@@ -233,11 +233,11 @@ class GroupedExperts(nn.Module):
         self.expert_ids = list(range(num_local))
         self.d_model, self.d_hidden = d_model, d_hidden
         self.esp_rank, self.esp_size = None, 1  # expert sharding by hidden slice (core.expert_sharding)
-        first, width = spec.first_projection, spec.first_width * d_hidden
-        setattr(self, first, nn.Parameter(torch.empty(num_local, d_model, width)))
+        hidden = (2, d_hidden) if spec.gated else (d_hidden,)
+        setattr(self, spec.first_projection, nn.Parameter(torch.empty(num_local, d_model, *hidden)))
         self.w2 = nn.Parameter(torch.empty(num_local, d_hidden, d_model))
         if spec.biases:
-            setattr(self, spec.first_bias, nn.Parameter(torch.zeros(num_local, width)))
+            setattr(self, spec.first_bias, nn.Parameter(torch.zeros(num_local, *hidden)))
             self.b2 = nn.Parameter(torch.zeros(num_local, d_model))
         self.reset_parameters()
 
@@ -265,7 +265,10 @@ class GroupedExperts(nn.Module):
         # Biases are broadcast over each group's rows, never gathered per row (Tutel's way): their
         # backward is a sum over contiguous rows, not a scatter over all of them.
         spec = EXPERT_KINDS[self.kind]
-        h_NX = grouped_mm(x_ND, w[spec.first_projection], counts_L, w.get(spec.first_bias))
+        bias = w.get(spec.first_bias)
+        h_NX = grouped_mm(
+            x_ND, w[spec.first_projection].flatten(2), counts_L, None if bias is None else bias.flatten(1)
+        )
         hidden_NH = activate(self.kind, self.options, h_NX)
         b2 = w.get("b2")
         if b2 is not None and self.esp_rank is not None:
@@ -313,11 +316,11 @@ class SharedExperts(nn.Module):
         self.kind = kind
         spec = EXPERT_KINDS[kind]
         self.d_model, self.d_hidden = d_model, d_hidden
-        first, width = spec.first_projection, spec.first_width * d_hidden
-        setattr(self, first, nn.Parameter(torch.empty(d_model, width)))
+        hidden = (2, d_hidden) if spec.gated else (d_hidden,)
+        setattr(self, spec.first_projection, nn.Parameter(torch.empty(d_model, *hidden)))
         self.w2 = nn.Parameter(torch.empty(d_hidden, d_model))
         if spec.biases:
-            setattr(self, spec.first_bias, nn.Parameter(torch.zeros(width)))
+            setattr(self, spec.first_bias, nn.Parameter(torch.zeros(*hidden)))
             self.b2 = nn.Parameter(torch.zeros(d_model))
         for name, param in self.named_parameters():
             if name.startswith("w"):
@@ -330,8 +333,8 @@ class SharedExperts(nn.Module):
         x_TD = x_TD.to(dtype)
 
         def project(name: str, bias: str, x: torch.Tensor) -> torch.Tensor:
-            out = x @ w[name].to(dtype)
-            return out if bias not in w else out + w[bias].to(dtype)
+            out = x @ w[name].to(dtype).flatten(1)  # w13: [D, 2, H] as [D, 2H]
+            return out if bias not in w else out + w[bias].to(dtype).flatten()
 
         spec = EXPERT_KINDS[self.kind]
         hidden_TH = activate(self.kind, self.options, project(spec.first_projection, spec.first_bias, x_TD))

@@ -1,15 +1,15 @@
 """Expert weights between the `transformers` layouts and `MoELayer`'s experts, and the gather of
 every expert from its owner under expert parallelism.
 
-moeflow (`core.experts`): gate and up in one `w13 [E, D, 2I]` with alternating columns (2j the gate,
-2j+1 the up of hidden unit j), `w2` (down) `[E, I, D]`, applied as `x·W`; biases `b13 [E, 2I]` and
-`b2 [E, D]` where the kind has them. `transformers` stores them three ways (`ExpertLayout`):
+moeflow (`core.experts`): gate and up in one `w13 [E, D, 2, I]` (`[..., 0, :]` the gate), `w2`
+(down) `[E, I, D]`, applied as `x·W`; biases `b13 [E, 2, I]` and `b2 [E, D]` where the kind has
+them. `transformers` stores them three ways (`ExpertLayout`), each a view of moeflow's:
 
 - `fused` (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE): `gate_up_proj [E, 2I, D]` (gate
   rows, then up rows) and `down_proj [E, D, I]`, applied as `F.linear`, i.e. `x·Wᵀ`; SiLU gate.
 - `interleaved` (GPT-OSS): `gate_up_proj [E, D, 2I]` with gate and up in alternating columns
   (gate at even ones), `gate_up_proj_bias [E, 2I]` likewise, `down_proj [E, I, D]`,
-  `down_proj_bias [E, D]`, applied as `x·W + b`; the clamped SwiGLU. moeflow's own layout.
+  `down_proj_bias [E, D]`, applied as `x·W + b`; the clamped SwiGLU.
 - `stacked` (Llama 4): `gate_up_proj [E, D, 2I]` (gate columns, then up columns) and
   `down_proj [E, I, D]`, applied as `x·W` (a `bmm`); SiLU gate.
 
@@ -45,28 +45,33 @@ class ExpertLayout:
         ]
 
     def to_moeflow(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """moeflow's `[E, ...]` weights from the `transformers` tensors (views where the layouts agree)."""
+        """moeflow's `[E, ...]` weights as views of the `transformers` tensors."""
         gate_up = hf["gate_up_proj"]
-        if self.name == "interleaved":
-            return {"w13": gate_up, "b13": hf["gate_up_proj_bias"], "w2": hf["down_proj"], "b2": hf["down_proj_bias"]}
-        if self.name == "fused":
-            inter = gate_up.shape[1] // 2
-            gate, up = gate_up[:, :inter, :].transpose(1, 2), gate_up[:, inter:, :].transpose(1, 2)
-            return {"w13": _interleave(gate, up), "w2": hf["down_proj"].transpose(1, 2)}
-        inter = gate_up.shape[2] // 2
-        return {"w13": _interleave(gate_up[:, :, :inter], gate_up[:, :, inter:]), "w2": hf["down_proj"]}
+        num, first, second = gate_up.shape
+        if self.name == "fused":  # [E, 2I, D] → [E, D, 2, I]
+            return {"w13": gate_up.view(num, 2, first // 2, second).permute(0, 3, 1, 2), "w2": hf["down_proj"].mT}
+        if self.name == "stacked":  # [E, D, 2I], gate columns then up columns
+            return {"w13": gate_up.view(num, first, 2, second // 2), "w2": hf["down_proj"]}
+        bias = hf["gate_up_proj_bias"]  # interleaved columns: [E, D, I, 2] → [E, D, 2, I]
+        return {
+            "w13": gate_up.view(num, first, second // 2, 2).transpose(2, 3),
+            "b13": bias.view(num, -1, 2).transpose(1, 2),
+            "w2": hf["down_proj"],
+            "b2": hf["down_proj_bias"],
+        }
 
     def to_hf(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The `transformers` tensors, contiguous, from moeflow's `[E, ...]` weights."""
-        gate, up = w["w13"][..., 0::2], w["w13"][..., 1::2]
+        w13 = w["w13"]
+        num, d_model, _, inter = w13.shape
         if self.name == "fused":
-            gate_up = torch.cat([gate, up], dim=2).transpose(1, 2).contiguous()
-            return {"gate_up_proj": gate_up, "down_proj": w["w2"].transpose(1, 2).contiguous()}
+            gate_up = w13.permute(0, 2, 3, 1).reshape(num, 2 * inter, d_model)
+            return {"gate_up_proj": gate_up, "down_proj": w["w2"].mT.contiguous()}
         if self.name == "stacked":
-            return {"gate_up_proj": torch.cat([gate, up], dim=2), "down_proj": w["w2"].contiguous()}
+            return {"gate_up_proj": w13.reshape(num, d_model, 2 * inter).clone(), "down_proj": w["w2"].contiguous()}
         return {
-            "gate_up_proj": w["w13"].contiguous(),
-            "gate_up_proj_bias": w["b13"].contiguous(),
+            "gate_up_proj": w13.transpose(2, 3).reshape(num, d_model, 2 * inter),
+            "gate_up_proj_bias": w["b13"].transpose(1, 2).reshape(num, 2 * inter),
             "down_proj": w["w2"].contiguous(),
             "down_proj_bias": w["b2"].contiguous(),
         }
@@ -77,11 +82,6 @@ class ExpertLayout:
         if self.name == "fused":
             return gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2
         return gate_up.shape[0], gate_up.shape[1], gate_up.shape[2] // 2
-
-
-def _interleave(gate_EDI: torch.Tensor, up_EDI: torch.Tensor) -> torch.Tensor:
-    """`[E, D, 2I]` with gate and up in alternating columns (a new tensor)."""
-    return torch.stack([gate_EDI, up_EDI], dim=-1).flatten(-2)
 
 
 LAYOUTS = {

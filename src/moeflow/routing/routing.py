@@ -136,11 +136,28 @@ class RoutingLayout:
 
 
 def stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores along the last dim; ties go to the lower index.
+    """Indices of the k largest scores along the last dim, by descending score; ties go to the
+    lower index.
 
-    `torch.topk` does not promise an order among equal values; a stable descending sort does.
+    `torch.topk` does not promise an order among equal values; a stable descending sort does, but
+    sorting all E scores of every token costs O(E log E) where the top-k costs O(E) — with 256
+    fine-grained experts the sort was the gate's largest op. So: `topk`, then the k chosen ordered
+    by (score, index) with a sort of k; rows where the k-th score ties a score outside the k (the
+    chosen set itself is ambiguous: a zero router ties everything) take the full stable sort.
     """
-    return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :k]
+    num = scores_TE.shape[-1]
+    if k >= num or scores_TE.numel() == 0:
+        return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :k]
+    top = torch.topk(scores_TE, k, dim=-1)
+    kth = top.values[..., -1:]
+    chosen = top.indices.sort(dim=-1).values  # ascending ids
+    order = torch.sort(scores_TE.gather(-1, chosen), dim=-1, descending=True, stable=True).indices
+    out = chosen.gather(-1, order)
+    ambiguous = (scores_TE >= kth).sum(-1) > k
+    if bool(ambiguous.any()):
+        rows = ambiguous.nonzero(as_tuple=True)
+        out[rows] = torch.sort(scores_TE[rows], dim=-1, descending=True, stable=True).indices[..., :k]
+    return out
 
 
 def token_choices(
