@@ -3,6 +3,10 @@ thread (`strategies/planners/ahead.py`), side by side (docs/performance.md, "Pla
 critical path").
 
     .venv/bin/python benchmarks/planner_overhead.py --out results/planner_overhead.json
+    .venv/bin/python benchmarks/planner_overhead.py --scale --out results/planner_scale.json   # at scale
+
+With `--scale` the script runs `benchmarks/planner_scale.py` (its own docstring): the same planners
+at 16 to 1024 ranks on the SmartMoE trace unfolded and Zipf 1.2, beside DeepSeek's EPLB.
 
 A call is what the layer waits for between its count exchange and its dispatch: the planner's
 `__call__` on the real flow, plus, for `auto` under the block-wise prefetch, its planned-ahead
@@ -107,7 +111,12 @@ def measure(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="results/planner_overhead.json")
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="the scale benchmark instead (benchmarks/planner_scale.py: 16x32 to 1024x1024, trace and Zipf loads)",
+    )
+    parser.add_argument("--out", default=None, help="the JSON (default results/planner_overhead.json)")
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--gap-ms", type=float, default=30.0)
     parser.add_argument("--load", choices=("dirichlet", "even"), default="dirichlet", help="the flows (docstring)")
@@ -117,7 +126,14 @@ def main() -> int:
         default=0.5,
         help="auto: the share of its copies the prefetch hides (Pro-Prophet Eq. 8's h; 0: none, plain EP wins more)",
     )
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
+    if args.scale:
+        from planner_scale import main as scale_main
+
+        return scale_main(rest + (["--out", args.out] if args.out else []))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.out = args.out or "results/planner_overhead.json"
     finite_number("--hidden-share", args.hidden_share, 0.0, 1.0)
     result = {
         "command": " ".join(["python", *sys.argv]),

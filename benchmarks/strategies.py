@@ -59,15 +59,6 @@ def workloads(world: int, experts: int, tokens: int, iterations: int, drift: int
     return out
 
 
-def balanced(trace: Trace) -> Trace:
-    """The same tokens per rank and layer, spread evenly over the experts: the force-balanced ceiling."""
-    flow = trace.flow_ILWE
-    E = flow.shape[-1]
-    even = np.repeat(flow.sum(-1, keepdims=True) // E, E, axis=-1)
-    even[..., 0] += flow.sum(-1) - even.sum(-1)
-    return Trace(even, trace.steps_I, dict(trace.meta))
-
-
 def run(cluster: str, trace: Trace, shape: ExpertShape, nonmoe_s: float) -> dict:
     cm = CostModel.from_preset(cluster)
     out = {}
@@ -80,7 +71,8 @@ def run(cluster: str, trace: Trace, shape: ExpertShape, nonmoe_s: float) -> dict
                 "copies_per_layer": float(r.replicated_IL.mean()),
                 "simulate_s": time.perf_counter() - start,
             }
-    ceiling = simulate(balanced(trace), cm, SimulatedLayer(shape, top_k=2, nonmoe_forward_s=nonmoe_s), ["ep"], ["sync"])
+    layer = SimulatedLayer(shape, top_k=2, nonmoe_forward_s=nonmoe_s)
+    ceiling = simulate(trace.balanced(), cm, layer, ["ep"], ["sync"], ceiling=False)
     out["ceiling"] = {"total_ms": 1e3 * float(ceiling[0].total_I.mean())}
     ep, top = out["ep:sync"]["total_ms"], out["ceiling"]["total_ms"]
     for row in out.values():
@@ -253,7 +245,7 @@ def main() -> int:
         "--testbed-warmup",
         type=int,
         default=16,
-        help="testbed: untimed iterations per variant (covers schedule=auto's trials: 5 x 3 candidates)",
+        help="testbed: untimed iterations per variant (covers schedule=auto's trials: 2 x 3 candidates)",
     )
     parser.add_argument("--bandwidth-mbit", type=float, default=800.0, help="testbed: inter-node link")
     parser.add_argument(

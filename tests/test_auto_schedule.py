@@ -100,3 +100,20 @@ def test_options_and_registry_errors():
     # Every registered schedule but itself by default; pairwise left out with another dispatcher.
     layer = MoELayer(8, 16, 4, schedule="auto", cost_model=cm, dispatch="hierarchical")
     assert "pairwise" not in layer.schedule.candidates and "sync" in layer.schedule.candidates
+
+
+def test_a_cost_model_of_another_group_runs_the_simplest_candidate(tmp_path):
+    """A resume on another process count: the layer runs without the cost model's group size, and
+    `schedule="auto"` has nothing to price — `sync` runs (it used to fail on the plan's shape)."""
+    import torch
+    import torch.distributed as dist
+
+    cm = CostModel(Topology.homogeneous(2, 1e9), gemm_flops_per_s=1e9)  # two devices; the group has one
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = MoELayer(8, 16, 4, schedule="auto", cost_model=cm).to_expert_parallel(dist.group.WORLD)
+        assert layer.cluster_mismatch
+        y = layer(torch.randn(10, 8))
+        assert y.shape == (10, 8) and layer.stats.schedule == "sync"
+    finally:
+        dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """benchmarks/fsmoe_simulated.py on its tiny grid: the JSON's structure and the invariants that can
-fail (the optimiser never priced above a fixed degree, the gradient partition never above the
-all-reduce after the backward, cases named and counted)."""
+fail (the optimiser never priced above a fixed degree; in the middle generalized layer, FSMoE's
+gradient partition never above Tutel-Improved's dense overlap, nor that above the all-reduce after
+the backward, and every gradient element placed once; cases named and counted)."""
 
 from __future__ import annotations
 
@@ -57,14 +58,35 @@ def test_optimiser_never_priced_above_a_fixed_degree(simulated):
                 assert opt["ms"] <= t * (1 + 1e-9), (r["case"], d)
             assert r["best_fixed_ms"] == min(r["fixed_ms"].values())
             assert r["fixed_ms"][str(r["best_fixed_degree"])] == r["best_fixed_ms"]
-            g = r["gradient"]
-            assert g["all_reduce_ms"] > 0
-            assert g["optimiser_ms"] <= g["best_fixed_ms"] * (1 + 1e-9), r["case"]
-            assert 0 <= g["exposed_elements"] <= g["grad_elements"]
         s = p["summary"]
         assert s["speedup_over_best_fixed"]["mean"] >= 1 - 1e-9
         for d in s["speedup_over_fixed"].values():
             assert d["min"] >= 1 - 1e-9 and d["min"] <= d["geomean"] <= d["max"]
+
+
+def test_middle_layer_with_its_gradient(simulated):
+    _, result = simulated
+    for p in result["presets"].values():
+        for r in p["rows"]:
+            g, opt = r["gradient"], r["gradient"]["optimiser"]
+            assert g["all_reduce_ms"] > 0 and g["dense_ms"] > 0  # S > 1: the attention's MP collectives
+            for d in ("1", "2", "4", "8"):
+                assert g["tutel_ms"][d] == pytest.approx(r["fixed_ms"][d] + 2 * g["dense_ms"] + g["all_reduce_ms"])
+                assert g["tutel_improved_ms"][d] < g["tutel_ms"][d], (r["case"], d)
+            assert g["best_tutel_ms"] == min(g["tutel_ms"].values())
+            assert g["best_tutel_improved_ms"] == min(g["tutel_improved_ms"].values())
+            assert opt["ms"] <= g["best_tutel_improved_ms"] * (1 + 1e-9), r["case"]
+            # the same step 1 fills the dense part on both sides; every element placed once
+            assert opt["dense_elements"] == g["tutel_improved_dense_elements"] > 0
+            assert opt["dense_elements"] + opt["moe_elements"] + opt["exposed_elements"] == g["grad_elements"]
+            assert opt["moe_elements"] > 0 and opt["t_gar_ms"] > 0
+            assert opt["backward_degree"] in (1, 2, 4, 8) and opt["backward_case"] in (1, 2, 3, 4)
+        w = p["summary"]["with_gradient"]
+        assert w["speedup_over_best_tutel_improved"]["min"] >= 1 - 1e-9
+        assert w["speedup_over_best_tutel"]["min"] >= w["speedup_over_best_tutel_improved"]["min"]
+        assert w["tutel_improved_over_tutel"]["min"] > 1
+        assert 0 < w["hidden_share"]["min"] <= w["hidden_share"]["mean"] <= w["hidden_share"]["max"] <= 1
+        assert w["moe_hides_cases"] == 2
 
 
 def test_testbed_r2():

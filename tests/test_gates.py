@@ -94,7 +94,8 @@ def test_build_gate_errors_list_valid_names_and_options_are_validated():
         GATES.build("nope", _ctx(4, 2, 1))
     raw = GATES.build("topk", _ctx(4, 3, 2), {"normalize": "false"})  # text, as from --set
     assert isinstance(raw, TopKGate) and raw.normalize is False
-    with pytest.raises(ValueError, match=r"gate_options for gate='topk': unknown option 'normalise'; valid: normalize"):
+    unknown = r"gate_options for gate='topk': unknown option 'normalise' \(did you mean 'normalize'\?\); valid: "
+    with pytest.raises(ValueError, match=unknown):
         GATES.build("topk", _ctx(4, 3, 2), {"normalise": True})
     with pytest.raises(ValueError, match=r"gate_options for gate='switch': unknown option 'x'; valid: none"):
         GATES.build("switch", _ctx(4, 3, 1), {"x": 1})

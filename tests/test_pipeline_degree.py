@@ -103,8 +103,17 @@ def test_published_constants_give_the_published_degrees():
     plan = plan_degrees(PUBLISHED, FITS, partition.moe_gar_ms)
     assert plan.forward_degree == 8 and plan.backward_degrees == [8, 8]
     assert plan.forward.case == 4 and [b.case for b in plan.backward] == [4, 4]
-    # each layer's attention gradient hides in its MoE pipeline: t_gar = t_ar(gradient) > 0
-    assert all(g == pytest.approx(FITS.ar_time_ms(PUBLISHED.grad_elements)) for g in partition.moe_gar_ms)
+    # Eq. 3: the last layer's backward runs first and has no gradient to hide; layer 0 gets layer 1's
+    # attention gradient less what the dense part hides (others + the attention's all-gather and
+    # reduce-scatter of B·L·M elements, S = 8 > 1)
+    n = 4 * 1024 * 4096
+    olp_dense = 1.3 + ALPHA[1] + BETA[1] * n + ALPHA[3] + BETA[3] * n
+    assert partition.olp_dense_ms == pytest.approx(olp_dense)
+    hidden = int((olp_dense - ALPHA[4]) / BETA[4])
+    assert partition.dense_elements == (hidden, 0)
+    assert partition.moe_gar_ms == (pytest.approx(FITS.ar_time_ms(PUBLISHED.grad_elements - hidden)), 0.0)
+    # the model's first layer's gradient is produced last: all-reduced after the backward
+    assert partition.exposed_elements == PUBLISHED.grad_elements
     # §4.1 read literally (α_exp = N·α_gemm) makes the backward prefer degree 4 with these constants
     literal = plan_degrees(PUBLISHED, FITS, partition.moe_gar_ms, expert_alpha="per_gemm")
     assert literal.backward_degrees == [4, 4]
@@ -149,15 +158,15 @@ def test_gradient_partition_is_exact_prefix_feasible_and_deterministic():
     assert sum(first.layer_elements) == first.total_elements == 4 * 20_000_000
     assert sum(first.layer_bytes) == 4 * first.total_elements
     assert sum(first.moe_extra_elements) > 0 and min(first.moe_extra_elements) >= 0
-    # prefix constraint, backward order (last layer first): nothing is reduced before it exists
+    # prefix constraint, backward order (last layer first): nothing is reduced before it exists; a
+    # layer's gradient exists once its backward ends, so the first layer in backward reduces nothing
     produced = 0
     reduced = 0
     for k in range(big.layers)[::-1]:
-        reduced += first.dense_elements[k]
+        reduced += first.dense_elements[k] + first.moe_first_elements[k] + first.moe_extra_elements[k]
         assert reduced <= produced
         produced += big.grad_elements
-        reduced += first.moe_first_elements[k] + first.moe_extra_elements[k]
-        assert reduced <= produced
+    assert first.moe_gar_ms[-1] == 0.0 and first.exposed_elements >= big.grad_elements
     # better than leaving step 1's remainder exposed after the backward
     m = pass_model(big, FITS, backward=True)
     nothing_added = sum(
@@ -169,10 +178,11 @@ def test_gradient_partition_is_exact_prefix_feasible_and_deterministic():
 def test_step1_by_hand():
     # t_ar(n) = 1 + n ms: dense parts hide 2 ms → 1 element, MoE parts 5 ms → 4 elements.
     fits = PipelineFits((0, 0, 0, 0, 1.0), (0, 0, 0, 0, 1.0))
-    dense, moe, caps, leftover = step1([10, 10], 2.0, 5.0, fits)
-    # k=0: dense has nothing yet; its 10 arrive; MoE takes 4 (6 left). k=1: dense takes 1 (5 left),
-    # 10 more arrive, MoE takes 4: 11 left. Step 2 may take 5 by MoE layer 0 and 11 in all.
-    assert (dense, moe, caps, leftover) == ([0, 1], [4, 4], [5, 11], 11)
+    dense, moe, caps, leftover = step1([10, 10, 10], 2.0, 5.0, fits)
+    # k=0: nothing produced yet. k=1: layer 0's 10 arrive; dense takes 1, MoE 4 (5 left).
+    # k=2: layer 1's 10 arrive (15); dense takes 1, MoE 4 (10 left); layer 2's 10 come after: 20.
+    # Step 2 may take nothing by MoE layer 0, 5 by MoE layer 1 (the older elements), 10 in all.
+    assert (dense, moe, caps, leftover) == ([0, 1, 1], [0, 4, 4], [0, 5, 10], 20)
 
 
 def test_fits_from_cost_model():
@@ -221,3 +231,18 @@ def test_neither_cost_model_nor_alpha_is_refused(capsys):
     assert "--cost-model" in capsys.readouterr().err
     with pytest.raises(ValueError, match="esp=3 must divide d_hidden"):
         PipelineWorkload(4, 1024, 4096, 14336, 3, 2.4, 3, 2, 1.3)
+
+
+def test_scalar_terms_are_the_vectorised_predicates_and_cases_with_their_slopes():
+    # what SLSQP evaluates (plain floats, exact derivatives) is predicate_margins and case_times
+    from moeflow.perf.pipeline_degree import _scalar_case_terms
+
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        m = PassModel(tuple(rng.uniform(0.01, 1, 4)), tuple(rng.uniform(0.1, 50, 4)))
+        gar, r, h = float(rng.uniform(0, 30)), float(rng.uniform(1, 16)), 1e-6
+        values, slopes = _scalar_case_terms(m, gar, r)
+        expected = np.concatenate([predicate_margins(m, r, gar), case_times(m, r, gar)])
+        np.testing.assert_allclose(values, expected, rtol=1e-12, atol=1e-12)
+        ahead, behind = (np.array(_scalar_case_terms(m, gar, x)[0]) for x in (r + h, r - h))
+        np.testing.assert_allclose(slopes, (ahead - behind) / (2 * h), rtol=1e-5, atol=1e-6)

@@ -136,3 +136,34 @@ def test_broadcast_tree_leaders_never_pair_up_in_opposite_directions():
     inter = {e for owner in range(4) for e in broadcast_tree(owner, [0, 0, 1, 1])[0] if e[0] // 2 != e[1] // 2}
     assert inter == {(0, 2), (1, 3), (2, 1), (3, 0)}
     assert not any((dst, src) in inter for src, dst in inter)
+
+
+def _random_dispatch_case(rng):
+    """A flow with ties (equal columns), zero rows, and holders anywhere, on nodes of any size."""
+    world = int(rng.choice([1, 2, 3, 4, 6, 8, 16]))
+    experts = world * int(rng.integers(1, 4))
+    flow = rng.integers(0, 30, (world, experts))
+    flow[rng.random(world) < 0.2] = 0  # silent sources
+    flow[:, rng.random(experts) < 0.3] = rng.integers(0, 30)  # equal loads
+    base = Placement.owners_only(rng.integers(0, world, experts), world)
+    placement = base.with_holders(rng.random((experts, world)) < rng.choice([0.0, 0.1, 0.5, 0.9]))
+    per_node = int(rng.choice([d for d in range(1, world + 1) if world % d == 0]))
+    node_of = list(rng.permutation(np.arange(world) // per_node)) if rng.random() < 0.3 else None
+    return flow, placement, node_of if node_of is not None else [r // per_node for r in range(world)]
+
+
+def test_dispatch_plan_and_loads_equal_the_loop_version_on_random_cases():
+    """`dispatch_entries` (runs of candidates, one binary search per source) against the plan
+    built by rotating every source's destinations (tests/reference_planners.py), 400 cases."""
+    from moeflow.core.placement import dispatch_loads
+
+    from .reference_planners import dispatch_counts as reference
+
+    rng = np.random.default_rng(39)
+    for _ in range(400):
+        flow, placement, node_of = _random_dispatch_case(rng)
+        plan = dispatch_counts(flow, placement, node_of)
+        np.testing.assert_array_equal(plan, reference(flow, placement, node_of))
+        send, computed = dispatch_loads(flow, placement, node_of)
+        np.testing.assert_array_equal(send, plan.sum(1))
+        np.testing.assert_array_equal(computed, plan.sum(0).T)

@@ -289,3 +289,36 @@ def test_cli_simulate_and_roofline(capsys, tmp_path):
         == 2
     )
     assert "m.json" in capsys.readouterr().err
+
+
+def test_share_of_the_force_balanced_ceiling_sweep_and_progress(capsys, tmp_path):
+    """Every row carries plain EP's time and the ceiling's (EP with the same tokens routed evenly,
+    same schedule); a sweep prices one trace on several clusters into one JSON and one plot."""
+    trace = synthetic_trace("zipf", 3, 2, 4, 8, 400, skew=1.4, seed=2)
+    even = trace.balanced()
+    assert np.array_equal(even.flow.sum(-1), trace.flow.sum(-1)) and np.ptp(even.flow, axis=-1).max() <= 1
+    results = sim.simulate(trace, small_model(inter=1e8), _layer(64, 256), ("ep", "shadow"), ("sync", "pairwise"))
+    (ceiling,) = sim.simulate(even, small_model(inter=1e8), _layer(64, 256), ("ep",), ("sync",), ceiling=False)
+    for r in results:
+        ep = next(x for x in results if (x.strategy, x.schedule) == ("ep", r.schedule))
+        assert r.ep_total_s == pytest.approx(ep.total_I.mean())
+        gap = r.ep_total_s - r.ceiling_total_s
+        assert r.share_of_ceiling == pytest.approx((r.ep_total_s - r.total_I.mean()) / gap)
+        assert r.summary()["speedup_over_ep"] == pytest.approx(r.ep_total_s / r.total_I.mean())
+    assert results[0].ceiling_total_s == pytest.approx(ceiling.total_I.mean()) and results[0].share_of_ceiling == 0
+    argv = ["simulate", "--trace", "smartmoe", "--trace-iterations", "0:2", "--strategy", "ep,shadow"]
+    assert main([*argv, "--schedule", "sync", "--progress", "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["iterations"] == 2 and "share_of_ceiling" in out["results"][1] and "simulate johnny" in captured.err
+    path = tmp_path / "sweep.json"
+    assert main([*argv, "--sweep", "prophet_lpwnv,johnny@32,fsmoe_b", "--out", str(path)]) == 0
+    sweep = json.loads(path.read_text())
+    sizes = {c: (v["world_size"], v["num_experts"]) for c, v in sweep["clusters"].items()}
+    assert sizes == {"prophet_lpwnv": (8, 32), "johnny@32": (32, 32), "fsmoe_b": (32, 32)}
+    assert all(r["speedup_over_ep"] > 0 for v in sweep["clusters"].values() for r in v["results"])
+    assert path.with_suffix(".png").stat().st_size > 0
+    assert main([*argv, "--trace-iterations", "5"]) == 2
+    assert "--trace-iterations='5': expected START:STOP" in capsys.readouterr().err
+    assert main([*argv, "--sweep", "johnny@12"]) == 2
+    assert "--sweep='johnny@12'" in capsys.readouterr().err

@@ -146,3 +146,79 @@ def test_traffic_conservation_property(spec, seed):
             there = [(lk.src, lk.dst) for lk in t.path(i, j)]
             back = [(lk.dst, lk.src) for lk in t.path(j, i)][::-1]
             assert there == back
+
+
+def _route_by_walking(t: Topology, i: int, j: int) -> list[str]:
+    """The route as the links' names say it, found by walking (the definition `route_WWH` is built
+    array-wise from): round a ring node the shorter way (ties forward), else up to the lowest
+    common switch and down."""
+    if i == j:
+        return []
+    node = t.node_of
+    ring = any(lk.kind == "ring" for lk in t.links)
+    if ring and node[i] == node[j]:
+        members = t.nodes[node[i]]
+        m, a, b = len(members), members.index(i), members.index(j)
+        step = 1 if (b - a) % m <= (a - b) % m else -1
+        out, pos = [], a
+        while pos != b:
+            out.append(f"d{members[pos]}->d{members[(pos + step) % m]}")
+            pos = (pos + step) % m
+        return out
+    device_parent = {lk.src: lk.dst for lk in t.links if lk.kind == "tree" and lk.src.startswith("d")}
+
+    def chain(v):  # the device and its switches up to the root ("s0.1" -> "s0" -> "s")
+        out = [v, device_parent[v]]
+        while out[-1] != "s":
+            out.append(out[-1].rsplit(".", 1)[0] if "." in out[-1] else "s")
+        return out
+
+    up, down = chain(f"d{i}"), chain(f"d{j}")
+    common = next(v for v in up if v in down)
+    hops_up = up[: up.index(common) + 1]
+    hops_down = down[: down.index(common) + 1][::-1]
+    return [f"{a}->{b}" for a, b in zip(hops_up, hops_up[1:])] + [f"{a}->{b}" for a, b in zip(hops_down, hops_down[1:])]
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=trees(), seed=st.integers(0, 2**31 - 1))
+def test_route_table_is_the_walked_route_and_traffic_its_sum(spec, seed):
+    t = Topology.from_spec(spec, [float(2 + k) for k in range(Topology.from_spec(spec, 1.0).depth)])
+    _check_routes(t, seed)
+
+
+@pytest.mark.parametrize("name", ["trevor", "prophet_hpnv", "prophet_hpwnv", "johnny@32"])
+def test_route_table_on_rings_and_three_levels(name):
+    _check_routes(Topology.preset(name), 0)
+
+
+def _check_routes(t: Topology, seed: int) -> None:
+    W = t.num_devices
+    flow = np.random.default_rng(seed).integers(0, 100, (W, W)).astype(float)
+    expect = np.zeros(len(t.links))
+    index = {str(lk): k for k, lk in enumerate(t.links)}
+    for i in range(W):
+        for j in range(W):
+            walked = _route_by_walking(t, i, j)
+            assert names(t.path(i, j)) == walked, (i, j)
+            for hop in walked:
+                expect[index[hop]] += flow[i, j]
+            lat = sum(t.links[index[h]].latency_s for h in walked)
+            assert t.path_latency_WW[i, j] == pytest.approx(lat)
+    np.testing.assert_allclose(t.link_traffic(flow), expect)
+    pairs = np.flatnonzero(flow.reshape(-1) > 50)
+    np.testing.assert_allclose(
+        t.pair_traffic(flow.reshape(-1)[pairs], pairs), t.link_traffic(np.where(flow > 50, flow, 0.0))
+    )
+
+
+def test_presets_scale_to_other_sizes_with_the_same_link_classes():
+    big = Topology.preset("johnny@64")
+    assert big.num_devices == 64 and big.num_nodes == 8 and big.name == "johnny@64"
+    assert big.level_bandwidth() == Topology.preset("johnny").level_bandwidth()
+    ring = Topology.preset("trevor@8")
+    assert ring.num_nodes == 2 and ring.path_bandwidth(0, 1) == 50e9
+    with pytest.raises(ValueError, match="num_devices=12: must be a positive multiple of the 8 devices per node"):
+        Topology.preset("johnny@12")
+    with pytest.raises(ValueError, match="NAME@DEVICES"):
+        Topology.preset("johnny@x")

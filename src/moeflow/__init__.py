@@ -28,21 +28,32 @@ from typing import Any
 from moeflow.core.hooks import MoEHook
 from moeflow.core.parallel import ParallelLayout
 from moeflow.core.placement import Placement
+from moeflow.core.registry import Component
 from moeflow.core.stats import MoEStats
 from moeflow.layer import MoELayer
 from moeflow.model_step import all_reduce_gradients, maybe_reshard
+from moeflow.routing import BALANCES, GATES
 from moeflow.routing.routing import Routing
-from moeflow.strategies.planners.base import Planner
+from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES, Dispatcher
+from moeflow.strategies.planners.base import PlanAheadPlanner, Planner
 from moeflow.strategies.prefetch import BlockPrefetch
 from moeflow.strategies.schedules.base import Schedule
 
 __all__ = [
+    "BALANCES",
+    "DISPATCHERS",
+    "GATES",
+    "PLANNERS",
+    "SCHEDULES",
     "BlockPrefetch",
+    "Component",
+    "Dispatcher",
     "CostModel",
     "MoEHook",
     "MoELayer",
     "MoEStats",
     "ParallelLayout",
+    "PlanAheadPlanner",
     "Placement",
     "Planner",
     "Routing",

@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": "moeflow.commands.bench",
     "profile": "moeflow.commands.profile",
     "simulate": "moeflow.commands.simulate",
+    "advise": "moeflow.commands.advise",
     "tune": "moeflow.commands.tune",
     "roofline": "moeflow.commands.roofline",
 }

@@ -50,6 +50,11 @@ from moeflow.strategies.planners.base import as_planner
 from moeflow.strategies.planners.ep import plan_ep
 from moeflow.strategies.timing import LayerTimer
 
+
+class ClusterMismatchWarning(UserWarning):
+    """The layer's cost model describes another number of devices than its group: it runs without it."""
+
+
 AXES = {"gate": GATES, "balance": BALANCES, "strategy": PLANNERS, "schedule": SCHEDULES, "dispatch": DISPATCHERS}
 """The axes of a MoE layer and the registry of names of each (docs/architecture.md)."""
 
@@ -91,7 +96,8 @@ class MoELayer(nn.Module):
         gate_options, balance_options, strategy_options, schedule_options, dispatch_options: options
             of the component chosen by name on that axis (a mapping, validated against the
             component's options dataclass; e.g. `schedule_options={"group_size": 2}`).
-        hooks: objects implementing any of FSMoE's six hook points (`moeflow.core.hooks`).
+        hooks: `MoEHook`s overriding any of FSMoE's six hook points, or wrapping the copies or the
+            expert compute (`moeflow.core.hooks`).
         dispatch_dtype: send the dispatched rows and expert outputs in this precision (`bfloat16`,
             `float16`, `float8_e4m3fn` on nccl) and restore the compute dtype on arrival, forward
             and backward (built-in hooks, `core.hooks.wire_hooks`); changes the numbers by the
@@ -106,6 +112,8 @@ class MoELayer(nn.Module):
             resume on another process count) the layer says so once and runs without it — planners
             as `ep`, topology-aware gates and balance terms as their topology-free forms.
     """
+
+    _mismatch_said = False  # `_notice_mismatch` said it
 
     def __init__(
         self,
@@ -440,11 +448,16 @@ class MoELayer(nn.Module):
         return materialize(weights, placement, self.group, self.experts.expert_ids, held_J, self.node_of)
 
     def _notice_mismatch(self) -> None:
-        """Say once (Python's warnings filter keeps one per place) that the cost model is unused."""
+        """Say once per layer (not per step) that the cost model is unused; the layers of a model say it
+        in the same forward, which Python's warnings filter shows once."""
+        if self._mismatch_said:
+            return
+        self._mismatch_said = True
         warnings.warn(
             f"moeflow: the cost model {self.cost_model.name!r} describes {self.cost_model.topology.num_devices} "
             f"devices but this expert-parallel group has {self.placement.world_size}: running without it "
             f"(strategy as 'ep', topology-aware gate and balance terms in their topology-free form)",
+            ClusterMismatchWarning,
             stacklevel=3,
         )
 

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 from moeflow.bench.interleave import balanced_order
+from moeflow.bench.quiet import native_output_silenced
 from moeflow.hf.weights import LAYOUTS
 from moeflow.layer import MoELayer
 
@@ -136,7 +137,7 @@ def peak_step_bytes(step: _Step, device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - start
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with native_output_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step.run()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     current = peak = 0
@@ -298,9 +299,11 @@ def run_layer_bench(
     compare_tutel: bool = True,
     baseline_src: str | None = None,
     seed: int = 0,
+    progress: bool = False,
 ) -> dict:
     """One configuration: moeflow, the balanced bound, and (where installed) Hugging Face (swiglu),
-    Tutel (ffn) and a baseline moeflow source tree, measured interleaved (module docstring)."""
+    Tutel (ffn) and a baseline moeflow source tree, measured interleaved (module docstring).
+    `progress`: a progress bar over the timed runs (tqdm, on stderr)."""
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(seed)
     layer = MoELayer(cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, **cfg.layer_kwargs()).to(dtype)
@@ -353,9 +356,13 @@ def run_layer_bench(
         step()
     names = list(steps)
     times = {name: [] for name in names}
-    for r in range(cfg.rounds):
-        for name in balanced_order(names, r):
-            times[name].append(_time(steps[name], cfg.min_run_time_s))
+    from tqdm import tqdm
+
+    with tqdm(total=cfg.rounds * len(names), desc="bench", unit="run", disable=not progress, leave=False) as bar:
+        for r in range(cfg.rounds):
+            for name in balanced_order(names, r):
+                times[name].append(_time(steps[name], cfg.min_run_time_s))
+                bar.update(1)
     for name in names:
         result[name] = _summary(times[name]) | {"peak_step_bytes": peak_step_bytes(steps[name], x.device)}
     result["moeflow_over_bound"] = result["moeflow"]["median_s"] / result["bound"]["median_s"]

@@ -357,11 +357,14 @@ def _layer_price(layer: MoELayer, cost_model, owners: bool = False) -> float:
     return price_placement(stats.flow.numpy(), placement, cost_model, shape, Pricing(), layer.node_of)
 
 
-def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
+def run_strategy_bench(cfg: StrategyBenchConfig, cost_model, progress: bool = False) -> list[dict]:
     """Run on every rank of the initialized default group; returns rows (identical on all ranks).
     The variants are interleaved iteration by iteration in a Williams order (each runs after every
     other equally often: `moeflow.bench.interleave`), so machine noise hits them alike; with a
-    replayed trace every variant meets the same routing at the same iteration."""
+    replayed trace every variant meets the same routing at the same iteration. `progress`: rank 0
+    shows a progress bar per routing case (tqdm, on stderr)."""
+    from tqdm import tqdm
+
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = []
     for routing_name, probs_IBWE in _routing_cases(cfg, world, cfg.experts_per_rank * world):
@@ -378,7 +381,14 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model) -> list[dict]:
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))
         x.requires_grad_(True)
         heap = HeapTrim()
-        for it in range(cfg.warmup + cfg.iterations):
+        iterations = tqdm(
+            range(cfg.warmup + cfg.iterations),
+            desc=f"bench {routing_name}",
+            unit="it",
+            disable=not progress or rank != 0,
+            leave=False,
+        )
+        for it in iterations:
             for run in balanced_order(runs, it):
                 if probs_IBWE.shape[0] > 1:
                     run.model.set_popularity(probs_IBWE[it], rank)

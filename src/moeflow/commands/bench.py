@@ -92,8 +92,8 @@ def add_arguments(parser) -> None:
         "--warmup",
         type=int,
         default=3,
-        help="untimed iterations first (strategy benchmark; schedule=auto tries its candidates in them, "
-        "5 forwards each)",
+        help="untimed iterations first (strategy benchmark; schedule=auto runs each candidate twice in its "
+        "first forwards)",
     )
     parser.add_argument("--out", default=None, help="also write the result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -115,16 +115,21 @@ def _strategy_worker(cfg, cost_model_source):
                 f"--cost-model {cost_model_source!r} describes {cost_model.topology.num_devices} devices, "
                 f"but {dist.get_world_size()} ranks run"
             )
-        return run_strategy_bench(cfg, cost_model)
+        return run_strategy_bench(cfg, cost_model, progress=True)
     finally:
         dist.destroy_process_group()
 
 
 def _print_strategy_rows(rows: list[dict]) -> None:
     header = f"{'routing':<18}{'strategy':<15}{'schedule':<18}{'dispatch':<14}{'wire':<10}{'ms':>9}{'speedup':>9}"
-    print(header + f"{'copies':>8}{'load std':>9}{'predicted':>10}{'model ms':>9}{'bound':>7}{'of bound':>9}")
+    print(
+        header
+        + f"{'copies':>8}{'load std':>9}{'predicted':>10}{'model ms':>9}{'bound':>7}{'of bound':>9}{'ceiling':>9}"
+    )
     for r in rows:
         bound = f"{r['pairwise_bound']:7.2f}{r['share_of_bound']:9.0%}" if "pairwise_bound" in r else f"{'':7}{'':9}"
+        share = r.get("share_of_ceiling")  # with --ceiling: the part of EP's gap to even routing closed
+        bound += f"{share:9.0%}" if share is not None else f"{'':9}"
         predicted, model = r["planner_predicted_speedup"], r.get("model_predicted_s")
         schedule = r["schedule"] + ("+prefetch" if r.get("prefetch") else "")
         strategy = r["strategy"] + (" (even)" if r.get("ceiling") else "")
@@ -179,6 +184,7 @@ def _strategy_result(args, world: int, outer: bool) -> dict | None:
 
 def _layer_result(args) -> dict:
     from moeflow.bench.layer import LayerBenchConfig, run_layer_bench
+    from moeflow.bench.quiet import transformers_quiet
 
     cfg = LayerBenchConfig(
         tokens=args.tokens,
@@ -192,7 +198,8 @@ def _layer_result(args) -> dict:
         block=args.block,
         hf_impl=args.hf_impl,
     )
-    return run_layer_bench(cfg, compare_hf=not args.no_hf)
+    with transformers_quiet():
+        return run_layer_bench(cfg, compare_hf=not args.no_hf, progress=True)
 
 
 def run(args) -> int:

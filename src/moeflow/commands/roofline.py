@@ -22,12 +22,16 @@ def run(args) -> int:
     import json
     from dataclasses import asdict
 
+    from tqdm import tqdm
+
     from moeflow.sim import roofline
     from moeflow.sim.simulator import simulate
     from moeflow.sim.workload import workload_from_args
 
     trace, cost_model, layer, strategies, schedules = workload_from_args(args)
-    results = simulate(trace, cost_model, layer, strategies, schedules)
+    results = []
+    for name in tqdm(strategies, unit="strategy", desc="simulating", disable=args.json, leave=False):
+        results += simulate(trace, cost_model, layer, [name], schedules)
     points = roofline.points_from_simulation(results, layer.shape, cost_model.topology.num_devices)
     if args.measured:
         points += roofline.load_measured(args.measured)

@@ -4,6 +4,8 @@ moeflow simulate --cluster trevor --trace zipf --iterations 1000 --d-model 1024
 moeflow simulate --cluster johnny --trace smartmoe --strategy ep,shadow --balance ta_moe --json
 moeflow simulate --cluster results/profile.json --trace runs/demo/routing.npz --option schedule.group_size=1
 moeflow simulate --cluster fsmoe_a --trace zipf --strategy ep --schedule sync --degrees 1,2,4,8,auto
+moeflow simulate --cluster johnny --trace smartmoe --trace-iterations 125: --progress
+moeflow simulate --trace smartmoe --sweep johnny,johnny@64,hecate_a,trevor --out results/sweep.json
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ def add_arguments(parser):
         "e.g. 1,2,4,8,auto): one row per strategy and degree, schedule 'pipe/r=R' ('pipe/auto')",
     )
     parser.add_argument("--json", action="store_true", help="print results as JSON")
+    parser.add_argument("--progress", action="store_true", help="a progress bar over the replay (stderr)")
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        metavar="CLUSTERS",
+        help="price the trace on each of these clusters (comma list of presets, NAME@DEVICES for a preset's "
+        "link classes at another size, or profile JSONs) instead of --cluster; writes --out and a plot beside it",
+    )
+    parser.add_argument(
+        "--out", default="results/simulate-sweep.json", help="--sweep: the JSON (the plot: same name, .png)"
+    )
 
 
 def degree_sweep(trace, cost_model, layer, strategies, degrees: str) -> list:
@@ -42,16 +55,16 @@ def degree_sweep(trace, cost_model, layer, strategies, degrees: str) -> list:
     return out
 
 
-def run(args) -> int:
-    import json
+def _simulate(args, cluster: str | None = None, fit_experts: bool = False) -> tuple[dict, list]:
+    """One workload simulated (`run`, `--sweep`): its header and results."""
     import time
 
-    from moeflow.sim.simulator import format_table, simulate
+    from moeflow.sim.simulator import simulate
     from moeflow.sim.workload import workload_from_args
 
-    trace, cost_model, layer, strategies, schedules = workload_from_args(args)
+    trace, cost_model, layer, strategies, schedules = workload_from_args(args, cluster, fit_experts)
     t0 = time.perf_counter()
-    results = simulate(trace, cost_model, layer, strategies, schedules)
+    results = simulate(trace, cost_model, layer, strategies, schedules, progress=args.progress)
     if args.degrees:
         try:
             results += degree_sweep(trace, cost_model, layer, strategies, args.degrees)
@@ -76,14 +89,46 @@ def run(args) -> int:
         "mean_load_imbalance": float(trace.load_imbalance().mean()),
         "simulation_s": elapsed,
     }
+    if args.trace_iterations:
+        header["trace_iterations"] = args.trace_iterations
+    return header, results
+
+
+def run(args) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    from moeflow.sim.simulator import format_table
+    from moeflow.sim.sweep import plot_sweep, sweep
+
+    if args.sweep:
+        clusters = [c.strip() for c in args.sweep.split(",") if c.strip()]
+        if not clusters:
+            raise ValueError(f"--sweep={args.sweep!r}: expected a comma list of clusters")
+        document = sweep(clusters, lambda cluster: _simulate(args, cluster, fit_experts=True))
+        document["command"] = " ".join(["moeflow", *sys.argv[1:]])
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(document, indent=2) + "\n")
+        plot = plot_sweep(
+            document, out.with_suffix(".png"), f"trace {args.trace}: speedup over plain EP, same schedule"
+        )
+        for cluster, entry in document["clusters"].items():
+            size = f"{entry['world_size']} x {entry['num_experts']}"
+            print(f"{cluster} ({size}): simulated in {entry['simulation_s']:.2f} s")
+        print(f"wrote {out} and {plot}")
+        return 0
+    header, results = _simulate(args)
     if args.json:
         print(json.dumps({**header, "results": [r.summary() for r in results]}, indent=2))
         return 0
+    W, I, L, E = header["world_size"], header["iterations"], header["layers"], header["num_experts"]
     print(
-        f"cluster {cost_model.name} ({W} devices), trace {args.trace}: {I} iterations x {L} layers, "
-        f"E={E}, d={layer.shape.d_model}, h={layer.shape.d_hidden}, gate {layer.gate}, balance {layer.balance}, "
+        f"cluster {header['cluster']} ({W} devices), trace {args.trace}: {I} iterations x {L} layers, "
+        f"E={E}, d={header['d_model']}, h={header['d_hidden']}, gate {header['gate']}, balance {header['balance']}, "
         f"mean max/mean load {header['mean_load_imbalance']:.2f}"
     )
     print(format_table(results))
-    print(f"simulated in {elapsed:.2f} s")
+    print(f"simulated in {header['simulation_s']:.2f} s")
     return 0

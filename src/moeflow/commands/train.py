@@ -31,12 +31,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, metavar="N", help="total optimizer steps (train.steps)")
     parser.add_argument("--out", default="runs/default", metavar="DIR", help="run folder (default: %(default)s)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start afresh in --out, replacing the run it holds (else an error)"
+    )
     parser.add_argument("--data", metavar="PATH", help="train on this text file or folder (data.path)")
     parser.add_argument(
         "--cost-model",
         metavar="PRESET|PROFILE.json",
-        help="network/GEMM cost model of the cluster (moe.cost_model), e.g. for "
-        "--set moe.strategy=shadow, moe.gate=hierarchical or moe.balance=ta_moe",
+        help="network/GEMM cost model of the cluster (moe.cost_model) for the strategies that price placements "
+        "(moe.strategy=shadow, prophet, eplb, fssdp, auto), schedule=auto, gate=hierarchical, balance=ta_moe; "
+        "default: this machine's, measured at start-up (a few seconds) and cached",
     )
     parser.add_argument(
         "--record-routing",
@@ -55,6 +59,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
+    from moeflow.training.checkpoint import latest_checkpoint
     from moeflow.training.config_files import load_config
     from moeflow.training.entry import launch
     from moeflow.training.run_dir import format_summary
@@ -70,12 +75,20 @@ def run(args) -> int:
     if args.resume and config_path is None and (out / "config.toml").is_file():
         config_path = out / "config.toml"  # continue with the run's own resolved config
     cfg = load_config(config_path, overrides)
-    summary = launch(cfg, out, args.resume, args.nproc)
+    resume_command = f"moeflow train --out {out} --resume" + (f" --nproc {args.nproc}" if args.nproc else "")
+    try:
+        summary = launch(cfg, out, args.resume, args.nproc, overwrite=args.overwrite)
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
+        newest = latest_checkpoint(out / "checkpoints")
+        kept = f"the newest checkpoint is {newest}" if newest is not None else "no checkpoint was written yet"
+        print(f"\nmoeflow train: stopped at once; {kept} (continue with: {resume_command})", file=sys.stderr)
+        return 130
     if summary is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
+    summary["resume_command"] = resume_command
     if "error" in summary:
         # Found by the training processes (non-finite loss, checkpoint mismatch): one line, like bad input.
         print(f"moeflow train: error: {summary['error']}", file=sys.stderr)
         return 1
     print(json.dumps(summary) if args.json else format_summary(summary))
-    return 0
+    return 130 if summary.get("interrupted") else 0

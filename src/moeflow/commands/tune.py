@@ -25,7 +25,11 @@ def add_arguments(parser):
         parser.add_argument(flag, type=int, required=True, help=text)
     parser.add_argument("--factor", type=float, required=True, help="F = top-k x capacity factor")
     parser.add_argument(
-        "--others-ms", type=float, required=True, help="backward ms of a layer's dense part (gate, attention)"
+        "--others-ms",
+        type=float,
+        required=True,
+        help="backward ms of a layer's gate and attention (with --esp > 1 the attention's all-gather and "
+        "reduce-scatter of B*L*M elements are added from the fits)",
     )
     parser.add_argument("--cost-model", default=None, help="topology preset or `moeflow profile` JSON")
     order = "values in the order a2a ag gemm rs ar"

@@ -10,6 +10,7 @@ the same values with the same messages.
 
 from __future__ import annotations
 
+import difflib
 import math
 import types
 import typing
@@ -27,6 +28,13 @@ def positive_int(name: str, value: Any, minimum: int = 1) -> int:
         bound = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name}={value!r} must be {bound}")
     return int(value)
+
+
+def did_you_mean(word: Any, candidates: Any) -> str:
+    """`" (did you mean 'shadow'?)"` for the closest of `candidates` to a misspelt `word`; "" when none
+    is close (difflib's ratio >= 0.6)."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def check_layer_input(x: Any, d_model: int, check_finite: bool) -> None:

@@ -100,12 +100,19 @@ def cpu_threads_per_rank() -> int:
 
 
 def launch_local(
-    fn: Callable[..., Any], nproc: int, *args: Any, name: str = "moeflow", max_restarts: int = 0
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    name: str = "moeflow",
+    max_restarts: int = 0,
+    ranks_handle_interrupts: bool = False,
 ) -> list[Any]:
     """Run `fn(*args)` on `nproc` local processes with torch's elastic launcher (what
     `torchrun --standalone` does); returns every rank's result, rank 0 first. When a process dies,
     the agent restarts the whole group up to `max_restarts` times (`fn` sees the attempt in
-    `TORCHELASTIC_RESTART_COUNT`, see `restart_count`)."""
+    `TORCHELASTIC_RESTART_COUNT`, see `restart_count`). `ranks_handle_interrupts`: the agent leaves
+    SIGINT and SIGTERM to the caller and the ranks (which stop gracefully) instead of stopping the
+    ranks on the first one."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -117,9 +124,19 @@ def launch_local(
         rdzv_endpoint="localhost:0",
         max_restarts=max_restarts,
         monitor_interval=0.1,
+        **_signal_options(LaunchConfig, ranks_handle_interrupts),
     )
     results = elastic_launch(config, fn)(*args)
     return [results[r] for r in sorted(results)]
+
+
+def _signal_options(config_class: type, ranks_handle_interrupts: bool) -> dict[str, str]:
+    """`LaunchConfig.signals_to_handle` (torch >= 2.7) without SIGINT/SIGTERM when the ranks handle
+    them; an older agent has no such field and stops the ranks on the first signal."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(config_class)}
+    return {"signals_to_handle": "SIGHUP,SIGQUIT"} if ranks_handle_interrupts and "signals_to_handle" in known else {}
 
 
 def restart_count() -> int:

@@ -5,7 +5,10 @@ parallelism materializes each expert only on its owner; FasterMoE shadowing, Pro
 Hecate add holders. The dispatch plan (`dispatch_counts`) then decides, for each source rank and
 expert, how many assignments go to each holder — local first, then the same node, then remote,
 spread evenly (Hecate §4.4). Both are pure functions of numbers: every rank computes the same
-plan from the same global flow matrix, so no extra communication is needed.
+plan from the same global flow matrix, so no extra communication is needed. The plan is built from
+its nonzero entries (`dispatch_entries`), whose number grows with the copies, not with W·E·W: the
+planners and the simulator use those entries or their sums (`dispatch_loads`), the layer the dense
+plan of its few ranks.
 
 Shape suffixes: W ranks in the expert-parallel group (in a plan `[S, E, W]`: the destination), E experts,
 S source rank.
@@ -41,8 +44,18 @@ def send_by_owner(flow_WE: np.ndarray, owner_E: np.ndarray) -> np.ndarray:
     """Tokens `[..., W, W]` each rank sends to each rank when every expert is computed by its owner
     alone (plain EP): the flow summed over each rank's experts."""
     flow = np.asarray(flow_WE)
+    owner = np.asarray(owner_E, dtype=np.int64)
     W = flow.shape[-2]
-    return flow @ np.eye(W, dtype=flow.dtype)[np.asarray(owner_E)]
+    E = owner.size
+    if E and E % W == 0 and np.array_equal(owner, np.arange(E) // (E // W)):  # plain EP: blocks of columns
+        return flow.reshape(*flow.shape[:-1], W, E // W).sum(-1)
+    order = np.argsort(owner, kind="stable")
+    per_owner = np.bincount(owner, minlength=W)
+    send = np.zeros((*flow.shape[:-1], W), dtype=flow.dtype)
+    if owner.size:  # each owner's experts summed as one run of columns (exact sums)
+        owning = np.flatnonzero(per_owner)
+        send[..., owning] = np.add.reduceat(flow[..., order], (np.cumsum(per_owner) - per_owner)[owning], axis=-1)
+    return send
 
 
 def cross_node_share(send_WW: np.ndarray, node_of: Sequence[int] | None) -> float:
@@ -130,51 +143,118 @@ class Placement:
         return f"Placement(E={self.num_experts}, W={self.world_size}, extra_copies={extra})"
 
 
-def dispatch_counts(flow_WE: np.ndarray, placement: Placement, node_of: Sequence[int] | None = None) -> np.ndarray:
-    """Split every (source, expert) flow over the expert's holders → `plan_SEW` int64 `[W, E, W]`.
+def dispatch_entries(
+    flow_WK: np.ndarray, holders_KW: np.ndarray, node_of: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The dispatch of K experts, each with its own holders: `flow_WK[s, k]` assignments source s
+    sends to the expert of column k, held where `holders_KW[k]` says → the plan's nonzero entries
+    as four int64 arrays `(k, src, dst, count)`.
 
-    Hecate §4.4 order: the source itself if it holds the expert; else the holders on the source's
-    node, spread evenly; only if there are none, every holder, spread evenly. The remainder of an
-    uneven split goes to the candidates that follow the source in ring order, so that remainders
-    from different sources land on different holders.
+    Hecate §4.4 order (`dispatch_counts`): the source itself if it holds the expert; else the
+    holders on the source's node, spread evenly; only if there are none, every holder. The
+    remainder of an uneven split goes to the candidates that follow the source in ring order. Every
+    candidate set is a run of holders sorted by rank, so a source's place in the ring is one binary
+    search, and each (source, expert) pair expands into as many entries as it has candidates: the
+    work grows with the entries, never with W·E·W. Counts keep the flow's dtype; a split over several
+    candidates needs integer counts (a fractional count goes whole to a single candidate or holder).
     """
+    flow = np.asarray(flow_WK)
+    holders = np.asarray(holders_KW, dtype=bool)
+    W, K = flow.shape
+    node = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
+    if node.shape != (W,):
+        raise ValueError(f"node_of has {node.size} entries, expected one per rank ({W})")
+    held_WK = holders.T
+    sends_WK = flow > 0
+    local_s, local_k = np.nonzero(held_WK & sends_WK)
+    src, k = np.nonzero(sends_WK & ~held_WK)
+    local = (local_k, local_s, local_s, flow[local_s, local_k])
+    if src.size == 0:
+        return local
+    count_K = holders.sum(1)
+    if not count_K[k].all():
+        raise ValueError(f"dispatch: experts {sorted(set(k[count_K[k] == 0].tolist()))} have tokens and no holder")
+    # An expert with one holder takes every other source's tokens whole.
+    single = count_K[k] == 1
+    sole_K = holders.argmax(1)
+    remote = (k[single], src[single], sole_K[k[single]], flow[src[single], k[single]])
+    src, k = src[~single], k[~single]
+    if src.size == 0:
+        return tuple(np.concatenate([a, b]) for a, b in zip(local, remote))
+    # Candidate runs of the experts with several holders: every holder of k sorted by rank (segment
+    # k), then those of k on node n (segment K + k·N + n); `key` orders the members of every run,
+    # the runs one after the other.
+    N = int(node.max()) + 1
+    several = np.flatnonzero(count_K > 1)
+    hold_i, hold_w = np.nonzero(holders[several])
+    hold_k = several[hold_i]
+    near = np.lexsort((hold_w, node[hold_w], hold_k))
+    members = np.concatenate([hold_w, hold_w[near]])
+    segment = np.concatenate([hold_k, K + hold_k[near] * N + node[hold_w[near]]])
+    key = segment * W + members
+    near_n = np.bincount(hold_k * N + node[hold_w], minlength=K * N)[k * N + node[src]]
+    seg = np.where(near_n > 0, K + k * N + node[src], k)
+    n = np.where(near_n > 0, near_n, count_K[k])
+    start = np.searchsorted(key, seg * W)
+    first = np.searchsorted(key, seg * W + src) - start  # candidates before the source: its ring start
+    f = flow[src, k]
+    pair = np.repeat(np.arange(src.size), n)
+    m = np.arange(pair.size) - np.repeat(np.cumsum(n) - n, n)  # place in the run
+    split = f[pair] // n[pair] + ((m - first[pair]) % n[pair] < f[pair] % n[pair])
+    count = np.where(n[pair] == 1, f[pair], split)  # one candidate takes the count as it is
+    keep = count > 0
+    pair, m = pair[keep], m[keep]
+    spread = (k[pair], src[pair], members[start[pair] + m], count[keep])
+    return tuple(np.concatenate(parts) for parts in zip(local, remote, spread))
+
+
+def _check_flow(flow_WE: np.ndarray, placement: Placement) -> np.ndarray:
     flow = np.asarray(flow_WE, dtype=np.int64)
     world, num_experts = placement.world_size, placement.num_experts
     if flow.shape != (world, num_experts):
         raise ValueError(
             f"flow_WE shape {tuple(flow.shape)} does not match the placement's (W, E) = ({world}, {num_experts})"
         )
-    holders_SEW = np.broadcast_to(placement.holders_EW[None, :, :], (world, num_experts, world))
+    return flow
+
+
+def dispatch_counts(flow_WE: np.ndarray, placement: Placement, node_of: Sequence[int] | None = None) -> np.ndarray:
+    """Split every (source, expert) flow over the expert's holders → `plan_SEW` int64 `[W, E, W]`
+    (Hecate §4.4 order, `dispatch_entries`): what the layer's exchange runs."""
+    flow = _check_flow(flow_WE, placement)
+    world, num_experts = placement.world_size, placement.num_experts
+    plan = np.zeros((world, num_experts, world), dtype=np.int64)
     if placement.is_owners_only():
-        plan = np.zeros((world, num_experts, world), dtype=np.int64)
         plan[:, np.arange(num_experts), placement.owner_E] = flow
         return plan
+    k, src, dst, count = dispatch_entries(flow, placement.holders_EW, node_of)
+    plan[src, k, dst] = count
+    return plan
 
-    node = np.zeros(world, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
-    if node.shape != (world,):
-        raise ValueError(f"node_of has {node.size} entries, expected one per rank ({world})")
-    eye_SW = np.eye(world, dtype=bool)
-    same_node_SW = node[:, None] == node[None, :]
-    local_SE = placement.holders_EW.T  # [W, E]: source s holds e itself
-    near_SEW = holders_SEW & same_node_SW[:, None, :]
-    any_near_SE = near_SEW.any(-1)
-    cand_SEW = np.where(
-        local_SE[:, :, None],
-        eye_SW[:, None, :],
-        np.where(any_near_SE[:, :, None], near_SEW, holders_SEW),
+
+def dispatch_loads(
+    flow_WE: np.ndarray, placement: Placement, node_of: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """What the dispatch plan sends and computes, without the plan: tokens rank s sends rank d
+    `[W, W]` (the diagonal stays local) and tokens each rank computes per expert `[W, E]`
+    (`dispatch_counts(...).sum(1)` and `.sum(0).T`)."""
+    flow = _check_flow(flow_WE, placement)
+    world, num_experts = placement.world_size, placement.num_experts
+    if placement.is_owners_only():
+        computed = np.zeros((world, num_experts), dtype=np.int64)
+        computed[placement.owner_E, np.arange(num_experts)] = flow.sum(0)
+        return send_by_owner(flow, placement.owner_E), computed
+    # Experts on their owners alone as under plain EP; those with copies through their entries.
+    copied = np.flatnonzero(placement.materialized_EW().any(1))
+    alone = flow.copy()
+    alone[:, copied] = 0
+    send, computed = dispatch_loads(alone, Placement.owners_only(placement.owner_E, world))
+    k, src, dst, count = dispatch_entries(flow[:, copied], placement.holders_EW[copied], node_of)
+    send += (
+        np.bincount(src * world + dst, weights=count, minlength=world * world).reshape(world, world).astype(np.int64)
     )
-
-    # Rotate destinations so that index j means rank (s + j) mod W, split evenly, un-rotate.
-    rot_SW = (np.arange(world)[:, None] + np.arange(world)[None, :]) % world
-    cand_rot = np.take_along_axis(cand_SEW, rot_SW[:, None, :], axis=2)
-    n_cand = cand_rot.sum(-1)
-    base = flow // n_cand
-    rem = flow % n_cand
-    rank_among = np.cumsum(cand_rot, axis=-1) - 1
-    share_rot = cand_rot * (base[:, :, None] + (rank_among < rem[:, :, None]))
-    plan = np.zeros_like(share_rot)
-    np.put_along_axis(plan, rot_SW[:, None, :], share_rot, axis=2)
-    return plan.astype(np.int64)
+    np.add.at(computed, (dst, copied[k]), count)
+    return send, computed
 
 
 def copies_by_tree(node_of: Sequence[int] | None, backend: str) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from moeflow.core.checks import typed_value
+from moeflow.core.checks import did_you_mean, typed_value
 from moeflow.core.expert_shape import ExpertShape
 
 
@@ -84,7 +84,7 @@ def parse_options(cls: type, raw: Any, where: str) -> Any:
     unknown = sorted(set(raw) - set(names))
     if unknown:
         valid = ", ".join(names) if names else "none (it takes no options)"
-        raise ValueError(f"{where}: unknown option {unknown[0]!r}; valid: {valid}")
+        raise ValueError(f"{where}: unknown option {unknown[0]!r}{did_you_mean(unknown[0], names)}; valid: {valid}")
     hints = typing.get_type_hints(cls)
     values = {key: typed_value(f"{where}.{key}", value, hints[key]) for key, value in raw.items()}
     try:
@@ -118,7 +118,8 @@ class Registry:
 
     def get(self, name: Any) -> Component:
         if not isinstance(name, str) or name not in self._components:
-            raise ValueError(f"unknown {self.axis}={name!r}; valid: {self.names()}")
+            hint = did_you_mean(name, self.names())
+            raise ValueError(f"unknown {self.axis}={name!r}{hint}; valid: {self.names()}")
         return self._components[name]
 
     def options(self, name: str, raw: Any = None, where: str | None = None) -> Any:

@@ -65,17 +65,33 @@ class CopiesPricing:
         owner_onehot_EW = np.eye(W, dtype=bool)[owner]
         everywhere_E = holders.all(axis=1) & (holders & ~owner_onehot_EW).any(axis=1)
         per_owner = np.bincount(owner[everywhere_E], minlength=W)
-        node_of = self.topology.node_of
-        if copies_by_tree(node_of, self.backend) if tree is None else tree:
-            flows = [f for f in tree_flows(self.topology.node_of, per_owner * param_bytes) if f.any()]
-            t = sum(float(self._tree_stage_time(f) + self._latency(f)) for f in flows)
-        else:
-            kind = "broadcast" if direction == "materialize" else "reduce"
-            # Owners that shadow as many experts cost the same: price each distinct count once.
-            counts, owners = np.unique(per_owner[per_owner > 0], return_counts=True)
-            t = sum(m * self.collective_time(kind, int(n) * param_bytes) for n, m in zip(counts, owners))
+        tree = copies_by_tree(self.topology.node_of, self.backend) if tree is None else tree
+        t = float(self.everywhere_copies_time(param_bytes, per_owner, direction, tree))
         partial_EW = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
         return float(t + self.materialize_time(param_bytes, partial_EW, owner))
+
+    def everywhere_copies_time(
+        self, param_bytes: float, per_owner_W: np.ndarray, direction: str, tree: bool
+    ) -> np.ndarray:
+        """The experts held by every device, ``per_owner_W[..., o]`` of them owned by o, moved as
+        ``copies_time`` moves them (one broadcast / reduce per owner, or `broadcast_tree`'s two
+        stages) -> ``[...]`` seconds."""
+        per_owner = np.asarray(per_owner_W, dtype=np.int64)
+        rows = per_owner.reshape(-1, per_owner.shape[-1])
+        if tree:
+            out = np.zeros(rows.shape[0])
+            for r, counts in enumerate(rows):
+                flows = [f for f in tree_flows(self.topology.node_of, counts * param_bytes) if f.any()]
+                out[r] = sum(float(self._tree_stage_time(f) + self._latency(f)) for f in flows)
+            return out.reshape(per_owner.shape[:-1])
+        kind = "broadcast" if direction == "materialize" else "reduce"
+        # Owners that hold as many experts everywhere cost the same: price each distinct count once.
+        top = int(rows.max(initial=0))
+        price_n = np.array([self.collective_time(kind, n * param_bytes) if n else 0.0 for n in range(top + 1)])
+        R = rows.shape[0]
+        index = (np.arange(R)[:, None] * (top + 1) + rows).reshape(-1)
+        owners_Rn = np.bincount(index, minlength=R * (top + 1)).reshape(R, top + 1)  # owners per count
+        return (owners_Rn[:, 1:] @ price_n[1:]).reshape(per_owner.shape[:-1])
 
     def _tree_stage_time(self, bytes_WW: np.ndarray) -> float:
         """One stage of the gloo tree: the link model with η on the bytes that cross bytes going the

@@ -101,8 +101,7 @@ class CostModel(CopiesPricing):
         self._max_latency = float(topo.path_latency_WW[off].max()) if W > 1 else 0.0
         # Pro-Prophet's B̄: the mean bandwidth between two distinct devices (bottleneck of the route).
         if W > 1:
-            bw = [topo.path_bandwidth(i, j) for i in range(W) for j in range(W) if i != j]
-            self.mean_bandwidth_bytes_per_s = float(np.mean(bw))
+            self.mean_bandwidth_bytes_per_s = float(np.mean(topo.path_bandwidth_WW[off]))
         else:
             self.mean_bandwidth_bytes_per_s = math.inf
         # Calibration of the link model on the fitted uniform all-to-all (module docstring).
@@ -121,15 +120,21 @@ class CostModel(CopiesPricing):
     # ---- building blocks --------------------------------------------------------------------
     def link_time(self, bytes_WW: np.ndarray) -> np.ndarray:
         """FasterMoE Eq. 2: ``max_l T_l / W_l`` for flows ``[..., W, W]`` of bytes -> ``[...]`` seconds."""
-        traffic_L = self.topology.link_traffic(bytes_WW)
-        if traffic_L.shape[-1] == 0:
-            return np.zeros(traffic_L.shape[:-1])
-        return (traffic_L * self._inv_bw_L).max(axis=-1)
+        return self.link_time_from_traffic(self.topology.link_traffic(bytes_WW))
+
+    def link_time_from_traffic(self, traffic_L: Any) -> np.ndarray:
+        """``max_l T_l / W_l`` of the bytes on every link ``[..., L]`` -> ``[...]`` seconds."""
+        return (np.asarray(traffic_L, dtype=np.float64) * self._inv_bw_L).max(axis=-1, initial=0.0)
 
     def _latency(self, bytes_WW: np.ndarray) -> np.ndarray:
         """Slowest route latency among the pairs that exchange bytes."""
         lat = np.where(np.asarray(bytes_WW) > 0, self.topology.path_latency_WW, 0.0)
         return lat.max(axis=(-2, -1))
+
+    @property
+    def prices_gemm_calls(self) -> bool:
+        """Whether a GEMM's launch is priced (a fitted α): then the experts a device computes count."""
+        return "gemm" in self.fits
 
     def gemm_time(self, flops: Any, calls: Any = 1) -> np.ndarray:
         """Time of ``calls`` GEMMs totalling ``flops``: fitted α·calls + β·flops, else flops / P."""
@@ -243,7 +248,11 @@ class CostModel(CopiesPricing):
         W = self.topology.num_devices
         if bytes_WW.shape[-2:] != (W, W):
             raise ValueError(f"flow shape {bytes_WW.shape}: last two dims must be ({W}, {W})")
-        return self.a2a_time_pairs(bytes_WW.reshape(*bytes_WW.shape[:-2], W * W), np.arange(W * W), peers)
+        if W == 1:
+            return np.zeros(bytes_WW.shape[:-2])
+        latency = np.where(bytes_WW > 0, self.topology.path_latency_WW, 0.0).max(axis=(-2, -1))
+        sends = bytes_WW.sum(axis=(-2, -1)) > 0
+        return self.a2a_from_traffic(self.topology.link_traffic(bytes_WW), latency, sends, peers)
 
     def a2a_time_pairs(self, bytes_P: np.ndarray, pairs_P: np.ndarray, peers: int | None = None) -> np.ndarray:
         """``a2a_time`` for an exchange among a subset of ordered pairs: ``bytes_P[..., p]`` bytes
@@ -256,16 +265,22 @@ class CostModel(CopiesPricing):
         pairs = np.asarray(pairs_P, dtype=np.int64)
         if self.topology.num_devices == 1:
             return np.zeros(bytes_P.shape[:-1])
-        traffic_L = bytes_P @ self.topology.routes_PL[pairs]
-        t = self._a2a_eta * (traffic_L * self._inv_bw_L).max(axis=-1)
-        calibrated = "a2a" in self.fits and self.a2a_calibration
-        if calibrated:
+        traffic_L = self.topology.pair_traffic(bytes_P, pairs)
+        latency = np.where(bytes_P > 0, self.topology.path_latency_WW.reshape(-1)[pairs], 0.0).max(axis=-1)
+        return self.a2a_from_traffic(traffic_L, latency, bytes_P.sum(axis=-1) > 0, peers)
+
+    def a2a_from_traffic(self, traffic_L: Any, latency_s: Any, sends: Any, peers: int | None = None) -> np.ndarray:
+        """The all-to-all's time from what it puts on the links ``[..., L]``, the slowest route
+        latency among the pairs that exchange bytes ``[...]`` and whether anything is sent at all
+        ``[...]`` (`a2a_time_pairs`; planners that re-price a changed expert give these directly)."""
+        t = self._a2a_eta * (np.asarray(traffic_L) * self._inv_bw_L).max(axis=-1, initial=0.0)
+        if "a2a" in self.fits and self.a2a_calibration:
             W = self.topology.num_devices
             alpha = self.fits["a2a"].alpha_s * (1.0 if peers is None else min(peers, W - 1) / (W - 1))
         else:
-            alpha = np.where(bytes_P > 0, self.topology.path_latency_WW.reshape(-1)[pairs], 0.0).max(axis=-1)
+            alpha = latency_s
         # An exchange with nothing to send costs nothing (no collective is launched).
-        return np.where(bytes_P.sum(axis=-1) > 0, alpha + t, 0.0)
+        return np.where(sends, alpha + t, 0.0)
 
     def _ring_flow(self, per_hop_bytes: float, ranks: Sequence[int]) -> np.ndarray:
         W = self.topology.num_devices
@@ -364,10 +379,11 @@ class CostModel(CopiesPricing):
         cls, name: str, gemm_flops_per_s: float | None = None, with_published_fits: bool = True
     ) -> CostModel:
         """A paper cluster; P defaults to 90% of the device's peak (FasterMoE §3.1). FSMoE testbeds
-        also carry the α-β constants of FSMoE Fig. 5 unless ``with_published_fits=False``."""
+        also carry the α-β constants of FSMoE Fig. 5 unless ``with_published_fits=False``; ``NAME@N``: its
+        link classes at N devices (`topology_presets.resolve_preset`), without fits (measured at its size)."""
         topo = Topology.preset(name)
         flops = gemm_flops_per_s if gemm_flops_per_s is not None else GEMM_PEAK_FRACTION * preset_peak_flops(name)
-        fits = published_fits(topo.name) if with_published_fits else {}
+        fits = published_fits(topo.name) if with_published_fits else {}  # none at another size (NAME@N)
         return cls(topo, flops, fits, name=topo.name)
 
     def to_dict(self) -> dict[str, Any]:
@@ -414,16 +430,21 @@ class CostModel(CopiesPricing):
             data = json.loads(p.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"cost model file {str(path)!r}: not JSON ({exc.msg})") from None
-        return cls.from_dict(data)
+        except UnicodeDecodeError:
+            raise ValueError(f"cost model file {str(path)!r}: not JSON (binary data)") from None
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"cost model file {str(path)!r}: {exc}") from None
 
     @classmethod
     def resolve(cls, value: str, gemm_flops_per_s: float | None = None) -> CostModel:
         """CLI helper: a topology preset name or a profile/cost-model JSON file."""
-        if value.lower().replace("-", "_") in PRESETS:
+        if value.lower().replace("-", "_").partition("@")[0] in PRESETS:
             return cls.from_preset(value, gemm_flops_per_s)
         if Path(value).is_file():
             if gemm_flops_per_s is None:
                 return cls.load(value)
             # override before validation: a profile without a GEMM sweep has no P of its own
-            return cls.from_dict({**json.loads(Path(value).read_text()), "gemm_flops_per_s": gemm_flops_per_s})
+            return cls.from_dict({**cls.load(value).to_dict(), "gemm_flops_per_s": gemm_flops_per_s})
         raise ValueError(f"cost model {value!r}: not a topology preset ({sorted(PRESETS)}) nor a profile JSON file")

@@ -2,14 +2,20 @@
 elements each layer's Gradient-AllReduce carries, so that it hides behind intra-node work.
 
 A generalized layer is an MoE layer and the dense operations after it up to the next MoE layer
-(§5.2). Its backward runs the dense part first (time ``others_ms``, its ``t_olp,dense``; its
-gradient is ready when it ends), then the MoE layer, whose overlappable time ``t_olp,moe`` is the
-§5.2 formula of the case Algorithm 1 picks at t_gar = 0 (``pipeline_degree.overlappable_ms``).
-Gradient all-reduce time is ``t_ar(n) = α_ar + β_ar·n`` with inverse ``g⁻¹`` (§5.1).
+(§5.2); its backward runs the dense part first, then the MoE layer. Overlappable times (§5.2):
+the dense part's ``t_olp,dense`` (`dense_overlappable_ms`: ``others_ms``, the gate and attention,
+plus, under FSMoE's layout with MP = ESP = S > 1, the attention's intra-node all-gather and
+reduce-scatter of its B·L·M activations, which the inter-node all-reduce overlaps like any other
+intra-node work), and the MoE layer's ``t_olp,moe``, the §5.2 formula of the case Algorithm 1
+picks at t_gar = 0 (``pipeline_degree.overlappable_ms``). Gradient all-reduce time is
+``t_ar(n) = α_ar + β_ar·n`` with inverse ``g⁻¹`` (§5.1).
 
-Step 1 (Eq. 3–4): walk these parts in backward order; each takes from the pending gradient the
-elements whose all-reduce fits its overlappable time, ``g⁻¹(min(t_ar(pending), t_olp))``; the rest
-is carried on, with the gradient the dense part produced added.
+Step 1 (Eq. 3–4 as printed): walk the generalized layers in backward order; layer i's overlappable
+time (dense part, then MoE part) takes from the pending gradient the elements whose all-reduce
+fits it, ``g⁻¹(min(t_ar(pending), t_olp))``, and carries the rest on; the gradient of layer i joins
+the pending one after layer i, since a generalized layer's dense gradient is complete only when its
+backward ends. So the first layer in backward order (the model's last MoE layer) hides nothing
+(t_gar = 0), and the last one's gradient is all-reduced after the backward.
 Step 2 (Eq. 5): the elements step 1 left are distributed over the MoE layers by
 ``scipy.optimize.differential_evolution`` (fixed seed, deterministic) to minimise
 ``Σ_i f_moe^i(t_ar(x_i + first_i)) + t_ar(exposed)``, f_moe being Algorithm 1's backward time for
@@ -18,12 +24,16 @@ layer i; a gradient can only be delayed (the prefix constraint of Eq. 5), parame
 ``x_k = u_k·(cap_k − Σ_{j<k} x_j)``, u ∈ [0, 1], so every trial point is feasible.
 
 Deviations, recorded:
-* Eq. 3–4 are applied per part (dense, then MoE) rather than per generalized layer, so that a
-  layer's dense gradient meets its own MoE layer (Fig. 3d launches the all-reduce inside the MoE
-  pipeline). The carried remainder is ``pending − assigned`` (elements are conserved; Eq. 4 read
-  literally, ``g⁻¹(t_ar(n) − t_olp)``, drops α_ar/β_ar elements per layer).
-* What no MoE layer takes is all-reduced after the backward, exposed (the tool prices it at
-  β_ar per element; here ``t_ar``). Eq. 5's objective has no such term.
+* The carried remainder is ``pending − assigned`` (elements are conserved; Eq. 4 read literally,
+  ``g⁻¹(t_ar(n) − t_olp)``, drops α_ar/β_ar elements per layer).
+* What no MoE layer takes is all-reduced after the backward, exposed (the published tool prices it
+  at β_ar per element and leaves the last layer's gradient out; here ``t_ar`` of all of it).
+  Eq. 5's objective has no such term.
+* Not reproduced from the published tool (none is in §5): when step 1 hides everything it moves up
+  to 0.7 of the experts' idle link time (if that exceeds ``others_ms`` + 5 ms) from the dense part
+  into the MoE layer, it drops remainders shorter than α_ar, rounds elements up to even, and it
+  sizes the MoE part at the backward degree it forces to 1 with the forward's. They change the
+  t_gar of some layers, no degree on the grid of tests/test_fsmoe_tool_agreement.py.
 * Only dense gradients are partitioned (as the published tool): expert gradients are reduced over
   their own expert-data-parallel groups.
 """
@@ -103,27 +113,36 @@ def _fits_in(fits: PipelineFits, time_ms: float) -> int:
     return int(g) if math.isfinite(g) else np.iinfo(np.int64).max
 
 
+def dense_overlappable_ms(workload: PipelineWorkload, fits: PipelineFits) -> float:
+    """``t_olp,dense`` of a generalized layer: ``others_ms`` plus, with S > 1, the attention's
+    all-gather and reduce-scatter of B·L·M elements inside the MP = ESP group (module docstring)."""
+    if workload.esp == 1:
+        return workload.others_ms
+    n = workload.batch * workload.seq * workload.d_model
+    return workload.others_ms + fits.alpha("ag") + fits.beta("ag") * n + fits.alpha("rs") + fits.beta("rs") * n
+
+
 def step1(
     layer_grad_elements: list[int], olp_dense_ms: float, olp_moe_ms: float, fits: PipelineFits
 ) -> tuple[list[int], list[int], list[int], int]:
-    """Eq. 3–4 in backward order (k = 0 is the model's last layer). Returns per k the elements
-    hidden in the dense part and in the MoE part, ``caps``: the most step 2 may have taken by MoE
-    layer k (the carried elements at the latest point they must stay untouched), and the leftover."""
+    """Eq. 3–4 in backward order (k = 0 is the model's last layer): layer k's dense part, then its
+    MoE part, take what fits from the gradient of layers < k. Returns per k the elements hidden in
+    the dense part and in the MoE part, ``caps``: the most step 2 may have taken by MoE layer k
+    (what stays pending from there on, newest elements placed first), and the leftover (with the
+    last layer's gradient, which no layer follows)."""
     dense_fit, moe_fit = _fits_in(fits, olp_dense_ms), _fits_in(fits, olp_moe_ms)
     n = len(layer_grad_elements)
-    dense, moe, before_production = [0] * n, [0] * n, [0] * n
+    dense, moe, pending_after = [0] * n, [0] * n, [0] * n
     carried = 0
     for k in range(n):
+        carried += layer_grad_elements[k - 1] if k else 0
         dense[k] = min(carried, dense_fit)
         carried -= dense[k]
-        before_production[k] = carried  # what step 2 may have drawn from by now (MoE layers < k)
-        carried += layer_grad_elements[k]
         moe[k] = min(carried, moe_fit)
         carried -= moe[k]
-    # Step 2 may take x_k at MoE layer k only from what stays pending through the next dense part.
-    bound = before_production[1:] + [carried]
-    caps = np.minimum.accumulate(np.asarray(bound, dtype=np.int64)[::-1])[::-1].tolist()
-    return dense, moe, caps, carried
+        pending_after[k] = carried  # no gradient arrives until layer k + 1 starts
+    caps = np.minimum.accumulate(np.asarray(pending_after, dtype=np.int64)[::-1])[::-1].tolist()
+    return dense, moe, caps, carried + layer_grad_elements[-1]
 
 
 def _extra_from_u(u_NS: np.ndarray, caps_N: np.ndarray) -> np.ndarray:
@@ -152,7 +171,8 @@ def partition_gradients(
     olp_moe = overlappable_ms(backward, r0)
     n = workload.layers
     grads = [workload.grad_elements] * n
-    dense_k, moe_k, caps_k, leftover = step1(grads, workload.others_ms, olp_moe, fits)
+    olp_dense = dense_overlappable_ms(workload, fits)
+    dense_k, moe_k, caps_k, leftover = step1(grads, olp_dense, olp_moe, fits)
     caps = np.asarray(caps_k, dtype=np.float64)
     first = np.asarray(moe_k, dtype=np.float64)
 
@@ -191,7 +211,7 @@ def partition_gradients(
         moe_first_elements=tuple(int(v) for v in moe_k[backward_to_forward]),
         moe_extra_elements=tuple(int(v) for v in extra_int[backward_to_forward]),
         exposed_elements=exposed,
-        olp_dense_ms=workload.others_ms,
+        olp_dense_ms=olp_dense,
         olp_moe_ms=olp_moe,
         moe_gar_ms=tuple(gar[backward_to_forward]),
         objective_ms=objective,

@@ -10,7 +10,9 @@ Case 2 (experts) ``2·t_a2a,r + t_ag,r + t_rs,r + r·t_exp,r``; Case 3 (all-to-a
 ``2r·t_a2a,r + t_ag,r + t_rs,r``; Case 4 (intra-node) ``2·t_a2a,r + r·t_ag,r + r·t_rs,r``.
 Algorithm 1 minimises each case over continuous r (SLSQP, the case's predicates as inequality
 constraints, one sub-problem per conjunction of a disjunctive case), keeps the best and snaps r to
-an integer. Backward (§4.4): α_exp and β_exp doubled, ``t_gar`` from §5 (``grad_partition``).
+an integer. The paper leaves SLSQP's start open: each sub-problem starts from its best feasible
+degree on a log grid of [1, r_max] (none feasible: the sub-problem is empty). Backward (§4.4):
+α_exp and β_exp doubled, ``t_gar`` from §5 (``grad_partition``).
 
 Pricing an integer r: by the case whose predicates hold at r. The four cases partition r ≥ 1 and
 each case is the largest of the formulas where it holds (Q2, Q3 compare Case 2 with Cases 3 and 4;
@@ -38,8 +40,18 @@ Deviations, recorded:
   optima are those of η = 1). η = 1 (FSMoE's constants, GPUs): the paper's model unchanged.
   Measured on the 2 × 2 CPU testbed: without η the model priced r = 1 and 2 within 2%, r = 2 ran
   11% slower (docs/fsmoe.md).
-* Not reproduced: the tool's shortcuts (forward degree 1 when one unchunked all-to-all takes
-  < 1 ms, backward degree 1 whenever the forward one is 1).
+* Rules of the published tool not applied; where they decide, it picks a degree that Eq. 1 and
+  the §4.2 cases price slower than moeflow's (tests/test_fsmoe_tool_agreement.py: on 144 layers ×
+  3 α-β sets the degrees agree but where these rules or ``grad_partition``'s deviations decide):
+  - forward degree 1 when one unchunked all-to-all takes < 1 ms: a fixed threshold on the
+    all-to-all alone, while chunks also overlap the ESP all-gather and reduce-scatter with the
+    experts; what a chunk costs beyond its α is measured instead (``chunk_ms``, η);
+  - the backward degree of the layer that hides no gradient (the model's last) is 1 whenever the
+    forward's is: §4.4 chooses the passes apart, and the backward's doubled expert work can pay
+    for chunks where the forward's does not;
+  - a snapped degree is priced only inside the case of the SLSQP optimum it neighbours (one
+    start per sub-problem), so a cheaper neighbour in another case is dropped; here every
+    neighbour is priced by the case that holds at it.
 """
 
 from __future__ import annotations
@@ -236,32 +248,93 @@ def candidate_degrees(snap: str, chunk_dim: int | None = None) -> tuple[int, ...
     raise ValueError(f"snap={snap!r}: expected 'powers' or 'divisors'")
 
 
+def _scalar_case_terms(model: PassModel, t_gar_ms: float, r: float) -> tuple[list[float], list[float]]:
+    """``predicate_margins`` (Q1..Q7) then ``case_times`` (Cases 1..4) at one r, and their
+    derivatives in r, in plain floats: what SLSQP evaluates thousands of times per solve."""
+    (a0, a1, a2, a3), (v0, v1, v2, v3) = model.alpha_ms, model.volume_ms
+    a2a, ag, rs, exp = a0 + v0 / r, a1 + v1 / r, a2 + v2 / r, a3 + v3 / r
+    d_a2a, d_ag, d_rs, d_exp = -v0 / r**2, -v1 / r**2, -v2 / r**2, -v3 / r**2
+    ex, d_ex = r * exp, exp + r * d_exp  # r·t_exp,r
+    busy, d_busy = 2 * (r - 1) * a2a, 2 * a2a + 2 * (r - 1) * d_a2a  # 2(r−1)·t_a2a,r
+    intra, d_intra = ag + rs, d_ag + d_rs
+    values = [
+        a2a - ag,
+        ex - busy,
+        ex - (r - 1) * intra,
+        t_gar_ms - intra,
+        t_gar_ms - (ex - busy + intra),
+        t_gar_ms - (r * intra - busy),
+        t_gar_ms - (intra + ex - busy),
+        2 * r * a2a + t_gar_ms,
+        2 * a2a + intra + ex,
+        2 * r * a2a + intra,
+        2 * a2a + r * intra,
+    ]
+    slopes = [
+        d_a2a - d_ag,
+        d_ex - d_busy,
+        d_ex - intra - (r - 1) * d_intra,
+        -d_intra,
+        -(d_ex - d_busy + d_intra),
+        -(intra + r * d_intra - d_busy),
+        -(d_intra + d_ex - d_busy),
+        2 * a2a + 2 * r * d_a2a,
+        2 * d_a2a + d_intra + d_ex,
+        2 * a2a + 2 * r * d_a2a + d_intra,
+        2 * d_a2a + intra + r * d_intra,
+    ]
+    return values, slopes
+
+
+START_GRID = 257
+"""Log-spaced degrees in [1, r_max] where each sub-problem's feasible set is sampled for a start."""
+
+
 def _solve_case(model: PassModel, t_gar_ms: float, case: int, r_max: float) -> tuple[float, float]:
-    """SLSQP over r in [1, r_max] for one case, one sub-problem per conjunction; (r, time) or nans."""
+    """SLSQP over r in [1, r_max] for one case, one sub-problem per conjunction; (r, time) or nans.
+    Each sub-problem starts from its best feasible point on a log grid of ``START_GRID`` degrees
+    (none: skipped as infeasible); objective, constraints and their exact derivatives come from
+    ``_scalar_case_terms``."""
     best = (math.nan, math.inf)
-    starts = sorted({1.0, math.sqrt(r_max), r_max})
+    grid = np.geomspace(1.0, r_max, START_GRID) if r_max > 1 else np.array([1.0])
+    grid_margins = predicate_margins(model, grid, t_gar_ms)
+    grid_times = case_times(model, grid, t_gar_ms)[case - 1]
+    at = functools.lru_cache(maxsize=64)(lambda r: _scalar_case_terms(model, t_gar_ms, r))
+    obj = 7 + case - 1  # index of the case's time among the terms
     for branch in CASE_BRANCHES[case]:
         signs = [(q - 1, 1.0 if want else -1.0) for q, want in branch]
+        feasible = np.logical_and.reduce([s * grid_margins[i] >= 0 for i, s in signs])
+        if not feasible.any():
+            continue
+        x0 = float(grid[feasible][np.argmin(grid_times[feasible])])
 
         def margins(x: np.ndarray, signs: list = signs) -> np.ndarray:
-            m = predicate_margins(model, x[0], t_gar_ms)
-            return np.array([s * m[i] for i, s in signs])
+            values = at(float(x[0]))[0]
+            return np.array([s * values[i] for i, s in signs])
+
+        def margins_jac(x: np.ndarray, signs: list = signs) -> np.ndarray:
+            slopes = at(float(x[0]))[1]
+            return np.array([[s * slopes[i]] for i, s in signs])
 
         def objective(x: np.ndarray) -> float:
-            return float(case_times(model, x[0], t_gar_ms)[case - 1])
+            return at(float(x[0]))[0][obj]
 
-        for x0 in starts:
-            res = optimize.minimize(
-                objective,
-                np.array([x0]),
-                method="SLSQP",
-                bounds=[(1.0, r_max)],
-                constraints=[{"type": "ineq", "fun": margins}],
-            )
-            r = float(np.clip(res.x[0], 1.0, r_max))
-            scale = 1e-6 * (1.0 + objective(np.array([r])))
-            if np.all(margins(np.array([r])) >= -scale) and objective(np.array([r])) < best[1]:
-                best = (r, objective(np.array([r])))
+        def objective_jac(x: np.ndarray) -> np.ndarray:
+            return np.array([at(float(x[0]))[1][obj]])
+
+        res = optimize.minimize(
+            objective,
+            np.array([x0]),
+            jac=objective_jac,
+            method="SLSQP",
+            bounds=[(1.0, r_max)],
+            constraints=[{"type": "ineq", "fun": margins, "jac": margins_jac}],
+        )
+        for r in (float(np.clip(res.x[0], 1.0, r_max)), x0):
+            x = np.array([r])
+            scale = 1e-6 * (1.0 + objective(x))
+            if np.all(margins(x) >= -scale) and objective(x) < best[1]:
+                best = (r, objective(x))
     return best if math.isfinite(best[1]) else (math.nan, math.nan)
 
 

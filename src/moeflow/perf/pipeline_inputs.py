@@ -47,7 +47,9 @@ class PipelineWorkload:
     layers: int
     """MoE layers (= generalized layers, FSMoE §5.2)."""
     others_ms: float
-    """Backward time of a generalized layer's dense part (gate, attention): its ``t_olp,dense``."""
+    """Backward time of a generalized layer's gate and attention (the published tool's t_others); its
+    ``t_olp,dense`` adds, with S > 1, the attention's all-gather and reduce-scatter
+    (``grad_partition.dense_overlappable_ms``)."""
     dense_grad_elements: int | None = None
     """Dense gradient elements of a generalized layer; default: the tool's GPT attention under MP = S,
     ``(3M² + 3M + M²)/S + M`` (QKV weight and bias and output weight sharded, output bias whole)."""

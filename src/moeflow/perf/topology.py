@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy import sparse
 
-from moeflow.perf.topology_presets import GBIT, GBYTE, PRESETS
+from moeflow.perf.topology_presets import GBIT, GBYTE, PRESETS, resolve_preset
 
 __all__ = ["GBIT", "GBYTE", "PRESETS", "Link", "Topology"]
 
@@ -194,42 +195,84 @@ class Topology:
         for n, members in enumerate(node_groups):
             for d in members:
                 self.node_of[d] = n
-        # Incidence of every ordered pair's route on every link: routes_PL[i*W+j, l] = 1 if the
-        # bytes i->j cross link l. Built once so that link traffic of any flow is one matmul.
-        W = self.num_devices
-        routes = np.zeros((W * W, len(links)), dtype=np.float64)
-        for i in range(W):
-            for j in range(W):
-                for li in self._route(i, j):
-                    routes[i * W + j, li] = 1.0
-        self.routes_PL = routes
+        W, L = self.num_devices, len(links)
+        self.route_WWH = self._route_table()
+        """Links of every ordered pair's route in order from the source, padded with L (no link):
+        int32 ``[W, W, H]``, built array-wise once; link traffic and route latencies read it."""
         self.bandwidth_L = np.array([lk.bandwidth_bytes_per_s for lk in links])
         self.latency_L = np.array([lk.latency_s for lk in links])
-        self.path_latency_WW = (routes @ self.latency_L).reshape(W, W)
+        self.path_latency_WW = np.append(self.latency_L, 0.0)[self.route_WWH].sum(-1)
+        self.latency_classes, classes = np.unique(self.path_latency_WW, return_inverse=True)
+        """The distinct route latencies, ascending; `latency_class_WW` indexes them per pair."""
+        self.latency_class_WW = classes.reshape(W, W)
+        self.path_bandwidth_WW = np.append(self.bandwidth_L, math.inf)[self.route_WWH].min(-1)
+        """Bottleneck bandwidth of every route (inf on the diagonal)."""
         self.reverse_L = np.array([self._index.get((lk.dst, lk.src), -1) for lk in links], dtype=np.int64)
         """Each directed link's opposite direction (-1: none)."""
+        self.nodes_under_root = len(node_groups) > 1 and all(len(self._chain[d]) == 2 for d in range(W))
+        """Every node hangs from the root switch: bytes between two nodes take the same four links —
+        their source's, its node's up, the other node's down, their destination's."""
+        if self.nodes_under_root:  # those links of every device, from a device of the next node
+            partner = [node_groups[(self.node_of[d] + 1) % len(node_groups)][0] for d in range(W)]
+            self.leave_W2 = self.route_WWH[np.arange(W), partner][:, :2]
+            self.enter_W2 = self.route_WWH[partner, np.arange(W)][:, 2:4]
+            self.cross_class = int(self.latency_class_WW[0, partner[0]])
+        H = self.route_WWH.shape[-1]
+        hops = self.route_WWH.reshape(-1)
+        keep = hops < L
+        pairs = np.repeat(np.arange(W * W), H)[keep]
+        # The incidence of every pair's route on every link, sparse: the traffic of any flow is one product.
+        self._routes_csr = sparse.csr_matrix((np.ones(pairs.size), (pairs, hops[keep])), shape=(W * W, L))
+        self._routes_dense: np.ndarray | None = None
 
-    def _route(self, i: int, j: int) -> list[int]:
-        if i == j:
-            return []
-        if self._ring_pos and i in self._ring_pos and self._ring_pos[i][0] == self._ring_pos[j][0]:
-            members = self._node_groups[self._ring_pos[i][0]]
-            m, a, b = len(members), self._ring_pos[i][1], self._ring_pos[j][1]
-            fwd, bwd = (b - a) % m, (a - b) % m
-            step = 1 if fwd <= bwd else -1  # shortest way round; ties go forward
-            out, pos = [], a
-            while pos != b:
-                nxt = (pos + step) % m
-                out.append(self._index[(f"d{members[pos]}", f"d{members[nxt]}")])
-                pos = nxt
-            return out
-        up, down = self._chain[i], self._chain[j]
-        common = next(s for s in up if s in set(down))  # lowest common switch
-        hops_up = [f"d{i}", *up[: up.index(common) + 1]]
-        hops_down = [*down[: down.index(common) + 1][::-1], f"d{j}"]
-        out = [self._index[(a, b)] for a, b in zip(hops_up, hops_up[1:])]
-        out += [self._index[(a, b)] for a, b in zip(hops_down, hops_down[1:])]
-        return out
+    def _route_table(self) -> np.ndarray:
+        """`route_WWH`: up from the source to the lowest common switch and down (a tree), or round a
+        ring node the shorter way (ties forward) between members of one ring."""
+        W, L = self.num_devices, len(self.links)
+        chains = [[f"d{d}", *self._chain[d]] for d in range(W)]  # device, parent, ..., root
+        depth = max(len(c) for c in chains) - 1
+        names = {name: i for i, name in enumerate(sorted({v for c in chains for v in c}))}
+        # The vertex at each depth from the root (0) down to the device; below a device: -1 - device.
+        anc_WD = np.array([[-1 - d] * (depth + 1) for d in range(W)], dtype=np.int64)
+        up_WD = np.full((W, depth + 1), L, dtype=np.int32)  # the link from the depth-ℓ vertex up
+        down_WD = np.full((W, depth + 1), L, dtype=np.int32)  # the link down into it
+        for d, chain in enumerate(chains):
+            top_down = chain[::-1]
+            for level, vertex in enumerate(top_down):
+                anc_WD[d, level] = names[vertex]
+                if level:
+                    up_WD[d, level] = self._index[(vertex, top_down[level - 1])]
+                    down_WD[d, level] = self._index[(top_down[level - 1], vertex)]
+        ring_hops = max((len(m) // 2 for m in self._node_groups), default=0) if self._ring_pos else 0
+        table = np.full((W, W, max(2 * depth, ring_hops, 1)), L, dtype=np.int32)
+        for k, level in enumerate(range(depth, 0, -1)):  # up, the deepest link first
+            apart = anc_WD[:, None, level] != anc_WD[None, :, level]
+            table[:, :, k] = np.where(apart, up_WD[:, None, level], L)
+        for k, level in enumerate(range(1, depth + 1)):  # then down
+            apart = anc_WD[:, None, level] != anc_WD[None, :, level]
+            table[:, :, depth + k] = np.where(apart, down_WD[None, :, level], L)
+        # A route's hops contiguous from column 0 (the padding of shallower devices moved to the end).
+        table = np.take_along_axis(table, np.argsort(table == L, axis=-1, kind="stable"), axis=-1)
+        for members in self._node_groups if self._ring_pos else []:
+            m = len(members)
+            for a in range(m):
+                for b in range(m):
+                    step = 1 if (b - a) % m <= (a - b) % m else -1  # shortest way round; ties go forward
+                    hops, pos = [], a
+                    while pos != b:
+                        hops.append(self._index[(f"d{members[pos]}", f"d{members[(pos + step) % m]}")])
+                        pos = (pos + step) % m
+                    table[members[a], members[b]] = L
+                    table[members[a], members[b], : len(hops)] = hops
+        return table
+
+    @property
+    def routes_PL(self) -> np.ndarray:
+        """Dense incidence of every ordered pair's route on every link ``[W·W, L]`` (1: the bytes
+        i -> j cross link l), built on first use (``W²·L`` floats: for small clusters)."""
+        if self._routes_dense is None:
+            self._routes_dense = self._routes_csr.toarray()
+        return self._routes_dense
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -246,11 +289,13 @@ class Topology:
         for name, v in (("i", i), ("j", j)):
             if not (isinstance(v, (int, np.integer)) and 0 <= v < self.num_devices):
                 raise ValueError(f"path {name}={v!r}: not a device of this {self.num_devices}-device topology")
-        return [self.links[li] for li in self._route(int(i), int(j))]
+        L = len(self.links)
+        return [self.links[li] for li in self.route_WWH[int(i), int(j)] if li < L]
 
     def path_bandwidth(self, i: int, j: int) -> float:
         """Bottleneck bandwidth of the route i -> j (inf for i == j)."""
-        return min((lk.bandwidth_bytes_per_s for lk in self.path(i, j)), default=math.inf)
+        self.path(i, j)  # checks the device ids
+        return float(self.path_bandwidth_WW[int(i), int(j)])
 
     def device_link_bandwidth(self, w: int) -> float:
         """Bandwidth of device w's own link into its node (the first hop of all of its traffic
@@ -271,7 +316,16 @@ class Topology:
         W = self.num_devices
         if bytes_WW.shape[-2:] != (W, W):
             raise ValueError(f"flow shape {bytes_WW.shape}: last two dims must be ({W}, {W})")
-        return bytes_WW.reshape(*bytes_WW.shape[:-2], W * W) @ self.routes_PL
+        flat = bytes_WW.reshape(-1, W * W)
+        return np.asarray(flat @ self._routes_csr).reshape(*bytes_WW.shape[:-2], len(self.links))
+
+    def pair_traffic(self, bytes_P: np.ndarray, pairs_P: np.ndarray) -> np.ndarray:
+        """Bytes on every link ``[..., L]`` when ``bytes_P[..., p]`` go along pair ``pairs_P[p] = i·W + j``."""
+        bytes_P = np.asarray(bytes_P, dtype=np.float64)
+        pairs_P = np.asarray(pairs_P, dtype=np.int64)
+        flat = bytes_P.reshape(int(np.prod(bytes_P.shape[:-1])), pairs_P.size)
+        routes = self._routes_csr[pairs_P]
+        return np.asarray(flat @ routes).reshape(*bytes_P.shape[:-1], len(self.links))
 
     def level_bandwidth(self) -> tuple[float, ...]:
         return self._bw
@@ -405,11 +459,9 @@ class Topology:
 
     @classmethod
     def preset(cls, name: str) -> Topology:
-        """A published cluster (see ``PRESETS``); ``name`` is case-insensitive."""
-        key = name.lower().replace("-", "_")
-        if key not in PRESETS:
-            raise ValueError(f"topology preset={name!r}: unknown; choose from {sorted(PRESETS)}")
-        p = PRESETS[key]
+        """A published cluster (see ``PRESETS``); ``name`` is case-insensitive; ``NAME@N``: its link
+        classes at N devices (``topology_presets.resolve_preset``)."""
+        key, p = resolve_preset(name)
         return cls(
             p.spec(),
             p.level_bandwidth_bytes_per_s,
@@ -422,7 +474,7 @@ class Topology:
     @classmethod
     def resolve(cls, value: str) -> Topology:
         """CLI helper: a preset name, a JSON file, or inline JSON (a topology object)."""
-        if value.lower().replace("-", "_") in PRESETS:
+        if value.lower().replace("-", "_").partition("@")[0] in PRESETS:
             return cls.preset(value)
         if value.lstrip().startswith("{") or Path(value).is_file():
             return cls.from_json(value)

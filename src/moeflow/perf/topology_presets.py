@@ -7,7 +7,7 @@ cost model's GEMM-time default (90% of it, FasterMoE §3.1).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
@@ -32,6 +32,26 @@ class Preset:
     """Citation of every number above."""
     ring_edge_bandwidth_bytes_per_s: Sequence[float] | None = None
     """Ring edges inside a node (NVLink rings), see ``Topology.ring_edge_bandwidth_bytes_per_s``."""
+
+    def node_size(self) -> int:
+        """Devices in one node."""
+        shape = self.devices_per_node
+        count = 0 if not isinstance(shape, int) else shape
+
+        def leaves(s: Any) -> int:
+            return 1 if isinstance(s, int) else sum(leaves(c) for c in s)
+
+        return count or leaves(shape)
+
+    def scaled(self, num_devices: int) -> Preset:
+        """The same link classes with `num_devices` devices: as many nodes of this layout as fit
+        exactly (the scale benchmark's clusters, `moeflow simulate --sweep NAME@N`)."""
+        per_node = self.node_size()
+        if num_devices < per_node or num_devices % per_node:
+            raise ValueError(
+                f"num_devices={num_devices}: must be a positive multiple of the {per_node} devices per node"
+            )
+        return replace(self, nodes=num_devices // per_node, source=f"{self.source}; scaled to {num_devices} devices")
 
     def spec(self) -> list:
         out, nxt = [], 0
@@ -166,9 +186,20 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def preset_peak_flops(name: str) -> float:
-    """Device peak FLOP/s of a preset (for CostModel defaults)."""
-    key = name.lower().replace("-", "_")
+def resolve_preset(name: str) -> tuple[str, Preset]:
+    """A preset by name, case-insensitive, or the same link classes at another size: `NAME@N` is
+    N devices in nodes of the preset's layout (its per-node spec, ring edges, level bandwidths and
+    latencies), N a multiple of the devices per node (`Preset.scaled`). Returns (canonical name, preset)."""
+    key, at, size = name.lower().replace("-", "_").partition("@")
     if key not in PRESETS:
-        raise ValueError(f"topology preset={name!r}: unknown; choose from {sorted(PRESETS)}")
-    return PRESETS[key].peak_flops_per_s
+        raise ValueError(f"topology preset={name!r}: unknown; choose from {sorted(PRESETS)} (or NAME@DEVICES)")
+    if not at:
+        return key, PRESETS[key]
+    if not size.isdigit() or int(size) < 1:
+        raise ValueError(f"topology preset={name!r}: expected NAME@DEVICES with DEVICES a positive integer")
+    return f"{key}@{int(size)}", PRESETS[key].scaled(int(size))
+
+
+def preset_peak_flops(name: str) -> float:
+    """Device peak FLOP/s of a preset (for CostModel defaults); `NAME@N` as `resolve_preset`."""
+    return resolve_preset(name)[1].peak_flops_per_s

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from moeflow.core.checks import positive_int
 from moeflow.core.launch import init_distributed, launch_local, under_torchrun
@@ -259,8 +260,9 @@ def _measure_copies(sweep: _Sweep) -> None:
     sweep.record("copies", sweep.comm_sizes, times, "byte")
 
 
-def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
-    """Measure on the initialised default process group; every rank returns the same dict."""
+def run_profile(config: ProfileConfig, device: Any = None, progress: bool = False) -> dict[str, Any]:
+    """Measure on the initialised default process group; every rank returns the same dict.
+    `progress`: rank 0 shows a progress bar over the sweeps (tqdm, on stderr)."""
     if not dist.is_initialized():
         raise RuntimeError("run_profile needs an initialised torch.distributed process group")
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -271,11 +273,18 @@ def run_profile(config: ProfileConfig, device: Any = None) -> dict[str, Any]:
     node_of = [order.index(k) for k in keys]
     nodes = [[r for r in range(W) if node_of[r] == n] for n in range(len(order))]
     sweep = _Sweep(config, device, rank, W, node_of)
-    _measure_compute(sweep)
-    _measure_collectives(sweep)
-    _measure_p2p(sweep, nodes)
-    _measure_copies(sweep)
-    measure_chunks(sweep)
+    phases = [
+        ("GEMM", _measure_compute),
+        ("collectives", _measure_collectives),
+        ("point-to-point", lambda sw: _measure_p2p(sw, nodes)),
+        ("copies", _measure_copies),
+        ("pipeline chunks", measure_chunks),
+    ]
+    with tqdm(total=len(phases), unit="sweep", disable=not progress or rank != 0, leave=False) as bar:
+        for label, measure in phases:
+            bar.set_description(f"profiling {label}")
+            measure(sweep)
+            bar.update(1)
     src = "moeflow profile"
     fits = {
         k: (
@@ -314,14 +323,21 @@ def topology_from_fits(nodes: list[list[int]], fits: dict[str, dict[str, Any]]) 
     inter-node route 2 device hops + 2 network hops; the bottleneck sets 1/β."""
 
     def bw(kind: str) -> float | None:
+        # A fit that noise dominates (r² < 0.5: a shared CPU descheduling the ranks) says nothing
+        # about the bandwidth; its slope can be near zero, i.e. an absurdly fast link.
         f = fits.get(kind)
-        return 1.0 / f["beta_s_per_unit"] if f and f["beta_s_per_unit"] > 0 else None
+        usable = f and f["beta_s_per_unit"] > 0 and (f.get("r2") is None or f["r2"] >= 0.5)
+        return 1.0 / f["beta_s_per_unit"] if usable else None
 
     def lat(kind: str) -> float:
         f = fits.get(kind)
         return max(f["alpha_s"], 0.0) if f else 0.0
 
     intra, inter = bw("p2p_intra"), bw("p2p_inter")
+    # Without a usable point-to-point fit: the uniform all-to-all's, each rank sending (W-1)/W of n.
+    world = sum(len(g) for g in nodes)
+    uniform = bw("a2a") * world / (world - 1) if bw("a2a") and world > 1 else None
+    intra = intra or (uniform if len(nodes) == 1 else None)
     if len(nodes) == 1:
         b = intra or 10e9
         return {
@@ -349,7 +365,7 @@ def _worker(config: ProfileConfig, backend: str) -> dict[str, Any]:
     created = not dist.is_initialized()
     device = init_distributed({"nccl": "cuda", "gloo": "cpu"}.get(backend, "auto"))
     try:
-        return run_profile(config, device)
+        return run_profile(config, device, progress=True)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()

@@ -81,12 +81,27 @@ def load_measured(path: str | Path) -> list[RooflinePoint]:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"--measured file {str(path)!r} does not exist")
-    data = json.loads(p.read_text())
+    try:
+        data = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--measured file {str(path)!r}: not JSON ({exc})") from None
     pts = data.get("points") if isinstance(data, dict) else None
     if not isinstance(pts, list):
         raise ValueError(f"--measured file {str(path)!r}: expected an object with a 'points' list")
     keys = set(RooflinePoint.__dataclass_fields__)
     return [RooflinePoint(**{**{k: v for k, v in q.items() if k in keys}, "kind": "measured"}) for q in pts]
+
+
+def _styles(points: Sequence[RooflinePoint]) -> tuple[dict[str, Any], dict[str, str]]:
+    """A distinct colour per strategy (tab10, then tab20) and a marker per schedule, in order of appearance."""
+    import matplotlib
+
+    strategies = list(dict.fromkeys(p.label.partition("/")[0] for p in points))
+    schedules = list(dict.fromkeys(p.label.partition("/")[2] for p in points if p.kind == "predicted"))
+    palette = matplotlib.colormaps["tab10" if len(strategies) <= 10 else "tab20"]
+    markers = "osD^vP*X<>hp"
+    colours = {s: palette(i % palette.N) for i, s in enumerate(strategies)}
+    return colours, {s: markers[i % len(markers)] for i, s in enumerate(schedules)}
 
 
 def write(
@@ -97,27 +112,57 @@ def write(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     finite = [p.r_cc for p in points if np.isfinite(p.r_cc) and p.r_cc > 0]
-    lo = min([0.05, *finite]) / 2
-    hi = max([20.0, *finite]) * 2
+    # Around the points, with the knee at R_CC = 1 in view: the points do not crowd into one spot.
+    lo = min([0.5, *finite]) / 2
+    hi = max([2.0, *finite]) * 2
     grid = np.geomspace(lo, hi, 200)
     cv = curves(peak_flops_per_s, grid)
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    ax.plot(grid, cv["ideal"] / 1e9, "k-", label="ideal  P·min(1, R_CC)")
-    ax.plot(grid, cv["semi_ideal"] / 1e9, "k--", label="semi-ideal  P·R/(R+1)")
+    fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
+    ax.plot(grid, cv["ideal"] / 1e9, "k-", lw=1.2, label="ideal  P·min(1, R_CC)")
+    ax.plot(grid, cv["semi_ideal"] / 1e9, "k--", lw=1.2, label="semi-ideal  P·R/(R+1)")
+    curve_legend = ax.legend(loc="upper left", fontsize=8, title="bounds", title_fontsize=8)
+    ax.add_artist(curve_legend)
+    colour_of, marker_of = _styles(points)
     for p in points:
-        marker = "o" if p.kind == "predicted" else "x"
-        ax.scatter([p.r_cc], [p.throughput_flops_per_s / 1e9], marker=marker, label=f"{p.label} ({p.kind})")
+        strategy, _, schedule = p.label.partition("/")
+        ax.scatter(
+            [p.r_cc],
+            [p.throughput_flops_per_s / 1e9],
+            s=46 if p.kind == "predicted" else 70,
+            color=colour_of[strategy],
+            marker=marker_of[schedule] if p.kind == "predicted" else "x",
+            edgecolors="black" if p.kind == "predicted" else None,
+            linewidths=0.5,
+            alpha=0.85,
+        )
+    # One legend entry per strategy (colour) and per schedule (marker), outside the axes.
+    handles = [
+        Line2D([], [], ls="", marker="o", color=c, markeredgecolor="black", label=s) for s, c in colour_of.items()
+    ]
+    handles += [
+        Line2D([], [], ls="", marker=m, color="0.6", markeredgecolor="black", label=s) for s, m in marker_of.items()
+    ]
+    if any(p.kind == "measured" for p in points):
+        handles.append(Line2D([], [], ls="", marker="x", color="black", label="measured"))
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+        frameon=False,
+        title="strategy (colour)\nschedule (shape)",
+        title_fontsize=8,
+    )
     ax.set_xscale("log")
-    ax.set_xlabel("R_CC = Lat_comp / Lat_comm")
-    ax.set_ylabel("P̄ per device (GFLOP/s)")
+    ax.set_xlabel("R_CC = Lat_comp / Lat_comm (forward expert time of the slowest device / one all-to-all)")
+    ax.set_ylabel("P̄: achieved throughput per device (GFLOP/s)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
     png = out / "roofline.png"
     fig.savefig(png, dpi=120)
     plt.close(fig)

@@ -12,7 +12,11 @@ copies a planner asked for (``CostModel.copies_time``: materialize in forward, r
 backward), plus the dense part of the block (``nonmoe_forward_s``, backward 2×).
 
 A trace of another size is rescaled to the cluster (``Trace.rescale``). Planners that never copy
-(``ep``) take a vectorised path, so a 64×64×1000 replay is a few numpy calls.
+(``ep``) take a vectorised path, so a 64×64×1000 replay is a few numpy calls; the others are asked
+call by call (a progress bar with ``progress=True``). Every row also carries plain EP's time and the
+force-balanced ceiling's — plain EP, same schedule, with the same tokens routed perfectly evenly
+(``Trace.balanced``) — and so its share of the ceiling (``Breakdown.share_of_ceiling``, the
+``(T_ep − T) / (T_ep − T_ceiling)`` that ``moeflow bench --ceiling`` reports for measured rows).
 
 Shape suffixes: I iterations, L layers, W ranks, E experts; ``...`` = (I, L).
 
@@ -28,16 +32,17 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
+from tqdm import tqdm
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement, dispatch_counts, send_by_owner
+from moeflow.core.placement import Placement, dispatch_loads, send_by_owner
 from moeflow.core.registry import LayerContext
 from moeflow.layer import AXES
 from moeflow.perf.costmodel import CostModel
 from moeflow.routing import BALANCES, GATES
 from moeflow.routing.effects import EFFECTS
-from moeflow.sim.traces import Trace
+from moeflow.sim.traces import Trace, balanced_flow
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 from moeflow.strategies.planners.base import PrefetchWindow, as_planner
 from moeflow.strategies.planners.ep import EPPlanner
@@ -100,6 +105,20 @@ class Breakdown:
     """Assignments computed in the layer (Σ_w B_w)."""
     replicated_IL: np.ndarray = field(repr=False)
     """Expert copies beyond the owners (0 for ep)."""
+    ep_total_s: float | None = None
+    """Plain EP's mean iteration time on the same trace and schedule."""
+    ceiling_total_s: float | None = None
+    """The force-balanced ceiling: plain EP's mean iteration time, same schedule, with perfectly
+    even routing of the same tokens (`Trace.balanced`)."""
+
+    @property
+    def share_of_ceiling(self) -> float | None:
+        """The part of the possible gain reached, `(T_ep − T) / (T_ep − T_ceiling)` (as `moeflow bench
+        --ceiling` reports it; None without a gap). Above 1: copies also keep tokens on their own
+        device, which even routing under plain EP does not."""
+        if self.ep_total_s is None or self.ceiling_total_s is None or self.ep_total_s <= self.ceiling_total_s:
+            return None
+        return (self.ep_total_s - float(self.total_I.mean())) / (self.ep_total_s - self.ceiling_total_s)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"strategy": self.strategy, "schedule": self.schedule}
@@ -108,6 +127,12 @@ class Breakdown:
         out["total_p50_s"] = float(np.percentile(self.total_I, 50))
         out["total_p95_s"] = float(np.percentile(self.total_I, 95))
         out["replicated_experts_per_layer"] = float(self.replicated_IL.mean())
+        if self.ep_total_s is not None:
+            out["speedup_over_ep"] = self.ep_total_s / out["total_s"]
+        if self.ceiling_total_s is not None:
+            out["ceiling_total_s"] = self.ceiling_total_s
+            out["ceiling_over_total"] = self.ceiling_total_s / out["total_s"]
+            out["share_of_ceiling"] = self.share_of_ceiling
         return out
 
 
@@ -129,7 +154,12 @@ class Plans(NamedTuple):
 
 
 def _plan(
-    build_planner, flow_ILWE: np.ndarray, cost_model: CostModel, layer: SimulatedLayer, prefetch: bool = False
+    build_planner,
+    flow_ILWE: np.ndarray,
+    cost_model: CostModel,
+    layer: SimulatedLayer,
+    prefetch: bool = False,
+    progress: Any = None,
 ) -> Plans:
     """Ask the planner for every (iteration, layer), as the layer does (`Plans`). Each layer gets its
     own planner, fed the iterations in order: one that plans ahead (`plans_ahead`: Pro-Prophet,
@@ -138,7 +168,7 @@ def _plan(
     copies are prefetched, as `strategies.prefetch.BlockPrefetch` tells them in a run, with the dense time
     given and the whole window hiding copies (a GPU's copy engines). FSSDP planners re-shard all
     layers together every `reshard_interval` iterations (`fssdp.plan_resharding`, as
-    `core.resharding` does after an optimizer step)."""
+    `core.resharding` does after an optimizer step). `progress`: a bar advanced once per iteration."""
     I, L, W, E = flow_ILWE.shape
     base = Placement.expert_parallel(E, W)
     planner = as_planner(build_planner())
@@ -147,6 +177,8 @@ def _plan(
         send = send_by_owner(flow_ILWE, base.owner_E)
         computed = base.holders_EW.T * flow_ILWE.sum(-2)[..., None, :]
         holders = np.broadcast_to(base.holders_EW, (I, L, E, W))
+        if progress is not None:
+            progress.update(I)
         return Plans(send, computed, holders, owners, np.zeros(I), np.zeros((I, L), dtype=bool))
     node_of = cost_model.topology.node_of
     planners = [planner] + [as_planner(build_planner()) for _ in range(1, L)]  # each layer its own history
@@ -164,9 +196,7 @@ def _plan(
             planned = planners[li].next_placement() if ahead and li else None
             placement = planners[li](flow_ILWE[i, li], current[li], cost_model)
             prefetched[i, li] = planned is not None and placement == planned
-            plan_SEW = dispatch_counts(flow_ILWE[i, li], placement, node_of)
-            send[i, li] = plan_SEW.sum(axis=1)
-            computed[i, li] = plan_SEW.sum(axis=0).T
+            send[i, li], computed[i, li] = dispatch_loads(flow_ILWE[i, li], placement, node_of)
             holders[i, li] = placement.holders_EW
             owners[i, li] = placement.owner_E
         new_LE = plan_resharding(planners, cost_model, W, node_of, i + 1) if resharding else None
@@ -177,6 +207,8 @@ def _plan(
             current = [Placement.owners_only(new_E, W) for new_E in new_LE]
             for p, moved in zip(planners, current):
                 p.owners_changed(moved, cost_model)
+        if progress is not None:
+            progress.update(1)
     return Plans(send, computed, holders, owners, reshard_I, prefetched)
 
 
@@ -231,9 +263,13 @@ def simulate(
     layer: SimulatedLayer,
     strategies: Sequence[str] = ("ep",),
     schedules: Sequence[str] = ("sync",),
+    progress: bool = False,
+    ceiling: bool = True,
 ) -> list[Breakdown]:
     """Replay ``trace`` (rescaled to the cluster when its size differs); one ``Breakdown`` per
-    (strategy, schedule). See the module docstring."""
+    (strategy, schedule). See the module docstring. `progress`: a bar (tqdm, on stderr) over the
+    strategies' iterations. `ceiling`: also plain EP on the force-balanced trace, each schedule, so
+    that every row carries its share of the ceiling (`Breakdown.share_of_ceiling`)."""
     W = cost_model.topology.num_devices
     if trace.world_size != W:
         trace = trace.rescale(W)
@@ -252,18 +288,41 @@ def simulate(
     for schedule in built.values():
         schedule.check_dispatcher(dispatcher)
     flow = routed_flow(trace, cost_model, layer)
-    t_counts = cost_model.count_exchange_time(E)
-    param_bytes = layer.shape.param_bytes(cost_model.bytes_per_element)
-    nonmoe_IL = np.full((I, L), 3.0 * layer.nonmoe_forward_s)
+    pricing = _Pricing(cost_model, layer, built, dispatcher, E, I, L)
+    bar = tqdm(
+        total=len(strategies) * I, desc=f"simulate {cost_model.name}", unit="it", disable=not progress, leave=False
+    )
     results = []
     for name in strategies:
-        send, computed, holders, owners, reshard_I, prefetched_IL = _plan(
-            lambda name=name: PLANNERS.build(name, ctx, options[name]),
-            flow,
-            cost_model,
-            layer,
-            layer.prefetch,
-        )
+        bar.set_postfix_str(name)
+        build = lambda name=name: PLANNERS.build(name, ctx, options[name])  # noqa: E731
+        results += pricing.breakdowns(name, _plan(build, flow, cost_model, layer, layer.prefetch, bar))
+    bar.close()
+    if ceiling:
+        ep = {r.schedule: r for r in results if r.strategy == "ep"}
+        if not ep:
+            ep = {r.schedule: r for r in pricing.breakdowns("ep", _plan(EPPlanner, flow, cost_model, layer))}
+        even = pricing.breakdowns("ep", _plan(EPPlanner, balanced_flow(flow), cost_model, layer))
+        for r in results:
+            r.ep_total_s = float(ep[r.schedule].total_I.mean())
+            r.ceiling_total_s = float(next(c for c in even if c.schedule == r.schedule).total_I.mean())
+    return results
+
+
+class _Pricing:
+    """What one strategy's plans cost under every schedule (`simulate`)."""
+
+    def __init__(self, cost_model: CostModel, layer: SimulatedLayer, built: dict, dispatcher, E: int, I: int, L: int):
+        self.cm, self.layer, self.built, self.dispatcher = cost_model, layer, built, dispatcher
+        self.t_counts = cost_model.count_exchange_time(E)
+        self.param_bytes = layer.shape.param_bytes(cost_model.bytes_per_element)
+        self.nonmoe_IL = np.full((I, L), 3.0 * layer.nonmoe_forward_s)
+        self.E = E
+
+    def breakdowns(self, name: str, plans: Plans) -> list[Breakdown]:
+        cost_model, layer, param_bytes, nonmoe_IL = self.cm, self.layer, self.param_bytes, self.nonmoe_IL
+        send, computed, holders, owners, reshard_I, prefetched_IL = plans
+        W = cost_model.topology.num_devices
         # The workload's Lat_comp and Lat_comm (FasterMoE §3.3), whatever the schedule: the roofline's R_CC.
         lat_comp_IL = cost_model.compute_time(computed, layer.shape)
         trans_IL, agg_IL = _copies_time_IL(cost_model, param_bytes, holders, owners)
@@ -275,17 +334,18 @@ def simulate(
             sent_IL = _copies_time_IL(cost_model, param_bytes, holders, owners, tree=False)
             hidden_IL = overlapped_copies(sent_IL[0], sent_IL[1], lat_comp_IL, layer.nonmoe_forward_s)
             copies_IL = np.where(prefetched_IL, hidden_IL, copies_IL)
-        other_IL = t_counts + copies_IL
+        other_IL = self.t_counts + copies_IL
         other_IL[:, -1] += reshard_I  # moving shards (FSSDP), after the iteration's last layer
-        replicated_IL = holders.sum(axis=(-2, -1)) - E
+        replicated_IL = holders.sum(axis=(-2, -1)) - self.E
         step = StepLoad(send, computed, layer.shape, cost_model.topology.node_of)
         bytes_WW = send * (1.0 - np.eye(W)) * layer.shape.d_model * cost_model.bytes_per_element
-        lat_comm_IL = dispatcher.price(cost_model, bytes_WW)  # one exchange (the combine costs the same)
-        for schedule_name, schedule in built.items():
-            block = schedule.predict(step, cost_model, dispatcher)
+        lat_comm_IL = self.dispatcher.price(cost_model, bytes_WW)  # one exchange (the combine costs the same)
+        out = []
+        for schedule_name, schedule in self.built.items():
+            block = schedule.predict(step, cost_model, self.dispatcher)
             total_IL = block.total_s + other_IL + nonmoe_IL
             exposed_IL = total_IL - nonmoe_IL - block.compute_s
-            results.append(
+            out.append(
                 Breakdown(
                     name,
                     schedule_name,
@@ -302,7 +362,7 @@ def simulate(
                     replicated_IL.astype(np.float64),
                 )
             )
-    return results
+        return out
 
 
 def speedup_bound(comm_s: Any, comp_s: Any) -> np.ndarray:
@@ -312,13 +372,21 @@ def speedup_bound(comm_s: Any, comp_s: Any) -> np.ndarray:
 
 
 def format_table(results: Sequence[Breakdown]) -> str:
-    """Fixed-width table of the mean per-iteration breakdown (milliseconds)."""
+    """Fixed-width table of the mean per-iteration breakdown (milliseconds), the speedup over plain
+    EP (same schedule) and the share of the force-balanced ceiling (`Breakdown.share_of_ceiling`)."""
     keys = ("total_s", "compute_s", "a2a_s", "other_comm_s", "exposed_comm_s", "overlapped_comm_s", "total_p95_s")
     head = f"{'strategy':<14}{'schedule':<10}" + "".join(
-        f"{k:>10}" for k in ("total", "compute", "a2a", "other", "exposed", "overlap", "p95")
+        f"{k:>10}" for k in ("total", "compute", "a2a", "other", "exposed", "overlap", "p95", "vs EP", "ceiling")
     )
-    lines = [head + "   (ms per iteration)"]
+    lines = [head + "   (ms per iteration; ceiling: share of EP's gap to even routing closed)"]
     for r in results:
         s = r.summary()
-        lines.append(f"{r.strategy:<14}{r.schedule:<10}" + "".join(f"{1e3 * s[k]:>10.3f}" for k in keys))
+        row = f"{r.strategy:<14}{r.schedule:<10}" + "".join(f"{1e3 * s[k]:>10.3f}" for k in keys)
+        row += f"{s['speedup_over_ep']:>9.2f}x" if "speedup_over_ep" in s else f"{'-':>10}"
+        share = s.get("share_of_ceiling")
+        row += f"{100 * share:>9.1f}%" if share is not None else f"{'-':>10}"
+        lines.append(row)
+    ceilings = {r.schedule: r.ceiling_total_s for r in results if r.ceiling_total_s is not None}
+    if ceilings:
+        lines.append("ceiling (ep, even routing): " + ", ".join(f"{k} {1e3 * v:.3f} ms" for k, v in ceilings.items()))
     return "\n".join(lines)

@@ -94,6 +94,12 @@ class Trace:
             meta["tokens_per_rank"] = int(meta["tokens_per_rank"]) * self.world_size // world_size
         return Trace(flow, self.steps_I.copy(), meta)
 
+    def balanced(self) -> Trace:
+        """The force-balanced trace: every rank's assignments of every (iteration, layer) spread
+        evenly over the experts (`balanced_flow`) — what perfectly even routing of the same tokens
+        sends, the ceiling a placement's share is measured against."""
+        return Trace(balanced_flow(self.flow_ILWE), self.steps_I.copy(), dict(self.meta, balanced=True))
+
     def load_imbalance(self) -> np.ndarray:
         """max/mean expert load per (iteration, layer) -> [I, L]."""
         load_ILE = self.flow_ILWE.sum(axis=2)
@@ -112,6 +118,17 @@ class Trace:
                 meta=np.array(json.dumps(self.meta, sort_keys=True)),
             )
         os.replace(tmp, path)
+
+
+def balanced_flow(flow_WE: np.ndarray) -> np.ndarray:
+    """Each rank's assignments `flow[..., w, :].sum()` spread evenly over the E experts: T // E each,
+    the remainder one more each to the experts w, w + 1, ... (mod E), so that no expert gets more
+    than one assignment above another's."""
+    flow = np.asarray(flow_WE, dtype=np.int64)
+    W, E = flow.shape[-2:]
+    total = flow.sum(-1, keepdims=True)
+    rank_of_expert = (np.arange(E)[None, :] - np.arange(W)[:, None]) % E  # expert e's turn for rank w
+    return total // E + (rank_of_expert < total % E)
 
 
 def _resize_axis(flow: np.ndarray, axis: int, size: int, name: str) -> np.ndarray:
@@ -139,6 +156,18 @@ def load_trace(path: str | Path) -> Trace:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"trace {str(path)!r} does not exist")
+    try:
+        return _read_trace(p)
+    except (OSError, ValueError, KeyError, EOFError, json.JSONDecodeError) as exc:
+        if str(p) in str(exc):
+            raise
+        # numpy reads a file that is not an .npz archive as a pickle and refuses it: say what it is not.
+        why = "not a NumPy .npz archive" if "pickled" in str(exc) else str(exc)
+        raise ValueError(f"trace {str(path)!r}: not a routing trace ({why}; format: docs/traces.md)") from None
+
+
+def _read_trace(p: Path) -> Trace:
+    path = p
     with np.load(p, allow_pickle=False) as data:
         meta = json.loads(str(data["meta"])) if "meta" in data.files else {}
         if "flow" in data.files:

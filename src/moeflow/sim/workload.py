@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moeflow.core.checks import did_you_mean
 from moeflow.core.expert_shape import EXPERT_KINDS, ExpertShape
 from moeflow.core.registry import LayerContext
 from moeflow.layer import AXES
@@ -12,6 +13,7 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology_presets import PRESETS
 from moeflow.routing import BALANCES, GATES
 from moeflow.sim.simulator import SimulatedLayer
+from moeflow.sim.sweep import sweep_experts
 from moeflow.sim.traces import SYNTHETIC, Trace, resolve_trace, synthetic_trace
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 
@@ -28,6 +30,13 @@ def add_workload_arguments(parser: Any) -> None:
         default="zipf",
         help="uniform | zipf | drift (synthetic), smartmoe (the real trace excerpt shipped with moeflow, "
         "docs/traces.md) or a trace .npz path; a trace of another size is folded/unfolded onto the cluster",
+    )
+    parser.add_argument(
+        "--trace-iterations",
+        default=None,
+        metavar="START:STOP",
+        help="a recorded trace: replay only these iterations (Python slice of its rows, e.g. 125: for the "
+        "SmartMoE excerpt's held-out half)",
     )
     parser.add_argument("--iterations", type=int, default=100, help="synthetic: iterations")
     parser.add_argument("--layers", type=int, default=1, help="synthetic: MoE layers")
@@ -69,6 +78,21 @@ def add_workload_arguments(parser: Any) -> None:
     )
 
 
+def trace_iterations(trace: Trace, text: str) -> Trace:
+    """The rows `START:STOP` (a Python slice; either end may be left out) of a recorded trace."""
+    start, colon, stop = text.partition(":")
+    try:
+        rows = slice(int(start) if start.strip() else None, int(stop) if stop.strip() else None) if colon else None
+    except ValueError:
+        rows = None
+    if rows is None:
+        raise ValueError(f"--trace-iterations={text!r}: expected START:STOP, e.g. 125: or 0:100")
+    flow, steps = trace.flow_ILWE[rows], trace.steps_I[rows]
+    if not len(steps):
+        raise ValueError(f"--trace-iterations={text!r}: no iteration of the trace's {len(trace.steps_I)} in it")
+    return Trace(flow, steps, dict(trace.meta, iterations=text))
+
+
 def parse_axis_options(items: list[str]) -> dict[str, dict[str, str]]:
     """`["schedule.group_size=2"]` -> `{"schedule": {"group_size": "2"}}` (values are parsed by the
     component's options dataclass)."""
@@ -90,15 +114,24 @@ def _names(text: str, registry, flag: str) -> list[str]:
         if name in BALANCES and registry is PLANNERS:
             raise ValueError(f"{flag}={name!r} is a balance term, not a strategy: use --balance {name}")
         if name not in registry:
-            raise ValueError(f"{flag}={name!r}: unknown; valid: {registry.names()}")
+            raise ValueError(
+                f"{flag}={name!r}: unknown{did_you_mean(name, registry.names())}; valid: {registry.names()}"
+            )
     return names
 
 
-def workload_from_args(args: Any) -> tuple[Trace, CostModel, SimulatedLayer, list[str], list[str]]:
+def workload_from_args(
+    args: Any, cluster: str | None = None, fit_experts: bool = False
+) -> tuple[Trace, CostModel, SimulatedLayer, list[str], list[str]]:
+    """The workload the arguments describe, on `cluster` (default `--cluster`). `fit_experts`: a
+    recorded trace whose experts are not a multiple of the cluster's devices is unfolded to the
+    least common multiple (`sweep.sweep_experts`) instead of being refused."""
+    cluster = args.cluster if cluster is None else cluster
+    flag = "--cluster" if cluster == args.cluster else "--sweep"
     try:
-        cost_model = CostModel.resolve(args.cluster, args.gemm_flops)
+        cost_model = CostModel.resolve(cluster, args.gemm_flops)
     except ValueError as exc:
-        raise ValueError(f"--cluster={args.cluster!r}: {exc}") from None
+        raise ValueError(f"{flag}={cluster!r}: {exc}") from None
     W = cost_model.topology.num_devices
     if args.trace in SYNTHETIC:
         experts = args.experts if args.experts is not None else 2 * W
@@ -115,8 +148,11 @@ def workload_from_args(args: Any) -> tuple[Trace, CostModel, SimulatedLayer, lis
         )
     else:
         trace = resolve_trace(args.trace)
-        if trace.world_size != W or (args.experts and args.experts != trace.num_experts):
-            trace = trace.rescale(W, args.experts)
+        experts = args.experts or (sweep_experts(trace.num_experts, W) if fit_experts else None)
+        if trace.world_size != W or (experts and experts != trace.num_experts):
+            trace = trace.rescale(W, experts)
+        if args.trace_iterations:
+            trace = trace_iterations(trace, args.trace_iterations)
     d_model = args.d_model or int(trace.meta.get("d_model") or 1024)
     d_hidden = args.d_hidden or int(trace.meta.get("d_hidden") or 4 * d_model)
     shape = ExpertShape(d_model, d_hidden, args.expert or trace.meta.get("expert") or "ffn")
@@ -124,7 +160,9 @@ def workload_from_args(args: Any) -> tuple[Trace, CostModel, SimulatedLayer, lis
         raise ValueError(f"--nonmoe-ms={args.nonmoe_ms!r}: must be a time >= 0 (milliseconds)")
     for flag, value, registry in (("--gate", args.gate, GATES), ("--balance", args.balance, BALANCES)):
         if value not in registry:
-            raise ValueError(f"{flag}={value!r}: unknown; valid: {registry.names()}")
+            raise ValueError(
+                f"{flag}={value!r}: unknown{did_you_mean(value, registry.names())}; valid: {registry.names()}"
+            )
     layer = SimulatedLayer(
         shape,
         top_k=int(trace.meta.get("top_k", 2)),

@@ -23,10 +23,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeflow.core.checks import did_you_mean
 from moeflow.core.experts import expert_options
 from moeflow.core.hooks import WIRE_DTYPES
 from moeflow.layer import AXES
 from moeflow.routing import check_balance_fits_gate, default_balance, routing_kind
+from moeflow.training.tokenizer import parse_tokenizer
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -57,7 +59,9 @@ def _toml_value(value: Any) -> Any:
 
 def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ValueError(f"{section}.{name} must be one of {', '.join(allowed)}; got {value!r}")
+        raise ValueError(
+            f"{section}.{name} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}"
+        )
 
 
 @dataclass
@@ -80,7 +84,7 @@ class ModelConfig:
     """The first this many blocks have a dense FFN whatever `moe_every` says (DeepSeek-V3's
     `first_k_dense_replace`: the first 3 of its 61 blocks are dense)."""
     vocab_size: int = 256
-    """Vocabulary size; 256 because tokens are raw bytes."""
+    """Vocabulary size: follows `data.tokenizer` (256 for bytes; set from the tokenizer when the run starts)."""
     hf_architecture: str | None = None
     """Train a Hugging Face model instead of MoE-GPT: a `transformers` *ForCausalLM class name
     (`DeepseekV3ForCausalLM`, ...), randomly initialised from `hf_config` (docs/architectures.md);
@@ -110,8 +114,8 @@ class ModelConfig:
             )
         if self.d_model % self.n_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}")
-        if self.vocab_size != 256:
-            raise ValueError(f"model.vocab_size must be 256 (byte tokens), got {self.vocab_size!r}")
+        if self.vocab_size < 2:
+            raise ValueError(f"model.vocab_size must be >= 2, got {self.vocab_size!r}")
         if self.hf_architecture is not None and self.hf_pretrained is not None:
             raise ValueError(
                 f"model.hf_architecture={self.hf_architecture!r} and model.hf_pretrained={self.hf_pretrained!r}: "
@@ -215,7 +219,8 @@ class MoEConfig:
         for axis, registry in AXES.items():
             name = getattr(self, axis)
             if name not in registry:
-                raise ValueError(f"moe.{axis}={name!r}: unknown; valid: {registry.names()}")
+                hint = did_you_mean(name, registry.names())
+                raise ValueError(f"moe.{axis}={name!r}: unknown{hint}; valid: {registry.names()}")
             raw = getattr(self, f"{axis}_options")
             typed = dataclasses.asdict(registry.options(name, raw, where=f"moe.{axis}_options"))
             setattr(self, f"{axis}_options", {key: typed[key] for key in raw})  # the keys given, typed
@@ -261,10 +266,14 @@ class DataConfig:
     max_bytes: int = 8_000_000
     """Read at most this many bytes of text (files in sorted order until the cap)."""
     val_fraction: float = 0.05
-    """Share of the bytes (the tail of the corpus) held out for validation."""
+    """Share of the tokens (the tail of the corpus) held out for validation."""
+    tokenizer: str = "bytes"
+    """`bytes`, a `tokenizers` JSON file, or `bpe:N` (a BPE of N tokens trained on the corpus, saved in the
+    run folder; `training.tokenizer`)."""
 
     def __post_init__(self) -> None:
         _positive("data", max_bytes=self.max_bytes)
+        parse_tokenizer(self.tokenizer)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction!r}")
 
@@ -344,6 +353,9 @@ class TrainConfig:
     moe.cost_model); docs/training.md."""
     grad_bucket_mb: float = 25.0
     """Bucket size of grad_sync=ddp, in MB (PyTorch DDP's default)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars to DIR/tensorboard/ (needs `pip install
+    'moeflow[tensorboard]'`; `training.tensorboard_log`)."""
     collective_timeout_s: float = 300.0
     """A collective that waits longer than this fails the run with an error naming the operation, the
     rank it timed out on and the ranks that did not answer (a stalled or dead peer), instead of

@@ -4,7 +4,8 @@
     sampler = BatchSampler(corpus.train, seq_len=128, global_batch_size=16, rank=r, world_size=W, seed=0)
     x_BT, y_BT = sampler.batch(step)                     # this rank's rows of the global batch
 
-Tokens are raw bytes (vocabulary 256). The validation split is the tail `val_fraction` of the
+Tokens are raw bytes (vocabulary 256) unless `data.tokenizer` names another tokenizer
+(`training.tokenizer`). The validation split is the tail `val_fraction` of the
 corpus, so no training window overlaps it. A global batch is a pure function of (seed, step): the
 sampler has no hidden state, a resumed run sees exactly the batches it would have seen, and the
 global batch does not depend on the number of processes (rank r takes rows
@@ -39,9 +40,9 @@ class Corpus:
     """Byte tokens split into a training part and a held-out validation tail."""
 
     train: np.ndarray
-    """uint8 [N_train] training tokens."""
+    """[N_train] training tokens (uint8 bytes, or int32 token ids of a tokenizer)."""
     val: np.ndarray
-    """uint8 [N_val] validation tokens (the tail of the corpus)."""
+    """[N_val] validation tokens (the tail of the corpus)."""
     source: str
     """Where the text came from (a path, or "stdlib:<path>")."""
     num_files: int
@@ -101,19 +102,31 @@ def corpus_files(cfg: DataConfig) -> tuple[list[Path], str]:
     return user_files(cfg.path), str(cfg.path)
 
 
-def load_corpus(cfg: DataConfig, min_tokens: int = 2) -> Corpus:
-    """Read the configured text and split it; `min_tokens` is the shortest usable split (seq_len + 1)."""
+def read_text(cfg: DataConfig) -> tuple[bytes, str, int]:
+    """(the configured text as bytes, its source label, files read); no text at all raises."""
     files, source = corpus_files(cfg)
     text, used = read_bytes(files, cfg.max_bytes)
     if not text:
         raise ValueError(f"data path {source!r} contains no text (no readable non-empty text files)")
-    tokens_N = np.frombuffer(text, dtype=np.uint8)
+    return text, source, used
+
+
+def training_part(text: bytes, cfg: DataConfig) -> bytes:
+    """The bytes before the validation tail (what a tokenizer may be trained on)."""
+    return text[: len(text) - int(len(text) * cfg.val_fraction)]
+
+
+def load_corpus(cfg: DataConfig, min_tokens: int = 2, tokenizer=None) -> Corpus:
+    """Read the configured text, tokenize it (`training.tokenizer`; None: bytes) and split it;
+    `min_tokens` is the shortest usable split (seq_len + 1)."""
+    text, source, used = read_text(cfg)
+    tokens_N = np.frombuffer(text, dtype=np.uint8) if tokenizer is None else tokenizer.encode(text)
     n_val = int(len(tokens_N) * cfg.val_fraction)
     train_N, val_N = tokens_N[: len(tokens_N) - n_val], tokens_N[len(tokens_N) - n_val :]
     if min(len(train_N), len(val_N)) < min_tokens:
         raise ValueError(
-            f"data path {source!r} has {len(tokens_N)} bytes: too little for a training and a validation "
-            f"split of at least {min_tokens} bytes each with data.val_fraction={cfg.val_fraction}"
+            f"data path {source!r} has {len(tokens_N)} tokens: too little for a training and a validation "
+            f"split of at least {min_tokens} tokens each with data.val_fraction={cfg.val_fraction}"
         )
     return Corpus(train=train_N, val=val_N, source=source, num_files=used)
 

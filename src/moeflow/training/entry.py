@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -21,20 +22,29 @@ from moeflow.core.launch import (
     restart_count,
     timed_out_collective,
 )
-from moeflow.perf.costmodel import CostModel
+from moeflow.layer import ClusterMismatchWarning
 from moeflow.training import checkpoint
 from moeflow.training.config import RunConfig
 from moeflow.training.config_files import config_from_dict, config_to_dict
-from moeflow.training.data import Corpus, corpus_files, load_corpus
+from moeflow.training.cost_model_setup import check_cost_model, provide_cost_model
+from moeflow.training.data import Corpus, load_corpus, read_text, training_part
+from moeflow.training.interrupts import StopRequest, launcher_signals
 from moeflow.training.loop import run
+from moeflow.training.run_dir import check_fresh
+from moeflow.training.tensorboard_log import check_tensorboard
+from moeflow.training.tokenizer import load_tokenizer, prepare_tokenizer
 
 
-def preflight(cfg: RunConfig, out: Path, resume: bool, world: int, in_process: bool) -> Corpus | None:
+def preflight(
+    cfg: RunConfig, out: Path, resume: bool, world: int, in_process: bool, overwrite: bool = False
+) -> Corpus | None:
     """Everything that can be checked before processes start, each input read once: the process
-    count against the experts and the batch, the cost model (a preset or a profile JSON), the data
-    (loaded here when training runs in this process, so the trainer reuses it; only listed when
-    worker processes will each load their own), the checkpoint to resume from. Names and options
-    of the layer's components were validated when the config was built (`MoEConfig`)."""
+    count against the experts and the batch, the cost model (a preset or a profile JSON, and the
+    cluster it describes against the run's: `cost_model_setup.check_cost_model`), the run folder (a
+    fresh run never replaces an earlier one unless `overwrite`), the checkpoint to resume from, the
+    data (loaded and split here, so that an empty folder or binary files fail now; kept when training
+    runs in this process, so the trainer reuses it). Names and options of the layer's components were
+    validated when the config was built (`MoEConfig`)."""
     experts = cfg.moe.num_experts
     if cfg.model.is_hf:  # the model's own blocks, built on the meta device: no weights read
         from moeflow.training.hf_model import check_moe_keys, hf_experts
@@ -47,33 +57,66 @@ def preflight(cfg: RunConfig, out: Path, resume: bool, world: int, in_process: b
             f"evenly over {world} processes (use a divisor of {experts})"
         )
     cfg.validate_world_size(world, num_experts=experts)
-    if cfg.moe.cost_model:
-        CostModel.resolve(cfg.moe.cost_model)
+    check_tensorboard(cfg)
+    note = check_cost_model(cfg, world, out, resume)
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        print(note, flush=True)
     if resume and checkpoint.latest_checkpoint(out / "checkpoints") is None:
         raise ValueError(f"--resume: no complete checkpoint in {str(out / 'checkpoints')!r}")
-    if in_process:
-        return load_corpus(cfg.data, min_tokens=cfg.model.seq_len + 1)
-    corpus_files(cfg.data)  # a bad --data fails here, before any spawn
-    return None
+    if not resume and not overwrite:
+        check_fresh(out)
+    # Bad data fails here, before any spawn; a BPE (data.tokenizer = "bpe:N") is trained here, once.
+    text, _, _ = read_text(cfg.data)
+    tokenizer, said = prepare_tokenizer(cfg.data.tokenizer, out, training_part(text, cfg.data), resume)
+    if said and int(os.environ.get("RANK", "0")) == 0:
+        print(said, flush=True)
+    if cfg.model.vocab_size not in (256, tokenizer.vocab_size):  # 256: the default, following the tokenizer
+        raise ValueError(
+            f"model.vocab_size={cfg.model.vocab_size} but data.tokenizer={cfg.data.tokenizer!r} has "
+            f"{tokenizer.vocab_size} tokens (leave model.vocab_size out: it follows the tokenizer)"
+        )
+    cfg.model.vocab_size = tokenizer.vocab_size
+    if cfg.model.is_hf:  # its vocabulary must hold the tokenizer's
+        from moeflow.training.hf_model import hf_config
+
+        hf_config(cfg.model)
+    corpus = load_corpus(cfg.data, cfg.model.seq_len + 1, tokenizer)
+    return corpus if in_process else None
 
 
-def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = None, launched_at: int = 0) -> dict:
+def worker(
+    cfg_dict: dict,
+    out_dir: str,
+    resume: bool,
+    corpus: Corpus | None = None,
+    launched_at: int = 0,
+    in_process: bool = False,
+) -> dict:
     """Entry point of every rank (elastic launcher, torchrun, or in-process for one process).
 
     Returns the run summary, or {"error": message} for bad input / a non-finite loss: such errors
     are reached by all ranks together (they follow from shared values), so no rank is left waiting.
     A restarted group (torch's elastic agent, `train.max_restarts`) resumes from the newest complete
-    checkpoint by itself (`launched_at`: the step the command started from, for its summary). A
+    checkpoint by itself (`launched_at`: the step the command started from, for its summary).
+    SIGINT/SIGTERM stop it after the current step, with a checkpoint (`training.interrupts`;
+    `in_process`: this is the command's own process). A
     collective that timed out (a stalled or dead peer) raises with a message that names it, this
     rank and the ranks that did not answer, so that the agent restarts the group or ends the run.
     """
     cfg = config_from_dict(cfg_dict)
     restart = restart_count()
+    quiet_notices()
     if restart and checkpoint.latest_checkpoint(Path(out_dir) / "checkpoints") is not None:
         resume = True
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    stop = StopRequest(in_process, say=rank0).install()
     try:
         device = init_distributed(cfg.train.device, cfg.train.deterministic, cfg.train.collective_timeout_s)
-        summary = run(cfg, out_dir, resume=resume, device=device, corpus=corpus, restart=restart)
+        provide_cost_model(cfg, Path(out_dir), device, say=rank0)
+        if corpus is None:  # a worker process: its own copy of the text, in the run's tokens
+            tokenizer = load_tokenizer(cfg.data.tokenizer, out_dir)
+            corpus = load_corpus(cfg.data, cfg.model.seq_len + 1, tokenizer)
+        summary = run(cfg, out_dir, resume=resume, device=device, corpus=corpus, restart=restart, stop=stop)
         if restart:  # the summary describes the command, not only its last attempt
             summary["first_step"] = launched_at
         return summary
@@ -89,8 +132,21 @@ def worker(cfg_dict: dict, out_dir: str, resume: bool, corpus: Corpus | None = N
         # A new message for the launcher's one-line error (torch's record() keeps the last one).
         raise RuntimeError(timeout) from exc
     finally:
+        stop.uninstall()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    return f"{category.__name__}: {message}\n"
+
+
+def quiet_notices() -> None:
+    """Notices in one line each (not attributed to torch's module.py), and the cluster-mismatch
+    notice from rank 0 only: every rank would say the same."""
+    warnings.formatwarning = _one_line
+    if int(os.environ.get("RANK", "0")) != 0:
+        warnings.filterwarnings("ignore", category=ClusterMismatchWarning)
 
 
 def _timeout_message(exc: RuntimeError, timeout_s: float) -> str | None:
@@ -119,9 +175,12 @@ def _step_of(path: Path | None) -> int:
     return int(path.name.removeprefix("step_")) if path is not None else 0
 
 
-def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None) -> dict | None:
+def launch(
+    cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None, overwrite: bool = False
+) -> dict | None:
     """Validate everything that can be checked before starting processes, then train: in this
     process (one process, or one rank of an outer torchrun) or on `nproc` local processes.
+    `overwrite`: a fresh run may replace an earlier run in `out_dir` (else that is an error).
 
     Returns rank 0's summary ({"error": ...} when training failed), None on other torchrun ranks.
     """
@@ -129,7 +188,7 @@ def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None)
     world, under_torchrun = resolve_world_size(nproc)
     # One process runs here, unless it is to be restarted: then under the elastic agent like any --nproc.
     in_process = under_torchrun or (world == 1 and not cfg.train.max_restarts)
-    corpus = preflight(cfg, out, resume, world, in_process)
+    corpus = preflight(cfg, out, resume, world, in_process, overwrite)
     if in_process:
         if under_torchrun and cfg.train.max_restarts and os.environ["RANK"] == "0":
             print(
@@ -137,23 +196,25 @@ def launch(cfg: RunConfig, out_dir: str | Path, resume: bool, nproc: int | None)
                 f"pass --max-restarts to torchrun (the restarted group resumes by itself either way)",
                 flush=True,
             )
-        summary = worker(config_to_dict(cfg), str(out), resume, corpus)
+        summary = worker(config_to_dict(cfg), str(out), resume, corpus, in_process=True)
         return summary if not under_torchrun or int(os.environ["RANK"]) == 0 else None
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        return launch_local(
-            worker,
-            world,
-            config_to_dict(cfg),
-            str(out),
-            resume,
-            None,
-            _step_of(checkpoint.latest_checkpoint(out / "checkpoints")) if resume else 0,
-            name="moeflow-train",
-            max_restarts=cfg.train.max_restarts,
-        )[0]
+        with launcher_signals():  # SIGINT/SIGTERM reach the ranks, which finish their step and checkpoint
+            return launch_local(
+                worker,
+                world,
+                config_to_dict(cfg),
+                str(out),
+                resume,
+                None,
+                _step_of(checkpoint.latest_checkpoint(out / "checkpoints")) if resume else 0,
+                name="moeflow-train",
+                max_restarts=cfg.train.max_restarts,
+                ranks_handle_interrupts=True,
+            )[0]
     except ChildFailedError as exc:
         # The failing process printed its traceback above; name it in one line.
         rank, failure = exc.get_first_failure()

@@ -14,7 +14,7 @@ The model's sparse-MoE blocks are converted (`moeflow.hf.convert_moe_blocks`) wi
 table's strategy, schedule, dispatch, balance and their options, and `HFCausalLM` gives it
 MoE-GPT's interface (`forward(idx) -> logits`, `moe_layers()`, `aux_loss()`, `cfg`), so the
 trainer, checkpoints (experts by global id), metrics, traces and `moeflow generate` work
-unchanged. Tokens are bytes (ids 0-255): the model's vocabulary must hold them.
+unchanged. The model's vocabulary must hold `data.tokenizer`'s tokens (256 for bytes).
 
 Shape suffixes: B batch, T sequence, V vocabulary.
 """
@@ -78,7 +78,9 @@ def hf_config(cfg: ModelConfig):
             raise ValueError(f"model.hf_config for {cfg.hf_architecture}: {first}") from None
     vocab = getattr(config, "vocab_size", None)
     if vocab is None or vocab < cfg.vocab_size:
-        raise ValueError(f"{_source(cfg)}: vocab_size={vocab} cannot hold the {cfg.vocab_size} byte tokens")
+        raise ValueError(
+            f"{_source(cfg)}: vocab_size={vocab} cannot hold the {cfg.vocab_size} tokens of data.tokenizer"
+        )
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and positions < cfg.seq_len:
         raise ValueError(f"model.seq_len={cfg.seq_len} exceeds max_position_embeddings={positions} of {_source(cfg)}")
@@ -143,7 +145,7 @@ def layer_kwargs(moe: MoEConfig, cost_model) -> dict[str, Any]:
 
 class HFCausalLM(nn.Module):
     """A `transformers` causal LM with its sparse-MoE blocks on `MoELayer`, behind MoE-GPT's interface
-    (module docstring). `cfg` is the run's `[model]` table (`seq_len`, `vocab_size` of the bytes)."""
+    (module docstring). `cfg` is the run's `[model]` table (`seq_len`, `vocab_size` of the tokenizer)."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, cost_model=None) -> None:
         super().__init__()

@@ -15,8 +15,11 @@ from moeflow.training import checkpoint
 from moeflow.training.config import RunConfig
 from moeflow.training.config_files import write_config
 from moeflow.training.data import Corpus
+from moeflow.training.interrupts import StopRequest
 from moeflow.training.metrics import metric_record
 from moeflow.training.run_dir import METRICS_FILE, Truncated, clear_run, recovery_totals, truncate_metrics
+from moeflow.training.strategy_report import StrategyTally, bar_fields
+from moeflow.training.tensorboard_log import open_tensorboard
 from moeflow.training.trainer import Trainer
 
 
@@ -47,9 +50,12 @@ def run(
     device: torch.device | None = None,
     corpus: Corpus | None = None,
     restart: int = 0,
+    stop: StopRequest | None = None,
 ) -> dict:
     """Train (or continue) a run on this rank; returns a summary (meaningful on rank 0). `restart`:
-    the elastic agent's attempt (`core.launch.restart_count`); its first record says so."""
+    the elastic agent's attempt (`core.launch.restart_count`); its first record says so. `stop`: the
+    rank's stop request (`training.interrupts`): when any rank got SIGINT/SIGTERM, every rank
+    finishes its step, a checkpoint of it is written and the summary says `interrupted`."""
     from tqdm import tqdm
 
     out = Path(out_dir)
@@ -71,6 +77,8 @@ def run(
     train_time = 0.0  # cumulative step time of this launch, for loss-vs-wall-time comparisons
     heap = HeapTrim()  # CPU runs: freed heap memory back to the system now and then (core.heap)
     summary: dict[str, Any] = {"first_step": first_step, "out": str(out), "corpus": trainer.corpus_source}
+    tally = StrategyTally(cfg.moe.strategy, cfg.moe.schedule)
+    board = open_tensorboard(cfg, out) if rank0 else None
     with (out / METRICS_FILE).open("a") if rank0 else contextlib.nullcontext() as metrics:
         while trainer.step < cfg.train.steps:
             started = time.perf_counter()
@@ -96,16 +104,26 @@ def run(
                 if rank0:
                     metrics.write(json.dumps(rec) + "\n")
                     metrics.flush()
-                    bar.set_postfix_str(
-                        f"loss={result.loss:.3f} tok/s={tok_s:,.0f} imb={rec['load_imbalance']:.2f}", refresh=False
-                    )
+                    tally.add(rec)
+                    bar.set_postfix_str(bar_fields(rec, cfg.moe.strategy), refresh=False)
+                    if board is not None:
+                        board.add(rec)
                 summary.setdefault("first_loss", result.loss)
                 summary.update(last_loss=result.loss, val_loss=val_loss or summary.get("val_loss"))
             bar.update(1)
-            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or last:
+            saved = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or last
+            if saved:
                 trainer.save()
+            if stop is not None and not last and stop.agreed(trainer.distributed, trainer.device):
+                if not saved:
+                    trainer.save()
+                summary["interrupted"] = True
+                break
     bar.close()
+    if board is not None:
+        board.close()
     summary["last_step"] = trainer.step
+    summary["strategy"] = tally.summary()
     summary["skipped_steps"] = trainer.skipped_steps
     summary.update(trainer.grad_sync_summary())
     if rank0:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from moeflow.training import checkpoint
+from moeflow.training.strategy_report import format_strategy
 
 METRICS_FILE = "metrics.jsonl"
 TRACE_FILE = "routing.npz"
@@ -58,6 +59,19 @@ def recovery_totals(path: Path) -> dict[str, Any]:
     return {"restarts": restarts, "steps_lost": lost, "recovery_s": seconds}
 
 
+def check_fresh(out: Path) -> None:
+    """A fresh run never replaces an earlier one by surprise: a folder holding a run's metrics or
+    checkpoints needs `--resume` (continue it) or `--overwrite` (replace it)."""
+    held = [p.name for p in (out / METRICS_FILE, out / "checkpoints") if p.exists()]
+    if held:
+        newest = checkpoint.latest_checkpoint(out / "checkpoints")
+        what = f"checkpoints/{newest.name}" if newest is not None else " and ".join(held)
+        raise ValueError(
+            f"--out {str(out)!r} holds a run ({what}): continue it with --resume, or replace it with "
+            f"--overwrite (or choose another --out)"
+        )
+
+
 def clear_run(out: Path) -> None:
     """A fresh (not resumed) run replaces the files of an earlier run in the same folder."""
     old = [out / METRICS_FILE, out / TRACE_FILE, out / "checkpoints"]
@@ -84,6 +98,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     if summary.get("skipped_steps"):
         lines.append(f"skipped {summary['skipped_steps']} step(s) with a non-finite loss or gradient")
+    lines += format_strategy(summary.get("strategy") or {})
     if "first_loss" in summary:
         val = summary.get("val_loss")
         lines.append(
@@ -91,9 +106,12 @@ def format_summary(summary: dict[str, Any]) -> str:
             + (f" (validation {val:.3f})" if val is not None else "")
         )
     lines.append(f"results in {out}/:")
-    lines.append(f"  config.toml, {METRICS_FILE}" + (f", {TRACE_FILE}" if (out / TRACE_FILE).exists() else ""))
+    kept = [name for name in (TRACE_FILE, "cost_model.json", "tokenizer.json") if (out / name).exists()]
+    lines.append(", ".join(["  config.toml", METRICS_FILE, *kept]))
     lines += [f"  {Path(p).name}" for p in summary.get("plots", [])]
     newest = checkpoint.latest_checkpoint(out / "checkpoints")
     if newest is not None:
         lines.append(f"  checkpoints/{newest.name}  (moeflow train --out {out} --resume; moeflow generate --run {out})")
+    if summary.get("interrupted"):
+        lines.append(f"interrupted at step {summary['last_step']}: continue with  {summary['resume_command']}")
     return "\n".join(lines)

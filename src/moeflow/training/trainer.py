@@ -41,7 +41,7 @@ from moeflow.training import checkpoint, faults
 from moeflow.training.config import RunConfig
 from moeflow.training.config_files import config_to_dict
 from moeflow.training.data import BatchSampler, Corpus, load_corpus, validation_batches
-from moeflow.training.metrics import StepResult
+from moeflow.training.metrics import StepResult, placement_fields
 from moeflow.training.model import MoEGPT, build_model, parallelize
 from moeflow.training.optim import build_optimizer, clip_gradients, lr_factor
 from moeflow.training.run_dir import TRACE_FILE
@@ -267,6 +267,7 @@ class Trainer:
             redirected=sum(s.redirected for s in stats),
             remote_nodes_per_token_L=[s.remote_nodes_per_token for s in stats],
             flow_LWE=np.stack([s.flow.numpy() for s in stats]) if self.trace is not None else None,
+            **placement_fields(stats),
         )
 
     @torch.no_grad()

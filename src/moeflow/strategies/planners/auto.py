@@ -5,7 +5,8 @@ Every call each candidate planner proposes its placement for this call (one that
 placement it planned from the past flows), and each proposal is priced on the flow the layer will
 run (the count exchange has happened) with the terms every planner uses — three expert computes of
 the slowest device, four token exchanges, the copies out and back (FasterMoE Eq. 7, Pro-Prophet
-Eq. 6: `prophet_model.placement_times`). A proposal equal to the placement the block-wise prefetch
+Eq. 6: `prophet_model.price_terms`), all of them in one pass over the experts the proposals change
+(`perf.placement_pricing`). A proposal equal to the placement the block-wise prefetch
 sent ahead has its copies priced as hidden by the window the prefetch measured (Pro-Prophet Eq. 8).
 It runs the cheapest, and plain EP unless the cheapest is predicted `min_gain` faster.
 
@@ -14,8 +15,9 @@ copies on the slowest rank (`strategies.timing`); each term's factor is an expon
 mean (weight `smoothing`) of measured over predicted, and a price is the sum of its terms times
 their factors (copies sent ahead: Eq. 8's exposed part, as measured by the prefetch).
 
-Under the prefetch, `next_placement()` is the next placement of the planner that won the last call,
-when that planner plans ahead.
+Under the prefetch, `next_placement()` (asked during the block before the layer's next call) offers
+the cheapest of the planned-ahead placements on the last flow, its copies priced as hidden, when it
+is `min_gain` cheaper than plain EP there: that is the placement the prefetch sends ahead.
 
 Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
 """
@@ -30,9 +32,10 @@ import numpy as np
 
 from moeflow.core.checks import finite_number
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement, dispatch_counts
+from moeflow.core.placement import Placement
+from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms
 from moeflow.strategies.planners.base import Planner, PrefetchWindow
-from moeflow.strategies.planners.prophet_model import overlapped_copies, placement_times
+from moeflow.strategies.planners.prophet_model import overlapped_copies
 from moeflow.strategies.timing import Ratio, Sample
 
 CANDIDATES = ("ep", "shadow", "prophet", "eplb", "fssdp")
@@ -88,12 +91,19 @@ def layer_terms(
 ) -> Terms:
     """The terms of one forward + backward of `placement` on `flow_WE`; `window`: its copies were
     sent ahead by the prefetch, hidden as Eq. 8 with the measured window says."""
-    plan_SEW = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
-    t = placement_times(cost_model, plan_SEW, placement.holders_EW, placement.owner_E, shape, window is not None)
+    pricer = PlacementPricer(np.rint(flow_WE), placement.owner_E, cost_model, shape, node_of)
+    return _terms(pricer.placements([placement.holders_EW]), 0, window)
+
+
+def _terms(terms: PlacementTerms, c: int, window: PrefetchWindow | None) -> Terms:
+    """Candidate c's `Terms` (`layer_terms`)."""
+    compute, exchange = float(terms.compute_s[c]), 2 * float(terms.a2a_s[c])  # the forward's two exchanges
     if window is None:
-        return Terms(t["fec"], t["a2a"] / 2, t["trans"] + t["agg"], t["trans"])
-    hidden = overlapped_copies(t["trans"], t["agg"], t["fec"], window.nonmoe_forward_s, window.hidden_share)
-    return Terms(t["fec"], t["a2a"] / 2, float(hidden), 0.0)
+        return Terms(compute, exchange, float(terms.trans_s[c] + terms.agg_s[c]), float(terms.trans_s[c]))
+    hidden = overlapped_copies(
+        terms.trans_prefetched_s[c], terms.agg_prefetched_s[c], compute, window.nonmoe_forward_s, window.hidden_share
+    )
+    return Terms(compute, exchange, float(hidden), 0.0)
 
 
 @dataclass
@@ -130,10 +140,14 @@ class AutoPlanner(Planner):
         self.errors: deque[tuple[float, float]] = deque(maxlen=32)  # (forecast, measured) forward seconds
         self.prefetch: PrefetchWindow | None = None
         self.sent_ahead: Placement | None = None
+        self._last_call: tuple[np.ndarray, Placement, object] | None = None  # (flow, owners, cost model)
         self.last: AutoDecision | None = None
 
     def factor(self, term: str) -> float:
-        return self.factors[term].value or 1.0
+        """The term's measured / predicted (1 until measured; 0 is a measurement: e.g. exchanges a
+        schedule hides entirely)."""
+        value = self.factors[term].value
+        return 1.0 if value is None else value
 
     def price(self, t: Terms) -> float:
         """Corrected forward + backward time (module docstring)."""
@@ -145,28 +159,52 @@ class AutoPlanner(Planner):
             raise ValueError("strategy='auto' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
         node_of = cost_model.topology.node_of
         proposals = {name: planner(flow_WE, placement, cost_model) for name, planner in self.planners.items()}
+        # Every proposal priced on this flow in one pass (`perf.placement_pricing`: the owners' terms
+        # once, then each proposal's changed experts); all share the layer's owners.
+        moved = [name for name, p in proposals.items() if not np.array_equal(p.owner_E, placement.owner_E)]
+        if moved:
+            raise ValueError(f"strategy='auto': candidates {moved} proposed other owners than the layer's")
+        pricer = PlacementPricer(np.rint(flow_WE), placement.owner_E, cost_model, self.shape, node_of)
+        priced = pricer.placements([p.holders_EW for p in proposals.values()])
         terms = {
-            name: layer_terms(
-                flow_WE, p, cost_model, self.shape, node_of, self.prefetch if p == self.sent_ahead else None
-            )
-            for name, p in proposals.items()
+            name: _terms(priced, c, self.prefetch if p == self.sent_ahead else None)
+            for c, (name, p) in enumerate(proposals.items())
         }
         prices = {name: self.price(t) for name, t in terms.items()}
-        best = min(prices, key=prices.get)  # ties: the first candidate (plain EP)
-        if prices[best] > (1.0 - self.options.min_gain) * prices["ep"]:
-            best = "ep"
+        best = self._cheapest(prices)
         self.pending.append(terms[best])
         self.last, self.sent_ahead = AutoDecision(prices, best), None
+        self._last_call = (np.asarray(flow_WE), placement, cost_model)
         return proposals[best]
+
+    def _cheapest(self, prices: dict[str, float]) -> str:
+        """The cheapest (ties: the first candidate), unless not `min_gain` cheaper than plain EP."""
+        best = min(prices, key=prices.get)
+        return best if prices[best] <= (1.0 - self.options.min_gain) * prices["ep"] else "ep"
 
     def choice(self) -> str | None:
         return None if self.last is None else self.last.chosen
 
     def next_placement(self) -> Placement | None:
-        winner = self.planners[self.last.chosen] if self.last is not None else None
-        if self.prefetch is None or winner is None or not winner.plans_ahead:
+        """The placement to send ahead (module docstring), or None."""
+        if self.prefetch is None or self._last_call is None:
             return None
-        self.sent_ahead = winner.next_placement()
+        flow_WE, placement, cost_model = self._last_call
+        ahead = {n: p.next_placement() for n, p in self.planners.items() if p.plans_ahead}
+        ahead = {
+            n: p
+            for n, p in ahead.items()
+            if p is not None and not p.is_owners_only() and np.array_equal(p.owner_E, placement.owner_E)
+        }
+        pricer = PlacementPricer(
+            np.rint(flow_WE), placement.owner_E, cost_model, self.shape, cost_model.topology.node_of
+        )
+        owners = Placement.owners_only(placement.owner_E, placement.world_size)
+        priced = pricer.placements([owners.holders_EW, *(p.holders_EW for p in ahead.values())])
+        prices = {"ep": self.price(_terms(priced, 0, None))}
+        prices |= {n: self.price(_terms(priced, c, self.prefetch)) for c, n in enumerate(ahead, start=1)}
+        best = self._cheapest(prices)
+        self.sent_ahead = None if best == "ep" else ahead[best]
         return self.sent_ahead
 
     def use_prefetch(self, window: PrefetchWindow | None) -> None:

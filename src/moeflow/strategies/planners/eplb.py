@@ -20,11 +20,17 @@ with the lowest predicted time under the shared cost model is kept (none unless 
 than the owners alone); the published "migration cost" variant adds the same term to every
 expert and so changes no decision.
 
+`replicate_experts` is one sort (its greedy takes the largest loads per copy in descending order);
+`pack_copies` keeps nodes and devices in heaps by load; every prefix of the copies is priced in
+one pass (`perf.placement_pricing`). The copies, packing and choice are those of the loops that
+scanned every expert, node and device and priced each prefix's whole plan (tested).
+
 Shape suffixes: W devices (ranks of the expert-parallel group), E experts, N nodes.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,8 +39,9 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
-from moeflow.strategies.planners.prophet_model import Pricing, price_placement
+from moeflow.strategies.planners.prophet_model import Pricing, price_terms, prune_by_copies
 
 
 @dataclass(frozen=True)
@@ -58,15 +65,26 @@ class EPLBOptions:
 
 def replicate_experts(load_E: np.ndarray, extra: int) -> list[int]:
     """EPLB's `replicate_experts`: the expert that gets each of `extra` copies, in order — each to the
-    one with the largest load per copy so far (ties: lower id)."""
+    one with the largest load per copy so far (ties: lower id).
+
+    The greedy takes, at every step, the largest of the experts' next loads per copy, and each
+    expert's sequence load/1, load/2, ... decreases: so its choices are the `extra` largest values
+    load_e / c (c ≥ 1: copy c of e serves load/c before it is added), in descending order, ties to
+    the lower expert — one sort over the few values that can be among them. A value load_e / c is
+    among them only if c ≤ load_e · (extra + E) / Σ load + 1 (the last value taken is at least
+    Σ load / (extra + E))."""
     load = np.asarray(load_E, dtype=np.float64)
-    count = np.ones(load.size)
-    order = []
-    for _ in range(extra):
-        e = int(np.argmax(load / count))
-        order.append(e)
-        count[e] += 1
-    return order
+    E = load.size
+    if extra <= 0 or E == 0:
+        return []
+    total = load.sum()
+    bound = np.full(E, extra) if total <= 0 else np.ceil(load * (extra + E) / total).astype(np.int64) + 1
+    per_E = np.minimum(np.maximum(bound, 1), extra)
+    expert = np.repeat(np.arange(E), per_E)
+    copy = np.arange(expert.size) - np.repeat(np.cumsum(per_E) - per_E, per_E) + 1
+    value = load[expert] / copy
+    order = np.lexsort((copy, expert, -value))[:extra]
+    return expert[order].tolist()
 
 
 def pack_copies(
@@ -75,30 +93,79 @@ def pack_copies(
     """(expert, device) of each copy that fits, in `copies` order: each on the lightest node with a
     free slot and a device that does not hold the expert, then that node's lightest such device
     (EPLB's balanced packing of copies at load/count each, nodes first when there are several);
-    device loads start from the owners' experts. Copies that fit nowhere are left out."""
+    device loads start from the owners' experts. Copies that fit nowhere are left out.
+
+    Nodes and their devices sit in heaps by load (ties: the lower id); a copy pops the lightest
+    entries until one can take it (stale entries and the expert's holders are skipped), so a copy
+    costs O(log W) plus its expert's few holders, not a scan of every device."""
     load = np.asarray(load_E, dtype=np.float64)
     owner = np.asarray(owner_E, dtype=np.int64)
     node_W = np.zeros(world, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
-    count = np.bincount(np.asarray(list(copies), dtype=np.int64), minlength=load.size) + 1
+    copies = np.asarray(list(copies), dtype=np.int64)
+    count = np.bincount(copies, minlength=load.size) + 1
     share = load / count  # each copy and the owner serve load / count
-    holds = np.zeros((load.size, world), dtype=bool)
-    holds[np.arange(load.size), owner] = True
     device_load = np.bincount(owner, weights=share, minlength=world)
-    free = np.full(world, slots)
+    free = [slots] * world
+    node = node_W.tolist()
+    members: dict[int, list[int]] = {}
+    for d, n in enumerate(node):
+        members.setdefault(n, []).append(d)
+    member_W = {n: np.array(ds) for n, ds in members.items()}
+    # A node's load as the loop version sums it: over all its devices, in rank order.
+    node_load = {n: float(device_load[member_W[n]].sum()) for n in members}
+    node_free = {n: slots * len(ds) for n, ds in members.items()}
+    nodes = [(node_load[n], n) for n in members if node_free[n]]
+    heapq.heapify(nodes)
+    devices = {n: [(float(device_load[d]), d) for d in ds if free[d]] for n, ds in members.items()}
+    for heap in devices.values():
+        heapq.heapify(heap)
+    holds = [{int(o)} for o in owner.tolist()]
     placed = []
-    for e in copies:
-        open_W = ~holds[e] & (free > 0)
-        if not open_W.any():
+    for e in copies.tolist():
+        held = holds[e]
+        n = _lightest_node(nodes, node_load, node_free, held, node, free)
+        if n is None:
             continue
-        nodes = np.unique(node_W[open_W])
-        node_load = np.array([device_load[node_W == n].sum() for n in nodes])
-        n = nodes[np.lexsort((nodes, node_load))[0]]
-        devices = np.flatnonzero(open_W & (node_W == n))
-        d = int(devices[np.lexsort((devices, device_load[devices]))[0]])
-        holds[e, d], free[d] = True, free[d] - 1
+        heap, skipped = devices[n], []
+        while True:  # the node's lightest device without the expert
+            dl, d = heapq.heappop(heap)
+            if dl != device_load[d] or not free[d]:
+                continue  # stale
+            if d in held:
+                skipped.append((dl, d))
+                continue
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        held.add(d)
+        free[d] -= 1
+        node_free[n] -= 1
         device_load[d] += share[e]
+        node_load[n] = float(device_load[member_W[n]].sum())
+        if free[d]:
+            heapq.heappush(heap, (float(device_load[d]), d))
+        if node_free[n]:
+            heapq.heappush(nodes, (node_load[n], n))
         placed.append((int(e), d))
     return placed
+
+
+def _lightest_node(nodes, node_load, node_free, held, node, free) -> int | None:
+    """The lightest node (ties: the lower) with a free slot on a device that does not hold the expert."""
+    skipped, found = [], None
+    while nodes:
+        nl, n = nodes[0]
+        if nl != node_load[n] or not node_free[n]:
+            heapq.heappop(nodes)  # stale
+            continue
+        taken = sum(free[d] for d in held if node[d] == n)  # free slots on the expert's holders
+        if node_free[n] > taken:
+            found = n
+            break
+        skipped.append(heapq.heappop(nodes))
+    for entry in skipped:
+        heapq.heappush(nodes, entry)
+    return found
 
 
 def eplb_plan(
@@ -118,17 +185,24 @@ def eplb_plan(
     node_of = cost_model.topology.node_of
     copies = replicate_experts(load_E, world * redundant_slots)
     placed = pack_copies(copies, load_E, placement.owner_E, world, redundant_slots, node_of)
-    base = Placement.owners_only(placement.owner_E, world)
-    candidates = [base]
-    for e, d in placed:
-        extra = candidates[-1].holders_EW.copy()
-        extra[e, d] = True
-        candidates.append(Placement(base.owner_E, extra))
-    predicted_s = [price_placement(flow, c, cost_model, shape, pricing, node_of) for c in candidates]
+    # Prefix k: the first k copies placed; step k gives its expert one more holder.
+    holders = Placement.owners_only(placement.owner_E, world).holders_EW
+    experts = np.array([e for e, _ in placed], dtype=np.int64)
+    rows = np.zeros((len(placed), world), dtype=bool)
+    for k, (e, d) in enumerate(placed):
+        holders[e, d] = True
+        rows[k] = holders[e]
+    pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of)
+    predicted_s = pricer.cheapest_prefixes(
+        experts, rows, lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
+    )
     best = int(np.argmin(predicted_s))
     if predicted_s[best] > (1.0 - min_gain) * predicted_s[0]:
         best = 0
-    return candidates[best], predicted_s
+    chosen = Placement.owners_only(placement.owner_E, world).holders_EW
+    for e, d in placed[:best]:
+        chosen[e, d] = True
+    return Placement(placement.owner_E, chosen), predicted_s.tolist()
 
 
 class EPLBPlanner(PlanAheadPlanner):
@@ -141,7 +215,8 @@ class EPLBPlanner(PlanAheadPlanner):
         self.options = options or EPLBOptions()
         super().__init__(self.options.window, background)
         self.last: list[float] = []
-        """The predicted times of the prefixes of the copies the running plan chose among."""
+        """The predicted times of the prefixes of the copies the running plan chose among (up to
+        the last priced: `PlacementPricer.cheapest_prefixes`)."""
 
     def search(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
         o = self.options

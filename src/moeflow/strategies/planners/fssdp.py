@@ -25,6 +25,9 @@ calibration (§4.2, after the gate) re-runs Algorithm 1 on the real flow with th
 accepts the result only if predicted faster with all its copies on the critical path (under the
 prefetch a changed placement is materialized again, synchronously).
 
+The prefixes of deviation (1) are priced in one pass: the owners' terms, then each copied expert's
+change (`perf.placement_pricing`).
+
 Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
 """
 
@@ -38,9 +41,10 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
 from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
-from moeflow.strategies.planners.prophet_model import Pricing, price_placement
+from moeflow.strategies.planners.prophet_model import Pricing, price_placement, price_terms, prune_by_copies
 
 OVERLAPS = ("priced", "eq1")
 
@@ -102,7 +106,8 @@ class FSSDPDecision:
     memory: int
     """m used."""
     predicted_s: list[float]
-    """predicted_s[i]: the layer's predicted time with the first i experts' copies (0: owners)."""
+    """predicted_s[i]: the layer's predicted time with the first i experts' copies (0: owners), up
+    to the last prefix priced (`PlacementPricer.cheapest_prefixes`)."""
     accepted: int
     """How many experts' copies the placement applies."""
     calibrated: bool = False
@@ -211,19 +216,21 @@ def fssdp_plan(
     flow = np.asarray(flow_WE, dtype=np.float64)
     world = placement.world_size
     load_E, node_of = flow.sum(0), cost_model.topology.node_of
-    base = Placement.owners_only(placement.owner_E, world)
     holders = sparse_materialization(load_E, placement.owner_E, world, node_of, overlap, memory)
-    copied = [e for e in np.argsort(-load_E, kind="stable") if holders[e].sum() > 1]
-    candidates = [base]
-    for k in range(1, len(copied) + 1):
-        extra = np.zeros_like(holders)
-        extra[copied[:k]] = holders[copied[:k]]
-        candidates.append(base.with_holders(extra))
-    predicted = [price_placement(flow, c, cost_model, shape, pricing, node_of) for c in candidates]
+    order = np.argsort(-load_E, kind="stable")
+    copied = order[holders[order].sum(1) > 1]
+    # Prefix k: the first k copied experts with their copies (`perf.placement_pricing`).
+    pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of)
+    predicted = pricer.cheapest_prefixes(
+        copied, holders[copied], lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
+    )
     best = int(np.argmin(predicted))
     if predicted[best] > (1.0 - min_gain) * predicted[0]:
         best = 0
-    return candidates[best], FSSDPDecision(overlap, memory, predicted, best, load_E=load_E)
+    chosen = Placement.owners_only(placement.owner_E, world).holders_EW
+    chosen[copied[:best]] = holders[copied[:best]]
+    decision = FSSDPDecision(overlap, memory, predicted.tolist(), best, load_E=load_E)
+    return Placement(placement.owner_E, chosen), decision
 
 
 def plan_resharding(planners, cost_model, world: int, node_of, step: int) -> np.ndarray | None:

@@ -9,6 +9,13 @@ the block-wise scheduler hiding the copies), and stop once the load is balanced 
 ``max(H) − min(H) < α·I/E``) or the heaviest device comes round again. It returns the *prefix* of
 the steps that achieved the lowest predicted time.
 
+A step changes one expert, so the search keeps its state per expert and re-prices only that one:
+its column of the dispatch plan (`core.placement.dispatch_entries`) updates every device's load,
+each device's relievable experts wait in a heap by load; the steps found, every prefix is priced
+in one pass from the owners' terms and each step's change (`perf.placement_pricing`). The steps,
+prices and choice are those of the loop that recomputed and priced the whole plan at every step
+(tested against it on random and trace flows).
+
 Two defects of the public implementation are fixed, each with a test: the number of transferred
 experts ``s`` grows with every step (it is the length of the step list, not a counter that only
 accepted steps move), and the returned placement is the best prefix (not the last one tried).
@@ -35,6 +42,7 @@ Shape suffixes: W devices (ranks of the expert-parallel group), E experts; S sou
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -42,9 +50,16 @@ import numpy as np
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement, dispatch_counts
+from moeflow.core.placement import Placement, dispatch_entries
+from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
-from moeflow.strategies.planners.prophet_model import MODELS, Pricing, price_placement
+from moeflow.strategies.planners.prophet_model import (
+    MODELS,
+    Pricing,
+    price_placement,  # noqa: F401 (part of this module's interface)
+    price_terms,
+    prune_by_copies,
+)
 
 PREDICTORS = ("last", "mean")
 
@@ -101,7 +116,9 @@ class ProphetDecision:
     steps: list[tuple[int, list[int]]]
     """(expert, devices it was sent to) in search order."""
     predicted_s: list[float]
-    """predicted_s[i]: the layer's predicted time with the first i steps (0: plain EP)."""
+    """predicted_s[i]: the layer's predicted time with the first i steps (0: plain EP), up to the
+    last prefix priced (`PlacementPricer.cheapest_prefixes`: none past those whose copies alone
+    cost more than the best)."""
     accepted: int
     """How many steps the returned placement applies (the best prefix; 0: plain EP)."""
     flow_WE: np.ndarray = field(repr=False)
@@ -126,54 +143,87 @@ def prophet_search(
     if cost_model.topology.num_devices != W:
         raise ValueError(f"cost model has {cost_model.topology.num_devices} devices, the expert-parallel group {W}")
     node_of = cost_model.topology.node_of
-    base = Placement.owners_only(owner_E, W)
-
+    tokens = np.rint(flow)  # what the dispatch plan sends
+    steps, rows = _search_steps(flow, tokens.astype(np.int64), owner_E, node_of, options)
+    experts = np.array([e for e, _ in steps], dtype=np.int64)
+    pricer = PlacementPricer(tokens, owner_E, cost_model, shape, node_of)
     pricing = options.pricing()
-
-    def price(holders_EW: np.ndarray) -> float:
-        return price_placement(flow, Placement(owner_E, holders_EW), cost_model, shape, pricing, node_of)
-
-    def device_loads(holders_EW: np.ndarray) -> np.ndarray:
-        plan_SEW = dispatch_counts(np.rint(flow).astype(np.int64), Placement(owner_E, holders_EW), node_of)
-        return plan_SEW.sum(0)  # [E, W]: tokens each device computes for each expert
-
-    holders = base.holders_EW.copy()
-    predicted, steps, states = [price(holders)], [], [holders]
-    threshold = options.balance_alpha * flow.sum() / flow.shape[1]
-    while True:
-        load_EW = device_loads(holders)
-        H_W = load_EW.sum(0)
-        if H_W.max() - H_W.min() < threshold:
-            break  # Eq. 7: balanced
-        candidate = _relief(flow, holders, load_EW, H_W, owner_E)
-        if candidate is None:
-            break  # no device can be relieved further
-        expert, senders = candidate
-        to = senders[: max(1, len(senders) - options.keep_out)]
-        holders = holders.copy()
-        holders[expert, to] = True
-        steps.append((expert, to))
-        predicted.append(price(holders))
-        states.append(holders)
+    predicted = pricer.cheapest_prefixes(
+        experts, rows, lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
+    )
     accepted = int(np.argmin(predicted))  # the best prefix (first of equal minima: fewest copies)
     if predicted[accepted] > (1.0 - options.min_gain) * predicted[0]:
         accepted = 0  # not worth the model's error
-    decision = ProphetDecision(steps, [float(t) for t in predicted], accepted, flow)
-    return Placement(owner_E, states[accepted]), decision
+    holders = Placement.owners_only(owner_E, W).holders_EW
+    for e, row in zip(experts[:accepted], rows[:accepted]):
+        holders[e] = row
+    decision = ProphetDecision(steps, predicted.tolist(), accepted, flow)
+    return Placement(owner_E, holders), decision
 
 
-def _relief(flow_WE, holders_EW, load_EW, H_W, owner_E) -> tuple[int, list[int]] | None:
-    """The next step of the search: on the heaviest device that can still be relieved, its heaviest
-    own expert that has senders without a copy, with those senders by descending tokens sent."""
-    for device in np.argsort(-H_W, kind="stable"):
-        for e in np.argsort(-load_EW[:, device], kind="stable"):
-            if owner_E[e] != device or load_EW[e, device] <= 0:
-                continue
-            senders = np.argsort(-flow_WE[:, e], kind="stable")
-            senders = [int(d) for d in senders if flow_WE[d, e] > 0 and not holders_EW[e, d]]
-            if senders:
-                return int(e), senders
-    return None
+def _search_steps(
+    flow_WE: np.ndarray, tokens_WE: np.ndarray, owner_E: np.ndarray, node_of, options: ProphetOptions
+) -> tuple[list[tuple[int, list[int]]], np.ndarray]:
+    """Algorithm 1's steps: (expert, devices it is sent to) and the expert's holders after each.
+
+    The state is kept per expert and updated for the one expert a step changes: its computed tokens
+    per device (the dispatch plan's column, `dispatch_entries`), hence every device's load H; its
+    load on its owner; whether it still has senders without a copy ("open"). A step takes the
+    heaviest device that owns an open expert with load (ties: the lower device), and on it the
+    heaviest such expert (ties: the lower id: each device's open experts in a heap) — what `_relief`
+    of the loop version finds by scanning every device and expert."""
+    W, E = tokens_WE.shape
+    experts = np.arange(E)
+    holders = np.zeros((E, W), dtype=bool)
+    holders[experts, owner_E] = True
+    tokens_EW = np.ascontiguousarray(tokens_WE.T)
+    flow_EW = np.ascontiguousarray(flow_WE.T)
+    waiting_EW = (flow_EW > 0) & ~holders  # senders without a copy
+    computed_EW = np.zeros((E, W), dtype=np.int64)  # tokens each device computes of each expert
+    computed_EW[experts, owner_E] = tokens_EW.sum(1)
+    H_W = computed_EW.sum(0)
+    at_owner = computed_EW[experts, owner_E].tolist()
+    open_E = (waiting_EW.any(1) & (computed_EW[experts, owner_E] > 0)).tolist()
+    heaps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
+    for e in np.flatnonzero(open_E).tolist():
+        heaps[owner_E[e]].append((-at_owner[e], e))
+    for heap in heaps:
+        heapq.heapify(heap)
+    closed_W = np.array([0.0 if h else -np.inf for h in heaps])  # -inf: no open expert on the device
+    open_devices = int(np.isfinite(closed_W).sum())
+    threshold = options.balance_alpha * flow_WE.sum() / E
+    steps = []
+    while open_devices and H_W.max() - H_W.min() >= threshold:  # some device can be relieved; Eq. 7
+        device = int(np.argmax(H_W + closed_W))
+        _, e = heapq.heappop(heaps[device])
+        order = np.argsort(-flow_EW[e], kind="stable")  # its senders, most tokens first (ties: lower rank)
+        senders = order[waiting_EW[e, order]]
+        to = senders[: max(1, senders.size - options.keep_out)]
+        holders[e, to] = True
+        waiting_EW[e, to] = False
+        waiting = senders[to.size :]  # the senders still without a copy
+        if waiting.size and (tokens_EW[e, waiting] > 0).any():
+            # Some senders still send it away: the plan's column for the new holders.
+            _, _, dst, count = dispatch_entries(tokens_WE[:, [e]], holders[[e]], node_of)
+            column = np.bincount(dst, weights=count, minlength=W).astype(np.int64)
+        else:  # every sender holds it: each computes its own
+            column = tokens_EW[e]
+        H_W += column - computed_EW[e]
+        computed_EW[e] = column
+        at_owner[e] = int(column[owner_E[e]])
+        if waiting.size and at_owner[e] > 0:  # still open: back on its device's heap
+            heapq.heappush(heaps[device], (-at_owner[e], e))
+        elif not heaps[device]:
+            closed_W[device] = -np.inf
+            open_devices -= 1
+        steps.append((e, to.tolist()))
+    # Each step's expert's holders after it: its owner and every device an earlier step of it reached.
+    rows = np.zeros((len(steps), W), dtype=bool)
+    reached: dict[int, list[int]] = {}
+    for j, (e, to) in enumerate(steps):
+        reached.setdefault(e, [int(owner_E[e])]).extend(to)
+        rows[j, reached[e]] = True
+    return steps, rows
 
 
 class ProphetPlanner(PlanAheadPlanner):

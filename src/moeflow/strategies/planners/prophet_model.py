@@ -5,17 +5,18 @@ Two forms of one model, both priced by the shared `CostModel`:
 - `prophet_layer_times`: Eq. 1-8 exactly as printed — one mean bandwidth B̄ for every pair of
   devices, Trans/Agg spread over all D devices (`s·(D−n)·size/(D·B̄)`). Used by the planner with
   `model="paper"` and as the reference the tests check by hand.
-- `placement_times`: the same terms (four all-to-alls, 3× forward expert compute, Trans, Agg) with
-  the functions the simulator and the other planners use — `CostModel.sync_step_times` (the
-  all-to-all on the busiest link of the topology: Eq. 1 when every link has bandwidth B̄) and
-  `CostModel.copies_time` (the sparse collectives as they run: the owner's link carries each copy it
-  sends, which Eq. 4's `/D` spreads over every device). The planner's default (`model="links"`).
+- `price_terms`: the same terms (four all-to-alls, 3× forward expert compute, Trans, Agg) with
+  the functions the simulator and the other planners use, for many placements at once
+  (`perf.placement_pricing`) — the all-to-all on the busiest link of the topology (Eq. 1 when every
+  link has bandwidth B̄) and the copies as the sparse collectives run them (`CostModel.copies_time`:
+  the owner's link carries each copy it sends, which Eq. 4's `/D` spreads over every device). The
+  planner's default (`model="links"`).
 
 `overlapped_copies` is Eq. 8's `T_PTrans + T_PAgg`: with the block-wise scheduler (§V, Algorithm 2)
 Trans hides behind the forward expert and non-MoE compute of the block before, Agg behind their
 backward (2×); the simulator prices a planner that plans ahead with the same function.
 
-Shape suffixes: W devices, E experts; ``...`` = any leading batch dims.
+Shape suffixes: W devices, E experts, C candidate placements; ``...`` = any leading batch dims.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Any, Literal
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement, dispatch_counts
+from moeflow.core.placement import Placement
+from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms
 
 MODELS = ("links", "paper")
 
@@ -104,42 +106,40 @@ def prophet_layer_times(
     }
 
 
-def placement_times(
-    cost_model: Any,
-    plan_SEW: np.ndarray,
-    holders_EW: np.ndarray,
-    owner_E: np.ndarray,
-    shape: ExpertShape,
-    prefetched: bool = False,
-) -> dict[str, float]:
-    """Eq. 6's terms for a dispatch plan ``plan_SEW`` (`core.placement.dispatch_counts`) and the
-    placement it runs on, priced with the shared cost-model functions (module docstring): ``a2a``
-    (the four exchanges), ``fec`` (one forward expert compute, slowest device), ``trans`` and
-    ``agg`` (the sparse collectives' copies and gradient sums; ``prefetched``: as the block-wise
-    prefetch sends them — one asynchronous broadcast / reduce per owner, never the two-stage tree)."""
-    compute, a2a = cost_model.sync_step_times(plan_SEW.sum(1), plan_SEW.sum(0).T, shape)
-    size = shape.param_bytes(cost_model.bytes_per_element)
-    tree = False if prefetched else None
-    trans = cost_model.copies_time(size, holders_EW, owner_E, "materialize", tree)
-    agg = cost_model.copies_time(size, holders_EW, owner_E, "reduce", tree)
-    return {"a2a": float(a2a), "fec": float(compute) / 3, "trans": trans, "agg": agg}
+def price_terms(terms: PlacementTerms, cost_model: Any, shape: ExpertShape, pricing: Pricing) -> np.ndarray:
+    """The predicted time (seconds, forward + backward) of every candidate `[C]` of
+    `perf.placement_pricing`: Eq. 6 (four exchanges, three expert computes, Trans and Agg as the
+    sparse collectives run them), Eq. 8 with `pricing.overlap` (copies as the prefetch sends them,
+    hidden by the measured window), or Eq. 1-8 as printed with `pricing.model="paper"`."""
+    if pricing.model == "paper":
+        recv_CW = terms.tokens_CW - terms.local_CW  # tokens from other devices
+        t = prophet_layer_times(cost_model, recv_CW, terms.tokens_CW, terms.copies_C, shape, pricing.nonmoe_forward_s)
+        return t["overlapped" if pricing.overlap else "total"]
+    if pricing.overlap:
+        copies = overlapped_copies(
+            terms.trans_prefetched_s,
+            terms.agg_prefetched_s,
+            terms.compute_s,
+            pricing.nonmoe_forward_s,
+            pricing.hidden_share,
+        )
+    else:
+        copies = terms.trans_s + terms.agg_s
+    return 4 * terms.a2a_s + 3 * terms.compute_s + copies
+
+
+def prune_by_copies(pricing: Pricing) -> tuple[bool, bool]:
+    """`(detail, bounded)` of `PlacementPricer.cheapest_prefixes` for `price_terms` under `pricing`:
+    Eq. 1's local tokens for the paper model; the copies' bound holds where the copies count in
+    full, as the shared cost model prices them (not hidden by Eq. 8, not Eq. 4's mean bandwidth)."""
+    return pricing.model == "paper", pricing.model == "links" and not pricing.overlap
 
 
 def price_placement(
     flow_WE: np.ndarray, placement: Placement, cost_model, shape: ExpertShape, pricing: Pricing, node_of=None
 ) -> float:
-    """The predicted time (seconds, forward + backward) of one layer running `flow_WE` on
-    `placement`: Eq. 6, or Eq. 8 with `pricing.overlap`."""
-    plan_SEW = dispatch_counts(np.rint(flow_WE).astype(np.int64), placement, node_of)
-    if pricing.model == "paper":
-        recv_W = plan_SEW.sum((0, 1)) - np.einsum("ses->s", plan_SEW)  # tokens from other devices
-        copies = int(placement.materialized_EW().sum())
-        t = prophet_layer_times(cost_model, recv_W, plan_SEW.sum((0, 1)), copies, shape, pricing.nonmoe_forward_s)
-        return float(t["overlapped" if pricing.overlap else "total"])
-    t = placement_times(cost_model, plan_SEW, placement.holders_EW, placement.owner_E, shape, pricing.overlap)
-    copies = (
-        overlapped_copies(t["trans"], t["agg"], t["fec"], pricing.nonmoe_forward_s, pricing.hidden_share)
-        if pricing.overlap
-        else t["trans"] + t["agg"]
-    )
-    return t["a2a"] + 3 * t["fec"] + float(copies)
+    """The predicted time (seconds, forward + backward) of one layer running `flow_WE` (rounded to
+    whole assignments) on `placement`: Eq. 6, or Eq. 8 with `pricing.overlap` (`price_terms`)."""
+    pricer = PlacementPricer(np.rint(flow_WE), placement.owner_E, cost_model, shape, node_of)
+    terms = pricer.placements([placement.holders_EW], detail=pricing.model == "paper")
+    return float(price_terms(terms, cost_model, shape, pricing)[0])

@@ -21,7 +21,10 @@ Cost of a shadow set S, priced by the shared `CostModel` with the functions the 
 Candidates (Algorithm 1, generalised to several experts per rank): *experts* in descending received load —
 the column sums of the flow, i.e. tokens received from all senders (summing rows instead, as the
 public FastMoE v1 code did, gives per-sender counts that are equal under equal batches, so nothing
-is ever shadowed). Every prefix of that order is priced at once (vectorised), then:
+is ever shadowed). Every prefix of that order is priced at once (`perf.placement_pricing`: the
+owners' terms once, then each candidate's change — its tokens kept on their sources, its copies —
+as running sums over the order) up to the first whose copies alone cost more than the best priced
+prefix (no later prefix can be chosen: copies only grow along the order), then:
 
 - `search="prefix"` (default): the cheapest prefix. Algorithm 1 stops at the first expert that
   does not help, which misses two hot experts on two ranks: shadowing either alone leaves the other
@@ -48,6 +51,7 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import Planner
 
 
@@ -61,7 +65,9 @@ class ShadowDecision:
     candidates: list[int]
     """Experts with any tokens, in descending received load (at most `max_shadowed`)."""
     predicted_s: list[float]
-    """predicted_s[i] = predicted layer time with the first i candidates shadowed (0: plain EP)."""
+    """predicted_s[i] = predicted layer time with the first i candidates shadowed (0: plain EP), up
+    to the last prefix priced: those whose copies alone cost more than the best priced prefix are
+    not priced (a prefix costs at least its copies, and they only grow along the order)."""
 
     @property
     def best_s(self) -> float:
@@ -110,7 +116,6 @@ class ShadowPlanner(Planner):
         self.shape = shape
         self.options = options or ShadowOptions()
         self.last: ShadowDecision | None = None
-        self._copies_memo: dict[tuple, float] = {}
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
         if cost_model is None:
@@ -123,30 +128,12 @@ class ShadowPlanner(Planner):
     def cost(self, flow_WE, owner_E, shadowed_PE, cost_model) -> np.ndarray:
         """T(S) for boolean shadow masks `[..., E]` -> `[...]` seconds (module docstring)."""
         shadowed_PE = np.asarray(shadowed_PE, dtype=bool)
-        world = flow_WE.shape[0]
-        owner_onehot_EW = np.eye(world)[owner_E]
-        # Tokens for a shadowed expert stay on their source; the rest go to the owner.
-        to_owner_PWE = np.where(shadowed_PE[..., None, :], 0.0, flow_WE)
-        local_PWE = np.where(shadowed_PE[..., None, :], flow_WE, 0.0)
-        computed_PWE = owner_onehot_EW.T * to_owner_PWE.sum(-2)[..., None, :] + local_PWE
-        sent_PWW = to_owner_PWE @ owner_onehot_EW
-        compute, a2a = cost_model.sync_step_times(sent_PWW, computed_PWE, self.shape)
-        param_bytes = self.shape.param_bytes(cost_model.bytes_per_element)
         flat_PE = shadowed_PE.reshape(-1, shadowed_PE.shape[-1])
-        copies = np.array([self._copies(owner_E, m, param_bytes, cost_model) for m in flat_PE])
-        return compute + a2a + copies.reshape(shadowed_PE.shape[:-1])
-
-    def _copies(self, owner_E, shadowed_E, param_bytes, cost_model) -> float:
-        """Parameters out in forward, gradients back in backward, as the sparse collectives run
-        them. It depends only on how many experts each owner shadows: memoised per cost model."""
         world = cost_model.topology.num_devices
-        key = (id(cost_model), param_bytes, np.bincount(owner_E[shadowed_E], minlength=world).tobytes())
-        if key not in self._copies_memo:
-            holders_EW = np.eye(world, dtype=bool)[owner_E] | shadowed_E[:, None]
-            self._copies_memo[key] = cost_model.copies_time(
-                param_bytes, holders_EW, owner_E, "materialize"
-            ) + cost_model.copies_time(param_bytes, holders_EW, owner_E, "reduce")
-        return self._copies_memo[key]
+        owners_EW = np.eye(world, dtype=bool)[np.asarray(owner_E)]
+        pricer = PlacementPricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
+        terms = pricer.placements([owners_EW | mask[:, None] for mask in flat_PE])
+        return _shadow_time(terms).reshape(shadowed_PE.shape[:-1])
 
     def decide(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> ShadowDecision:
         owner_E = placement.owner_E
@@ -156,13 +143,12 @@ class ShadowPlanner(Planner):
                 f"{placement.world_size}"
             )
         received_E = flow_WE.sum(0)  # column sums: tokens each expert receives from all senders
-        order = [int(e) for e in np.argsort(-received_E, kind="stable") if received_E[e] > 0]
-        candidates = order[: self.options.max_shadowed]
-        # prefixes_PE[i]: the first i candidates shadowed (row 0: plain EP).
-        prefixes_PE = np.zeros((len(candidates) + 1, flow_WE.shape[1]), dtype=bool)
-        for i, e in enumerate(candidates):
-            prefixes_PE[i + 1 :, e] = True
-        predicted = self.cost(flow_WE, owner_E, prefixes_PE, cost_model)
+        order = np.argsort(-received_E, kind="stable")
+        candidates = order[received_E[order] > 0][: self.options.max_shadowed]
+        # Prefix i: the first i candidates shadowed (0: plain EP), each step one expert everywhere.
+        pricer = PlacementPricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
+        everywhere = np.ones((candidates.size, placement.world_size), dtype=bool)
+        predicted = pricer.cheapest_prefixes(candidates, everywhere, _shadow_time)
         if self.options.search == "prefix":
             chosen = int(np.argmin(predicted))  # the first of equal minima: fewest copies
         else:
@@ -170,4 +156,10 @@ class ShadowPlanner(Planner):
             chosen = int(worse[0]) if worse.size else len(candidates)
         if predicted[chosen] > (1.0 - self.options.min_gain) * predicted[0]:
             chosen = 0  # not worth the model's error
-        return ShadowDecision(candidates[:chosen], candidates, [float(t) for t in predicted])
+        candidates = candidates.tolist()
+        return ShadowDecision(candidates[:chosen], candidates, predicted.tolist())
+
+
+def _shadow_time(terms) -> np.ndarray:
+    """T(S) of every candidate: 3 expert computes, 4 exchanges, copies out and back (Eq. 7 + copies)."""
+    return 3 * terms.compute_s + 4 * terms.a2a_s + terms.trans_s + terms.agg_s

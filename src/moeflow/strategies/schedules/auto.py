@@ -102,7 +102,9 @@ class AutoSchedule(Schedule):
 
     def execute(self, block: ExchangeBlock) -> torch.Tensor:
         names = list(self.candidates)
-        if block.group is None or len(names) == 1:
+        if block.group is None or len(names) == 1 or self.cost_model.topology.num_devices != len(block.send_WW):
+            # One process, one candidate, or a cost model of another group (a resume on another
+            # process count): nothing to price; the simplest candidate runs.
             self._choice = names[0]
             return self.candidates[names[0]].execute(block)
         node_of = block.node_of if block.node_of is not None else self.cost_model.topology.node_of

@@ -1,0 +1,399 @@
+"""Many placements of one flow priced at once, each a few experts away from the owners alone.
+
+Every planner compares placements that differ from plain EP (owners only) in a handful of experts:
+FasterMoE's shadow sets and Pro-Prophet's, Hecate's and EPLB's searches add one expert's copies per
+step and price every prefix of their steps; `auto` prices the proposals of five planners. A
+placement's price is made of the same terms everywhere (FasterMoE Eq. 7, Pro-Prophet Eq. 6): the
+tokens every device computes, the token exchange's traffic on every link, and the copies out and
+back (`CostModel.copies_time`). All are sums over experts, so a step that changes one expert changes
+them by that expert's dispatch before and after (`core.placement.dispatch_entries`): the owners'
+terms are computed once, each step's change once, and the candidates are the running sums of the
+changes (a prefix) or the sum of one placement's changes — never the plan of a whole placement.
+The maxima that make a price (the slowest device, the busiest link) are then taken per candidate.
+
+Two parts of a price are not sums: the start-up latency of an exchange is the slowest route among
+the pairs that exchange anything, and a copies broadcast costs per owner. A pair exchanges
+something iff it has a positive count, so the latency is read from the number of positive (source,
+expert, destination) counts on routes of each latency (integers: exact); the broadcasts are priced
+per owner from the number of experts each owner has held everywhere.
+
+At scale: a step's sources whose candidates it does not change are left out (their entries would
+cancel); where every node hangs from the root, the sources that spread over every holder of an
+expert are summed per holder instead of expanded per (source, holder); and a prefix search stops
+where every later prefix's copies alone cost more than the best priced one (`cheapest_prefixes`).
+
+Shape suffixes: W ranks, E experts, L links, J steps (an expert and its new holders), K dispatched
+states (a step's new and previous holders), C candidates, N route-latency classes, X any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner
+
+
+@dataclass
+class PlacementTerms:
+    """The terms of every candidate ``[C]`` (seconds unless said), as `CostModel` prices a plan."""
+
+    compute_s: np.ndarray
+    """One forward expert compute of the slowest device (`CostModel.compute_time`)."""
+    a2a_s: np.ndarray
+    """One token exchange (`CostModel.a2a_time` of the plan's sends; a step has four)."""
+    trans_s: np.ndarray
+    """Copies out, as the sparse collectives run them (`CostModel.copies_time`, materialize)."""
+    agg_s: np.ndarray
+    """Their gradients back (`copies_time`, reduce)."""
+    trans_prefetched_s: np.ndarray
+    """Copies out as the block-wise prefetch sends them (`copies_time(tree=False)`)."""
+    agg_prefetched_s: np.ndarray
+    tokens_CW: np.ndarray
+    """Tokens each device computes."""
+    local_CW: np.ndarray | None
+    """Of which its own tokens (with `detail=True`; Pro-Prophet's Eq. 1 as printed needs them)."""
+    copies_C: np.ndarray
+    """Copies beyond the owners."""
+
+
+def _running(delta_JX: np.ndarray, base_X: Any, start_J: np.ndarray) -> np.ndarray:
+    """Row 0: `base_X`; row j + 1: `base_X` plus the deltas of its candidate's steps up to j (the
+    running sum restarts where `start_J` is True: a new candidate's first step)."""
+    total = np.cumsum(delta_JX, axis=0)
+    first = np.flatnonzero(start_J)
+    if first.size > 1:
+        before = np.concatenate([np.zeros((1, *total.shape[1:]), total.dtype), total[:-1]])
+        total = total - before[np.repeat(first, np.diff(np.append(first, len(start_J))))]
+    out = np.empty((total.shape[0] + 1, *total.shape[1:]), dtype=np.result_type(total, np.asarray(base_X)))
+    out[0] = base_X
+    np.add(total, base_X, out=out[1:])
+    return out
+
+
+class PlacementPricer:
+    """The terms of placements on `flow_WE` (module docstring). Built once per flow: the owners'
+    terms; then `prefixes` (every prefix of a list of steps) or `placements` (each its own)."""
+
+    def __init__(
+        self,
+        flow_WE: np.ndarray,
+        owner_E: np.ndarray,
+        cost_model: Any,
+        shape: ExpertShape,
+        node_of: Any = None,
+    ) -> None:
+        self.flow = np.asarray(flow_WE)
+        self.owner = np.asarray(owner_E, dtype=np.int64)
+        self.cm, self.shape = cost_model, shape
+        topo = self.topology = cost_model.topology
+        self.node_of = node_of
+        W, E = self.flow.shape
+        if topo.num_devices != W:
+            raise ValueError(f"cost model has {topo.num_devices} devices, the flow {W} ranks")
+        self.W, self.E, self.L = W, E, len(topo.links)
+        self.N = topo.latency_classes.size
+        self.tok_bytes = shape.d_model * cost_model.bytes_per_element
+        self.param_bytes = shape.param_bytes(cost_model.bytes_per_element)
+        # The owners alone.
+        colsum_E = self.flow.sum(0)
+        experts = np.arange(E)
+        self.tokens0 = np.bincount(self.owner, weights=colsum_E, minlength=W)
+        self.local0 = np.bincount(self.owner, weights=self.flow[self.owner, experts], minlength=W)
+        self.calls0 = np.bincount(self.owner, weights=colsum_E > 0, minlength=W)
+        sent = self.flow.copy()
+        sent[self.owner, experts] = 0
+        self.traffic0 = topo.link_traffic(send_by_owner(sent, self.owner) * self.tok_bytes)
+        positive0 = send_by_owner((sent > 0).astype(np.int64), self.owner)  # diagonal 0: sent
+        self.classes0 = np.bincount(topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N)
+        self.tree = copies_by_tree(topo.node_of, cost_model.backend)
+        node_W = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
+        _, self._node_W = np.unique(node_W, return_inverse=True)  # nodes numbered 0..N-1
+        self._N = int(self._node_W.max()) + 1 if W else 1
+        self._by_node = np.argsort(self._node_W, kind="stable")  # ranks node by node
+        self._node_start = np.searchsorted(self._node_W[self._by_node], np.arange(self._N))
+
+    # ---- candidates ------------------------------------------------------------------------------
+    def prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray, detail: bool = False) -> PlacementTerms:
+        """Candidate c = the owners with the first c steps applied (c = 0..J): step j gives expert
+        `experts_J[j]` the holders `holders_JW[j]` (its owner included; a later step of the same
+        expert replaces an earlier one)."""
+        experts = np.asarray(experts_J, dtype=np.int64)
+        start = np.zeros(experts.size, dtype=bool)
+        start[:1] = True
+        return self._terms(experts, np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W), start, detail)
+
+    def placements(self, holders_CEW: list[np.ndarray], detail: bool = False) -> PlacementTerms:
+        """Candidate c = the placement with holders `holders_CEW[c]` (same owners)."""
+        base_EW = np.zeros((self.E, self.W), dtype=bool)
+        base_EW[np.arange(self.E), self.owner] = True
+        experts, rows, start, steps = [], [], [], []
+        for holders in holders_CEW:
+            holders = np.asarray(holders, dtype=bool)
+            changed = np.flatnonzero((holders != base_EW).any(1))
+            experts.append(changed)
+            rows.append(holders[changed])
+            start.append(np.arange(changed.size) == 0)
+            steps.append(changed.size)
+        terms = self._terms(
+            np.concatenate(experts).astype(np.int64),
+            np.concatenate(rows).reshape(-1, self.W),
+            np.concatenate(start),
+            detail,
+        )
+        # Row 0 is the owners alone; a candidate's row is its last step's (or row 0: unchanged).
+        pick = np.where(np.asarray(steps) > 0, np.cumsum(steps), 0)
+        fields = {f: getattr(terms, f) for f in PlacementTerms.__dataclass_fields__}
+        return PlacementTerms(**{f: None if v is None else v[pick] for f, v in fields.items()})
+
+    def cheapest_prefixes(self, experts_J, holders_JW, price, detail: bool = False, bounded: bool = True) -> np.ndarray:
+        """`price(terms) -> [C]` of the prefixes of the steps, up to the last that can be the
+        cheapest: a prefix costs at least its copies (`bounded`: when its price is a sum of
+        non-negative terms with the copies in full), so past the first prefix after which every
+        prefix's copies alone cost more than the best priced one, none is priced. The first
+        `PRICED_FIRST` are priced, then as many more as the bound leaves (the list is that long)."""
+        experts = np.asarray(experts_J, dtype=np.int64)
+        rows = np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W)
+        if not bounded or experts.size <= PRICED_FIRST:
+            return price(self.prefixes(experts, rows, detail))
+        floor = np.minimum.accumulate(self.copies_of_prefixes(experts, rows)[::-1])[::-1]  # from each prefix on
+        priced = PRICED_FIRST
+        while True:
+            predicted = price(self.prefixes(experts[:priced], rows[:priced], detail))
+            beyond = np.flatnonzero(floor > predicted.min())
+            last = int(beyond[0]) if beyond.size else experts.size
+            if last <= priced:
+                return predicted
+            priced = last
+
+    # ---- the work ------------------------------------------------------------------------------------
+    def _terms(self, experts: np.ndarray, new_JW: np.ndarray, start: np.ndarray, detail: bool) -> PlacementTerms:
+        W, J = self.W, experts.size
+        topo, cm, shape = self.topology, self.cm, self.shape
+        owner_J = self.owner[experts]
+        prev_JW = self._previous(experts, owner_J, new_JW, start)
+        # The dispatch of every step's expert after (state j) and before (state J + j) the step, of
+        # the sources whose candidates it changes (the others' entries would cancel out) — unless
+        # the experts each device computes are counted (a fitted GEMM launch): then of all.
+        flow_WJ = self.flow[:, experts]
+        if not cm.prices_gemm_calls:
+            flow_WJ = np.where(self._affected(new_JW, prev_JW).T, flow_WJ, 0)
+        flow_WK, rows_KW = np.concatenate([flow_WJ, flow_WJ], axis=1), np.concatenate([new_JW, prev_JW])
+        spread = self._spread(flow_WK, rows_KW) if topo.nodes_under_root else None
+        if spread is not None:
+            flow_WK = np.where(spread.alone_WK, 0, flow_WK)
+        k, src, dst, count = dispatch_entries(flow_WK, rows_KW, self.node_of)
+        computed_KW = np.bincount(k * W + dst, weights=count, minlength=2 * J * W).reshape(2 * J, W)
+        if spread is not None:
+            computed_KW += np.bincount(
+                spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * J * W
+            ).reshape(2 * J, W)
+        local = src == dst
+        tokens = _running(computed_KW[:J] - computed_KW[J:], self.tokens0, start)
+        calls = None  # experts with tokens per device: priced only with a fitted GEMM launch
+        if cm.prices_gemm_calls:
+            calls = _running((computed_KW[:J] > 0).astype(np.int64) - (computed_KW[J:] > 0), self.calls0, start)
+        local_C = None
+        if detail:
+            local_KW = np.bincount(k[local] * W + dst[local], weights=count[local], minlength=2 * J * W)
+            local_C = _running(local_KW[: J * W].reshape(J, W) - local_KW[J * W :].reshape(J, W), self.local0, start)
+        # The exchange: the remote entries' bytes on every link, and their count per route latency.
+        remote = ~local
+        k, src, dst, count = k[remote], src[remote], dst[remote], count[remote]
+        step, sign = np.where(k < J, k, k - J), np.where(k < J, 1.0, -1.0)
+        d_traffic = self._on_links(J, step, src, dst, sign * count * self.tok_bytes)
+        d_classes = self._per_class(J, step, src, dst, sign)
+        if spread is not None:
+            d_traffic += spread.traffic(J, self.tok_bytes)
+            d_classes += spread.classes(J)
+        traffic = _running(d_traffic, self.traffic0, start)
+        classes = _running(d_classes, self.classes0, start)
+        trans, agg, trans_pf, agg_pf, copies = self._copies(experts, owner_J, new_JW, prev_JW, start)
+        gemm_calls = None if calls is None else calls * shape.gemms
+        compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
+        active = classes > 0.5  # positive entries per latency class (integer counts)
+        latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
+        a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
+        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_C, copies)
+
+    def _copies(self, experts, owner_J, new_JW, prev_JW, start):
+        """Copies out and back per candidate `[J + 1]` (and as the prefetch sends them), and their
+        number: experts held everywhere by owner, the rest point-to-point owner -> extra holder."""
+        W, L, N, J = self.W, self.L, self.N, experts.size
+        cm, topo = self.cm, self.topology
+        own_JW = np.zeros((J, W), dtype=bool)
+        own_JW[np.arange(J), owner_J] = True
+        extra_new, extra_prev = new_JW & ~own_JW, prev_JW & ~own_JW
+        every_new = new_JW.all(1) & extra_new.any(1)
+        every_prev = prev_JW.all(1) & extra_prev.any(1)
+        every_trans, every_agg, every_pf = self._everywhere(owner_J, every_new.astype(np.int64) - every_prev, start)
+        copies = _running((extra_new.sum(1) - extra_prev.sum(1))[:, None], np.zeros(1, np.int64), start)[:, 0]
+        part = np.concatenate([extra_new & ~every_new[:, None], extra_prev & ~every_prev[:, None]])
+        pk, holder = np.nonzero(part)
+        p2p = np.zeros(J + 1)
+        if pk.size:
+            pstep, psign = np.where(pk < J, pk, pk - J), np.where(pk < J, 1.0, -1.0)
+            powner = owner_J[pstep]
+            traffic = _running(self._on_links(J, pstep, powner, holder, psign * self.param_bytes), np.zeros(L), start)
+            active = _running(self._per_class(J, pstep, powner, holder, psign), np.zeros(N), start) > 0.5
+            latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
+            p2p = np.where(active.any(-1), cm.link_time_from_traffic(traffic) + latency, 0.0)
+        trans, agg = every_trans + p2p, every_agg + p2p
+        trans_pf, agg_pf = (every_pf[0] + p2p, every_pf[1] + p2p) if self.tree else (trans, agg)
+        return trans, agg, trans_pf, agg_pf, copies
+
+    def copies_of_prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray) -> np.ndarray:
+        """Copies out and back `[J + 1]` of every prefix of the steps (as `prefixes` prices them, the
+        rest left out): a lower bound of each prefix's price."""
+        experts = np.asarray(experts_J, dtype=np.int64)
+        start = np.zeros(experts.size, dtype=bool)
+        start[:1] = True
+        new_JW = np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W)
+        owner_J = self.owner[experts]
+        trans, agg, *_ = self._copies(experts, owner_J, new_JW, self._previous(experts, owner_J, new_JW, start), start)
+        return trans + agg
+
+    def _everywhere(self, owner_J: np.ndarray, d_every_J: np.ndarray, start: np.ndarray):
+        """The broadcasts / reduces of the experts held everywhere, per candidate `[J + 1]` each way
+        (and as the prefetch sends them, where that differs). A step changes one owner's count by
+        one: one broadcast's price changes, `f(n + 1) − f(n)`; the two-stage tree is priced whole."""
+        cm, W, J = self.cm, self.W, owner_J.size
+        if self.tree:
+            d_every = np.zeros((J, W), dtype=np.int64)
+            d_every[np.arange(J), owner_J] = d_every_J
+            every = _running(d_every, np.zeros(W, dtype=np.int64), start)
+            tree = [cm.everywhere_copies_time(self.param_bytes, every, d, True) for d in DIRECTIONS]
+            flat = [cm.everywhere_copies_time(self.param_bytes, every, d, False) for d in DIRECTIONS]
+            return tree[0], tree[1], flat
+        if J == 0:
+            return np.zeros(1), np.zeros(1), None
+        # Each owner's count before and after every step (running per owner within its candidate).
+        candidate = np.cumsum(start)
+        key = candidate * W + owner_J
+        order = np.lexsort((np.arange(J), key))
+        run = np.cumsum(d_every_J[order])
+        first = np.r_[True, key[order][1:] != key[order][:-1]]
+        run -= np.repeat((run - d_every_J[order])[first], np.diff(np.r_[np.flatnonzero(first), J]))
+        after = np.empty(J, dtype=np.int64)
+        after[order] = run
+        before = after - d_every_J
+        out = []
+        for direction in DIRECTIONS:
+            kind = "broadcast" if direction == "materialize" else "reduce"
+            top = int(max(after.max(initial=0), before.max(initial=0)))
+            price = np.array([cm.collective_time(kind, n * self.param_bytes) if n else 0.0 for n in range(top + 1)])
+            out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
+        return out[0], out[1], None
+
+    def _spread(self, flow_WK: np.ndarray, rows_KW: np.ndarray) -> _Spread | None:
+        """The sources that spread over every holder of a state (their node holds none of them),
+        summed instead of expanded (`_Spread`); None when there are none."""
+        held_KN = self._per_node(rows_KW)
+        several_K = rows_KW.sum(1) > 1  # one holder takes the tokens whole: `dispatch_entries` is as cheap
+        alone_WK = ~held_KN[:, self._node_W].T & (flow_WK > 0) & several_K
+        if not alone_WK.any():
+            return None
+        return _Spread(self, flow_WK, rows_KW, alone_WK)
+
+    def _affected(self, new_JW: np.ndarray, prev_JW: np.ndarray) -> np.ndarray:
+        """`[J, W]`: the sources whose dispatch candidates a step changes — those on a node whose
+        holders it changes, or on a node with none before and after (they spread over every
+        holder); a source on a node whose holders stay the same keeps its own or its node's."""
+        if self._N == 1:
+            return np.broadcast_to((new_JW != prev_JW).any(1)[:, None], new_JW.shape)
+        changed_JN = self._per_node(new_JW != prev_JW)
+        held_JN = self._per_node(new_JW | prev_JW)
+        return (changed_JN | ~held_JN)[:, self._node_W]
+
+    def _per_node(self, rows_XW: np.ndarray) -> np.ndarray:
+        """`[X, N]`: whether any rank of each node is set in each row."""
+        return np.logical_or.reduceat(rows_XW[:, self._by_node], self._node_start, axis=1)
+
+    def _previous(self, experts: np.ndarray, owner_J: np.ndarray, new_JW: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Each step's expert's holders before it: its last earlier step's in the same candidate, or its owner."""
+        J = experts.size
+        prev = np.zeros((J, self.W), dtype=bool)
+        prev[np.arange(J), owner_J] = True
+        candidate = np.cumsum(start)
+        key = candidate * self.E + experts
+        if np.unique(key).size < J:  # an expert changed twice in one candidate
+            order = np.lexsort((np.arange(J), key))
+            again = np.flatnonzero(key[order][1:] == key[order][:-1])
+            prev[order[again + 1]] = new_JW[order[again]]
+        return prev
+
+    def _on_links(self, J: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, value: np.ndarray) -> np.ndarray:
+        """Bytes `value` from `src` to `dst` at each `step`, summed on every link: `[J, L]`."""
+        hops = self.topology.route_WWH[src, dst]  # [n, H], padded with L
+        index = step[:, None] * (self.L + 1) + hops
+        sums = np.bincount(index.reshape(-1), weights=np.repeat(value, hops.shape[-1]), minlength=J * (self.L + 1))
+        return sums.reshape(J, self.L + 1)[:, : self.L]
+
+    def _per_class(self, J: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, sign: np.ndarray) -> np.ndarray:
+        """The change in the number of positive entries on routes of each latency: `[J, N]`."""
+        index = step * self.N + self.topology.latency_class_WW[src, dst]
+        return np.bincount(index, weights=sign, minlength=J * self.N).reshape(J, self.N)
+
+
+DIRECTIONS = ("materialize", "reduce")
+PRICED_FIRST = 32
+"""Prefixes priced before the copies' bound decides how many more (`cheapest_prefixes`)."""
+
+
+class _Spread:
+    """Sources on a node without a holder, each spreading its tokens over every holder of its state
+    (`dispatch_entries`' last case), summed instead of expanded into an entry per (source, holder):
+    where every node hangs from the root (`Topology.nodes_under_root`), such a source's tokens all
+    leave by its own link and its node's, and reach each holder by the holder's node's link and its
+    own; a holder's share is the same quotient from every source plus one from each source whose
+    remainder reaches it in ring order — a cyclic window of the holder list, added as differences."""
+
+    def __init__(self, pricer: PlacementPricer, flow_WK: np.ndarray, rows_KW: np.ndarray, alone_WK: np.ndarray):
+        J2, W = rows_KW.shape
+        src, k = np.nonzero(alone_WK)
+        f = flow_WK[src, k].astype(np.int64)  # whole assignments (a split needs them)
+        self.alone_WK = alone_WK
+        hold_k, hold_w = np.nonzero(rows_KW)  # every state's holders by rank, state after state
+        n_K = np.bincount(hold_k, minlength=J2)
+        offset_K = np.cumsum(n_K) - n_K
+        n = n_K[k]
+        first = np.searchsorted(hold_k * W + hold_w, k * W + src) - offset_K[k]  # holders below the source
+        base, rem = f // n, f % n
+        # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders.
+        stop = first + rem
+        wrap = stop > n
+        at = offset_K[k]
+        index = np.concatenate([at + first, at + np.where(wrap, n, stop), at[wrap], at[wrap] + (stop - n)[wrap]])
+        step = np.concatenate([np.ones(k.size), -np.ones(k.size), np.ones(wrap.sum()), -np.ones(wrap.sum())])
+        diff = np.bincount(index, weights=step, minlength=hold_k.size + 1)
+        self.received = np.bincount(k, weights=base, minlength=J2)[hold_k] + np.cumsum(diff)[:-1]
+        self.hold_k, self.hold_w = hold_k, hold_w
+        self.src, self.k, self.f = src, k, f
+        self.positive = np.minimum(n, f)  # holders that get anything from the source
+        topo = pricer.topology
+        self.up, self.down = topo.leave_W2[src], topo.enter_W2[hold_w]  # the four links between two nodes
+        self.cls = topo.cross_class
+        self.L, self.N, self.J = len(topo.links), pricer.N, J2 // 2
+
+    def _step_sign(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.where(k < self.J, k, k - self.J), np.where(k < self.J, 1.0, -1.0)
+
+    def traffic(self, J: int, tok_bytes: float) -> np.ndarray:
+        """Their bytes on every link `[J, L]` (after the step minus before)."""
+        step, sign = self._step_sign(self.k)
+        hstep, hsign = self._step_sign(self.hold_k)
+        index = np.concatenate(
+            [(step[:, None] * (self.L + 1) + self.up).ravel(), (hstep[:, None] * (self.L + 1) + self.down).ravel()]
+        )
+        value = np.concatenate([np.repeat(sign * self.f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
+        return np.bincount(index, weights=value, minlength=J * (self.L + 1)).reshape(J, self.L + 1)[:, : self.L]
+
+    def classes(self, J: int) -> np.ndarray:
+        """The change in positive (source, holder) counts per route latency `[J, N]`."""
+        step, sign = self._step_sign(self.k)
+        return np.bincount(step * self.N + self.cls, weights=sign * self.positive, minlength=J * self.N).reshape(
+            J, self.N
+        )
