@@ -84,7 +84,7 @@ class MoELayer(nn.Module):
             `auto`, ...) or a callable `(flow_WE, placement, cost_model) -> Placement`.
         schedule: a name of `moeflow.strategies.SCHEDULES` (`sync`, `pairwise`, `pipeline`, `auto`)
             or a `Schedule`.
-        dispatch: a name of `moeflow.strategies.DISPATCHERS` (`a2a`) or a dispatcher object.
+        dispatch: a name of `moeflow.strategies.DISPATCHERS` (`a2a`, `hierarchical`) or a dispatcher object.
         balance: a name of `moeflow.routing.BALANCES` (`gshard`, `sequence`, `aux_free`, `ta_moe`, `none`) or a
             balance module; None: the gate's default (`gshard` for token choice, `none` for expert
             choice and slots); `balance_weight` scales its loss (0 turns the term off). `sequence`
@@ -266,7 +266,8 @@ class MoELayer(nn.Module):
             self.planner.owners_changed(placement, self.cost_model)  # re-plan what it had planned ahead
 
     def _bind(self, placement: Placement) -> None:
-        """Set the owners and decide whether the cost model describes this group (D = W)."""
+        """Set the owners and decide whether the cost model describes this group (as many devices as
+        the group has ranks)."""
         self.placement = placement
         world = placement.world_size
         devices = None if self.cost_model is None else self.cost_model.topology.num_devices
