@@ -252,6 +252,28 @@ class GroupedExperts(nn.Module):
                 bound = 1.0 / math.sqrt(param.shape[1])
                 nn.init.uniform_(param, -bound, bound)
 
+    def initial_expert(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """One expert's initial parameters at the FULL hidden size, drawn from `generator` (CPU,
+        fp32, in parameter order): the distribution of `reset_parameters` — weights uniform in
+        ±1/sqrt(fan_in), biases zero. A meta-device build draws each expert from a generator seeded
+        by its global id (`moeflow.training.init`), so that it is the same whichever rank holds it."""
+        out = {}
+        for name, param in self.named_parameters():
+            shape = list(param.shape[1:])
+            if name != "b2":  # the hidden axis: w2's first, the last of w1/w13/b1/b13
+                shape[0 if name == "w2" else -1] = self.full_hidden
+            if name.startswith("w"):
+                bound = 1.0 / math.sqrt(shape[0])
+                out[name] = torch.empty(shape).uniform_(-bound, bound, generator=generator)
+            else:
+                out[name] = torch.zeros(shape)
+        return out
+
+    @property
+    def full_hidden(self) -> int:
+        """The experts' hidden size before expert sharding (`core.expert_sharding`) sliced it."""
+        return self.d_hidden * self.esp_size
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The `[L, ...]` tensors by name; sparse collectives and sharding work on this dict."""
         return dict(self.named_parameters())
@@ -322,10 +344,17 @@ class SharedExperts(nn.Module):
         if spec.biases:
             setattr(self, spec.first_bias, nn.Parameter(torch.zeros(*hidden)))
             self.b2 = nn.Parameter(torch.zeros(d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's bound 1/sqrt(fan_in) for the weights, zero biases (also after a meta-device
+        build: `moeflow.training.init`)."""
         for name, param in self.named_parameters():
             if name.startswith("w"):
                 bound = 1.0 / math.sqrt(param.shape[0])
                 nn.init.uniform_(param, -bound, bound)
+            else:
+                nn.init.zeros_(param)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         w = dict(self.named_parameters())
