@@ -1,8 +1,8 @@
 """Converted Hugging Face MoE models on gloo ranks (one spawn per world size, every check inside):
-each architecture under plain expert parallelism and under FasterMoE shadowing with skewed routers
-(copies made) gives the single-process original's logits and every gradient, each rank keeping
-its experts; a forced-copies planner and `auto` do too; the export gathers the experts back from
-their owners; an expert count the group does not divide is refused."""
+each architecture under plain expert parallelism and under a copying strategy (FasterMoE
+shadowing with skewed routers, or forced copies) gives the single-process original's logits and
+every gradient, each rank keeping its experts; `auto` does too; the export gathers the experts
+back from their owners; an expert count the group does not divide is refused."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from moeflow.core.parallel import ParallelLayout
-from moeflow.hf import convert_moe_blocks, export_moe_blocks
+from moeflow.hf import SUPPORTED, convert_moe_blocks, export_moe_blocks
 from moeflow.model_step import all_reduce_gradients
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 
 from .equivalence import ForcedCopies
-from .hf_models import grads_by_original_name, tiny
+from .hf_models import experts_key, grads_by_original_name, moe_blocks, tiny
 
 EXPERTS = 8
 CASES = (
@@ -31,6 +31,15 @@ CASES = (
     ("qwen3_moe", "auto"),
     ("olmoe", "ep"),
     ("olmoe", ForcedCopies(7, 0.5)),
+    ("deepseek_v3", "ep"),
+    ("deepseek_v3", ForcedCopies(8, 0.5)),
+    ("deepseek_v2", ForcedCopies(9, 0.5)),
+    ("glm4_moe", "ep"),
+    ("glm4_moe", "shadow"),
+    ("gpt_oss", "ep"),
+    ("gpt_oss", ForcedCopies(10, 0.5)),
+    ("llama4", "ep"),
+    ("llama4", "shadow"),
 )
 """(architecture, strategy): every architecture under EP or shadowing, plus forced copies and auto."""
 
@@ -40,19 +49,19 @@ def _skew(model) -> None:
     so shadowing finds copies worth making."""
     v = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight[0], layer.mlp.gate.weight[1] = 3 * v, -3 * v
+        for block in moe_blocks(model):
+            router = getattr(block, SUPPORTED[type(block).__name__].router)
+            router.weight[0], router.weight[1] = 3 * v, -3 * v
 
 
 def _check_case(rank: int, world: int, arch: str, strategy, cost_model, layout) -> None:
     # Without the auxiliary loss: it is nonlinear in the batch, so each rank's (over its own
     # tokens, as in any data-parallel run) is not the global batch's.
-    count = {"num_local_experts": EXPERTS} if arch == "mixtral" else {"num_experts": EXPERTS}
-    ref = tiny(arch, output_router_logits=False, **count)
+    ref = tiny(arch, output_router_logits=False, **{experts_key(arch): EXPERTS})
     _skew(ref)
     model = copy.deepcopy(ref)
     convert_moe_blocks(model, group=dist.group.WORLD, strategy=strategy, cost_model=cost_model)
-    moe = [layer.mlp.moe for layer in model.model.layers]
+    moe = [block.moe for block in moe_blocks(model)]
     assert moe[0].experts.expert_ids == list(range(rank * EXPERTS // world, (rank + 1) * EXPERTS // world))
     ids_all = torch.randint(0, 64, (world, 12), generator=torch.Generator().manual_seed(3))
     out_ref = ref(ids_all, labels=ids_all)  # the single-process original on the global batch

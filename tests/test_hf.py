@@ -1,8 +1,11 @@
 """`moeflow.hf`: Hugging Face MoE models converted to `MoELayer` give the original's logits, loss,
-auxiliary loss and every gradient (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE),
-bf16 within a stated tolerance, export back to identical weights (and through `save_pretrained`),
-reproduce each router's semantics under a selection bias, and refuse bad input with one line
-naming it. Expert parallelism and shadowing on 2 and 4 gloo ranks: `multirank_hf`."""
+auxiliary loss and every gradient (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE,
+DeepSeek-V2/V3 and GLM-4-MoE with group-limited routing and shared experts, GPT-OSS with its
+router bias and clamped SwiGLU, Llama 4 with scaled inputs), bf16 within a stated tolerance,
+export back to identical weights (and through `save_pretrained`), reproduce each router's
+semantics under a selection bias (folded into DeepSeek-V3's correction bias on export), and refuse
+bad input and unsupported blocks with one line naming them. Expert parallelism and copies on 2
+and 4 gloo ranks: `multirank_hf`."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from torch import nn
 
 from moeflow.hf import MoEBlock, RouterSemantics, convert_moe_blocks, export_moe_blocks
 
-from .hf_models import ARCHS, grads_by_original_name, tiny
+from .hf_models import ARCHS, grads_by_original_name, moe_blocks, tiny
 from .multirank import run_ranks
 
 pytest.importorskip("transformers")
@@ -47,12 +50,13 @@ def test_converted_model_equals_the_original_and_exports_back(arch):
     ref = tiny(arch)
     model = copy.deepcopy(ref)
     assert convert_moe_blocks(model) == 2
-    assert all(isinstance(layer.mlp, MoEBlock) for layer in model.model.layers)
+    blocks = moe_blocks(model)
+    assert len(blocks) == 2 and all(isinstance(b, MoEBlock) for b in blocks)
     ref.eval(), model.eval()
     torch.testing.assert_close(model(IDS).logits, ref(IDS).logits, rtol=1e-5, atol=1e-5)
     _assert_same_training_step(ref, model)  # dropless: every assignment computed, as in the original
     assert export_moe_blocks(model) == 2
-    assert type(model.model.layers[0].mlp) is type(ref.model.layers[0].mlp)
+    assert [type(b) for b in moe_blocks(model)] == [type(b) for b in moe_blocks(ref)]
     assert model.state_dict().keys() == ref.state_dict().keys()
     for name, value in ref.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
@@ -92,7 +96,7 @@ def test_a_copy_of_a_converted_model_exports_its_own_weights_in_its_dtype():
     convert_moe_blocks(model)
     twin = copy.deepcopy(model).to(torch.bfloat16)
     block = twin.model.layers[0].mlp
-    assert block.source.gate is block.gate and block.source.shared_expert is block.shared_expert
+    assert block.source.gate is block.gate and block.source.shared_expert is block.moe.shared_experts.shared_expert
     export_moe_blocks(twin)
     assert type(model.model.layers[0].mlp) is MoEBlock  # the original stays converted
     for name, value in ref.state_dict().items():
@@ -104,12 +108,12 @@ def test_bf16_stays_within_the_stated_tolerance(arch):
     ref = tiny(arch).to(torch.bfloat16)
     model = copy.deepcopy(ref)
     convert_moe_blocks(model)
-    assert model.model.layers[0].mlp.moe.experts.w1.dtype == torch.bfloat16
+    assert moe_blocks(model)[0].moe.experts.w13.dtype == torch.bfloat16
     ref.eval(), model.eval()
     # Same router module, so the same experts; the expert GEMMs and the k-term combine round in
     # another order (bf16 keeps 8 mantissa bits: ~2^-8 relative per op). Measured on logits of
     # magnitude ~2: Mixtral (fp32 combine weights) max 0.016; Qwen-MoE and OLMoE (weights rounded
-    # to bf16 by their routers) 0.
+    # to bf16 by their routers) 0; DeepSeek-V2/V3, GLM-4-MoE, GPT-OSS, Llama 4 at most 0.016.
     torch.testing.assert_close(model(IDS).logits.float(), ref(IDS).logits.float(), rtol=2e-2, atol=3e-2)
 
 
@@ -122,10 +126,48 @@ def test_selection_bias_reselects_with_the_routers_own_semantics(arch):
     convert_moe_blocks(model, balance="aux_free")
     ref.eval(), model.eval()
     torch.testing.assert_close(model(IDS).logits, ref(IDS).logits, rtol=1e-5, atol=1e-5)
-    moe = model.model.layers[0].mlp.moe
+    moe = moe_blocks(model)[0].moe
     moe.balance.bias_E[3] = 10.0
     model(IDS)
     assert (moe.stats.flow[0, 3] == IDS.numel()).item()
+
+
+def test_the_tiny_configs_exercise_each_architectures_routing_and_experts():
+    """Group limits change choices (DeepSeek-V2/V3, GLM-4-MoE), GPT-OSS's clamp acts, and an
+    aux-free bias trained on a converted DeepSeek-V3 is exported into its correction bias."""
+    from moeflow.hf.router import RouterSemantics
+
+    x_TD = torch.randn(48, 32, generator=torch.Generator().manual_seed(2))
+    for arch in ("deepseek_v3", "deepseek_v2", "glm4_moe"):
+        model = tiny(arch)
+        convert_moe_blocks(model)
+        gate = moe_blocks(model)[0].moe.gate
+        limited = gate(x_TD).expert_A
+        free = RouterSemantics(gate.semantics.order, gate.semantics.normalize, n_group=1)
+        bias_E = gate.router.e_score_correction_bias if gate.semantics.correction_bias else None
+        assert not torch.equal(free.select(gate.router(x_TD)[0], 2, None, bias_E)[1].t().reshape(-1), limited), arch
+    block = moe_blocks(convert(tiny("gpt_oss")))[0]
+    w = block.moe.experts.weights()
+    gate = x_TD @ w["w13"][0][:, 0] + w["b13"][0][0]
+    assert (gate.abs() > block.moe.experts.options.limit).any()
+
+    ref = tiny("deepseek_v3")
+    model = copy.deepcopy(ref)
+    convert_moe_blocks(model, balance="aux_free")
+    moe = moe_blocks(model)[0].moe
+    with torch.no_grad():
+        moe.balance.bias_E.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(3))
+    model.eval()
+    trained = model(IDS).logits
+    export_moe_blocks(model)
+    want = ref.model.layers[1].mlp.gate.e_score_correction_bias + moe.balance.bias_E
+    torch.testing.assert_close(model.model.layers[1].mlp.gate.e_score_correction_bias, want, rtol=0, atol=0)
+    torch.testing.assert_close(model(IDS).logits, trained, rtol=1e-5, atol=1e-5)
+
+
+def convert(model):
+    convert_moe_blocks(model)
+    return model
 
 
 def test_router_semantics_orders():
@@ -138,6 +180,11 @@ def test_router_semantics_orders():
     w, e = RouterSemantics("topk_softmax").select(logits_TE, 2)  # Switch-style: softmax over the k logits
     torch.testing.assert_close(w, torch.softmax(logits_TE.topk(2).values, -1))
     assert torch.equal(e, logits_TE.topk(2).indices)
+    w, e = RouterSemantics("topk_sigmoid").select(logits_TE, 1)  # Llama 4
+    torch.testing.assert_close(w, torch.sigmoid(logits_TE.max(-1, keepdim=True).values))
+    w, e = RouterSemantics("sigmoid_topk", normalize=True, scaling_factor=2.0).select(logits_TE, 2)  # DeepSeek-V3
+    top = torch.sigmoid(logits_TE).topk(2).values
+    torch.testing.assert_close(w, 2.0 * top / top.sum(-1, keepdim=True))
     with pytest.raises(ValueError, match="order='sigmoid'"):
         RouterSemantics("sigmoid")
 
@@ -169,6 +216,13 @@ def test_bad_input_is_one_line_naming_it():
         convert_moe_blocks(model)
     one_line(e)
     assert type(model.model.layers[0].mlp).__name__ == "Qwen2MoeSparseMoeBlock"
+    # A block moeflow refuses is named with its reason, before anything is replaced.
+    refused = nn.ModuleList([type("PhimoeSparseMoeBlock", (nn.Module,), {})()])
+    with pytest.raises(
+        ValueError, match=r"0 \(PhimoeSparseMoeBlock\) is not supported: Phi-3.5-MoE's sparsemixer"
+    ) as e:
+        convert_moe_blocks(refused)
+    one_line(e)
     # A router whose first output is probabilities (transformers 5.0-5.5) is not taken for logits.
     model = tiny("olmoe")
     router = model.model.layers[0].mlp.gate

@@ -21,7 +21,7 @@ def test_one_expert_top1_equals_dense_ffn(expert):
     if expert == "ffn":
         ref = F.gelu(x2 @ w.w1[0] + w.b1[0]) @ w.w2[0] + w.b2[0]
     else:
-        ref = (F.silu(x2 @ w.w1[0]) * (x2 @ w.w3[0])) @ w.w2[0]
+        ref = (F.silu(x2 @ w.w13[0][:, 0]) * (x2 @ w.w13[0][:, 1])) @ w.w2[0]  # w13 [D, 2, H]: gate, up
     torch.testing.assert_close(y, ref)
     g = torch.randn_like(y)
     (y * g).sum().backward()

@@ -1,6 +1,9 @@
 """The central invariant: expert parallelism over 2 and 4 gloo ranks gives the outputs, input
 gradients, parameter gradients, aux losses and stats of the single-process layer holding all
-experts (same weights) — for every gate, both expert kinds, dropless and with capacity."""
+experts (same weights) — for every gate, every expert kind, dropless and with capacity, and with
+today's architectures' features on (shared experts, group- and node-limited routing, routed
+scaling, router bias, softmax after top-k, scaled inputs, the clamped SwiGLU, sequence-wise and
+global-batch balance) under plain EP, copies and the pairwise schedule."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from moeflow.core.parallel import ParallelLayout, dense_parameters, expert_param
 from moeflow.model_step import all_reduce_gradients
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
+from moeflow.routing.balance import GShardBalance
 
 from .equivalence import TOL, D, ForcedCopies, H, forward_backward, inputs
 from .multirank import run_ranks
@@ -41,10 +45,12 @@ def _check_config(
     schedule="sync",
     group_size=None,
     gate_options=None,
+    top_k=None,
+    **layer_kwargs,
 ):
     """EP over `group` (ranks `group_ranks`) against a local single-process reference."""
     num_experts = experts_per_rank * len(group_ranks)
-    top_k = 1 if gate == "switch" else 2
+    top_k = top_k or (1 if gate == "switch" else 2)
 
     def build(**axes):  # the same seed: the same weights, whatever the axes
         torch.manual_seed(seed)
@@ -59,6 +65,7 @@ def _check_config(
             balance_weight=0.1,
             z_loss_weight=0.01,
             gate_options=gate_options,
+            **layer_kwargs,
             **axes,
         )
 
@@ -73,7 +80,8 @@ def _check_config(
     y, x_grad, aux, stats = forward_backward(ep, xs[me], gs[me], 100 + me)
     what = (
         f"gate={gate} expert={expert} capacity={capacity} E/rank={experts_per_rank} rank={rank} "
-        f"strategy={strategy} placement={stats.placement} schedule={schedule} group_size={group_size}"
+        f"strategy={strategy} placement={stats.placement} schedule={schedule} group_size={group_size} "
+        f"gate_options={gate_options} {layer_kwargs}"
     )
     torch.testing.assert_close(y, ref_out[me][0], **TOL, msg=lambda m: f"output {what}: {m}")
     torch.testing.assert_close(x_grad, ref_out[me][1], **TOL, msg=lambda m: f"input grad {what}: {m}")
@@ -90,15 +98,11 @@ def _check_config(
         per_rank_loads = ref_flow.view(len(group_ranks), -1, experts_per_rank).sum((0, 2))
         assert torch.equal(stats.device_loads, per_rank_loads)
     assert int(stats.device_loads.sum()) == int(ref_flow.sum())
-    for name, p in ep.gate.named_parameters():  # dense: each rank holds its tokens' share
+    ref_params = dict(ref.named_parameters())
+    for name, p in dense_parameters(ep):  # gate, shared experts: each rank holds its tokens' share
         grad = p.grad.clone()
         dist.all_reduce(grad, group=group)
-        torch.testing.assert_close(
-            grad,
-            dict(ref.gate.named_parameters())[name].grad,
-            **TOL,
-            msg=lambda m, n=name: f"gate.{n} grad {what}: {m}",
-        )
+        torch.testing.assert_close(grad, ref_params[name].grad, **TOL, msg=lambda m, n=name: f"{n} grad {what}: {m}")
     for name, p in ep.experts.named_parameters():
         ref_grad = dict(ref.experts.named_parameters())[name].grad[lo : lo + experts_per_rank]
         torch.testing.assert_close(p.grad, ref_grad, **TOL, msg=lambda m, n=name: f"experts.{n} grad {what}: {m}")
@@ -211,6 +215,9 @@ def _equivalence_body(rank, world):
         )
 
     _check_shadow_strategy(rank, world)
+    _check_architectures(rank, world, uneven, layouts)
+    _check_node_limited(rank, world)
+    _check_global_batch_balance(rank, world)
 
     # Hierarchical gate: each rank's cross-node assignments never exceed L (all k choices).
     spec = [[r for r in ranks if r // 2 == n] for n in range(max(1, world // 2))] if world > 2 else [[0], [1]]
@@ -272,6 +279,102 @@ def _equivalence_body(rank, world):
         y16 = ep(x)
     assert y16.dtype == torch.float32
     torch.testing.assert_close(y16, full(x), rtol=0.05, atol=0.05)
+
+
+def _check_architectures(rank, world, uneven, layouts):
+    """Today's architectures' features (docs/architectures.md) keep every rank equal to one process
+    under plain EP, forced copies (the shadowing / Hecate path) and the pairwise schedule."""
+    ranks = list(range(world))
+    per_rank = 2
+    n_group = world  # E = 2·W experts in W groups of 2
+    deepseek = dict(
+        gate="sigmoid",
+        gate_options={"n_group": n_group, "topk_group": max(1, n_group // 2), "normalize": True,
+                      "scaling_factor": 2.5, "bias": True},
+        num_shared_experts=1,
+        expert="swiglu",
+        balance="sequence",
+    )  # fmt: skip
+    gpt_oss = dict(
+        gate="topk",
+        gate_options={"softmax_after_topk": True, "bias": True},
+        expert="clamped_swiglu",
+        expert_options={"limit": 0.5},
+    )
+    llama4 = dict(gate="sigmoid", top_k=1, gate_options={"scale_inputs": True}, num_shared_experts=1, expert="swiglu")
+    v2 = dict(gate="topk", gate_options={"n_group": n_group, "topk_group": 1, "group_score_topn": 1},
+              num_shared_experts=2, shared_d_hidden=24, expert="ffn", capacity=1.0)  # fmt: skip
+    runs = [
+        (deepseek, "ep", "sync"),
+        (deepseek, ForcedCopies(31, 0.5), "sync"),
+        (deepseek, ForcedCopies(32, 1.0), "pairwise"),
+        (gpt_oss, "ep", "pairwise"),
+        (gpt_oss, ForcedCopies(33, 0.5), "sync"),
+        (llama4, ForcedCopies(34, 0.5), "sync"),
+        (v2, ForcedCopies(35, 0.4), "pairwise"),
+    ]
+    for i, (arch, strategy, schedule) in enumerate(runs):
+        kwargs = dict(arch)
+        _check_config(
+            rank,
+            world,
+            dist.group.WORLD,
+            ranks,
+            gate=kwargs.pop("gate"),
+            expert=kwargs.pop("expert"),
+            capacity=kwargs.pop("capacity", None),
+            experts_per_rank=per_rank,
+            tokens=uneven if i % 3 == 0 else [8] * world,
+            seed=800 + i,
+            strategy=strategy,
+            schedule=schedule,
+            node_of=layouts[i % 2] if not isinstance(strategy, str) else None,
+            **kwargs,
+        )
+
+
+def _check_node_limited(rank, world):
+    """Node-limited routing (groups = the layout's nodes): every token's experts lie on at most M
+    nodes, and copies and the pairwise schedule give plain EP's outputs and gradients."""
+    node_of = [r // 2 for r in range(world)] if world > 2 else [0, 1]
+    experts = 2 * world
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(50 + rank))
+    g = torch.randn(12, D, generator=torch.Generator().manual_seed(60 + rank))
+    results = []
+    for strategy, schedule in (("ep", "sync"), (ForcedCopies(41, 0.5), "sync"), ("ep", "pairwise")):
+        torch.manual_seed(40)
+        layer = MoELayer(
+            D, H, experts, top_k=2, gate="sigmoid", gate_options={"node_limited": 1}, node_of=node_of,
+            strategy=strategy, schedule=schedule, num_shared_experts=1, balance_weight=0.1,
+        ).to_expert_parallel(dist.group.WORLD)  # fmt: skip
+        results.append(forward_backward(layer, x, g, 0)[:3] + (layer,))
+    layer = results[0][3]
+    routing = layer.gate(x, None, layer._routing_layout(rank))
+    node_E = torch.tensor(node_of)[torch.arange(experts) // 2]
+    nodes_T = node_E[routing.expert_A.view(2, -1)].t()
+    assert (nodes_T[:, 0] == nodes_T[:, 1]).all(), "a token's experts span two nodes"
+    for *values, other in results[1:]:
+        for name, got, want in zip(("output", "input grad", "aux loss"), values, results[0][:3]):
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name, o=other: f"{n} {o.axes}: {m}")
+        for (name, p), (_, q) in zip(other.named_parameters(), layer.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m, n=name, o=other: f"{n} {o.axes}: {m}")
+
+
+def _check_global_batch_balance(rank, world):
+    """`gshard` with `global_batch` under DP × EP: f_e from every rank's choices (the EP group's
+    count exchange, then the replicas' all-reduce), P_e from this rank's tokens."""
+    layout = ParallelLayout(ep_size=world // 2)
+    torch.manual_seed(70)
+    full = MoELayer(D, H, 4 * layout.ep_size, top_k=2, balance_weight=1.0, balance_options={"global_batch": True})
+    layer = copy.deepcopy(full).to_expert_parallel(layout.ep_group)
+    layer.balance_group = layout.balance_group
+    xs = [torch.randn(5 + r, D, generator=torch.Generator().manual_seed(80 + r)) for r in range(world)]
+    layer(xs[rank])
+    counts_E = sum(torch.bincount(full.gate(x).expert_A, minlength=full.num_experts) for x in xs)
+    want = full.balance.loss(full.gate(xs[rank]), None, counts_E)
+    torch.testing.assert_close(layer.aux_loss, want, **TOL)
+    local = GShardBalance(full.num_experts).loss(full.gate(xs[rank]))
+    assert not torch.allclose(want, local), "the global and the local frequencies coincide: nothing tested"
 
 
 def _check_balance_state_is_replicated(rank, world):

@@ -14,6 +14,9 @@ this rank this iteration, S source ranks.
 
     layer = MoELayer(d_model=512, d_hidden=1024, num_experts=8, top_k=2)
     y = layer(x); loss = task_loss(y) + layer.aux_loss
+
+Shared experts (`num_shared_experts`, DeepSeek-MoE) are one dense MLP beside the routed experts,
+computed on every token and added to the routed output; they never enter the steps above.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from moeflow.core.checks import check_layer_input, finite_number, positive_int
 from moeflow.core.exchange import ExchangeBlock
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.expert_sharding import sharded_compute
-from moeflow.core.experts import GroupedExperts
+from moeflow.core.experts import GroupedExperts, SharedExperts
 from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.core.registry import LayerContext
@@ -65,7 +68,15 @@ class MoELayer(nn.Module):
         num_experts, top_k: experts in the layer and experts chosen per token (1 <= k <= E).
         gate: a name of `moeflow.routing.GATES` (`topk`, `switch`, `noisy_topk`, `hierarchical`,
             `sigmoid`, `xmoe`, `expert_choice`, `soft`) or a gate module returning `Routing`.
-        expert: `ffn` (GELU, with biases) or `swiglu` (no biases).
+        expert: `ffn` (GELU, with biases), `swiglu` (no biases) or `clamped_swiglu` (GPT-OSS: biases,
+            clamped SwiGLU; `expert_options={"alpha": 1.702, "limit": 7.0}`).
+        expert_options: options of the expert kind (`core.expert_shape.EXPERT_KINDS`).
+        num_shared_experts, shared_d_hidden: shared experts (DeepSeek-MoE; DeepSeek-V3 §2.1.2): one
+            dense MLP of the routed experts' kind, hidden width `shared_d_hidden` (default
+            `num_shared_experts · d_hidden`), on every token, added to the routed output; its
+            parameters are dense (never planned, copied or dispatched).
+        shared_experts: a module `[T, D] → [T, D]` to use as the shared experts instead (a converted
+            Hugging Face block's own shared MLP); not with `num_shared_experts`.
         capacity_factor: None = dropless; c > 0 keeps at most ceil(c·k·T/E) assignments per expert
             and rank, first choices before second, then earlier tokens (token choice); expert choice
             takes C = ceil(c·k·T/E) tokens per expert (c = 1 when None); slots never drop.
@@ -74,10 +85,11 @@ class MoELayer(nn.Module):
             `auto`, ...) or a callable `(flow_WE, placement, cost_model) -> Placement`.
         schedule: a name of `moeflow.strategies.SCHEDULES` (`sync`, `pairwise`, `pipeline`, `auto`)
             or a `Schedule`.
-        dispatch: a name of `moeflow.strategies.DISPATCHERS` (`a2a`) or a dispatcher object.
-        balance: a name of `moeflow.routing.BALANCES` (`gshard`, `aux_free`, `ta_moe`, `none`) or a
+        dispatch: a name of `moeflow.strategies.DISPATCHERS` (`a2a`, `hierarchical`) or a dispatcher object.
+        balance: a name of `moeflow.routing.BALANCES` (`gshard`, `sequence`, `aux_free`, `ta_moe`, `none`) or a
             balance module; None: the gate's default (`gshard` for token choice, `none` for expert
-            choice and slots); `balance_weight` scales its loss (0 turns the term off).
+            choice and slots); `balance_weight` scales its loss (0 turns the term off). `sequence`
+            takes the sequences from the input's shape `[..., S, D]`.
         z_loss_weight: weight of the router z-loss (0 = off).
         gate_options, balance_options, strategy_options, schedule_options, dispatch_options: options
             of the component chosen by name on that axis (a mapping, validated against the
@@ -122,6 +134,10 @@ class MoELayer(nn.Module):
         check_finite: bool = False,
         node_of: Sequence[int] | None = None,
         cost_model: Any = None,
+        expert_options: Mapping[str, Any] | None = None,
+        num_shared_experts: int = 0,
+        shared_d_hidden: int | None = None,
+        shared_experts: nn.Module | None = None,
         gate_options: Mapping[str, Any] | None = None,
         balance_options: Mapping[str, Any] | None = None,
         strategy_options: Mapping[str, Any] | None = None,
@@ -156,7 +172,8 @@ class MoELayer(nn.Module):
             schedule=(schedule, schedule_options),
             dispatch=(dispatch, dispatch_options),
         )
-        self.experts = GroupedExperts(num_experts, d_model, d_hidden, kind=expert)
+        self.experts = GroupedExperts(num_experts, d_model, d_hidden, kind=expert, options=expert_options)
+        self.shared_experts = self._shared(num_shared_experts, shared_d_hidden, shared_experts, expert_options)
         self.hooks = layer_hooks(hooks, dispatch_dtype)
         observers = [c for c in (self.planner, self.schedule) if c.observes_time]
         if observers:  # what `auto` learns from (`strategies.timing`): first, its copies' span outermost
@@ -179,6 +196,24 @@ class MoELayer(nn.Module):
         self._bind(Placement.expert_parallel(num_experts, 1))
         if group is not None:
             self.to_expert_parallel(group)
+
+    def _shared(self, count: int, d_hidden: int | None, module: nn.Module | None, options) -> nn.Module | None:
+        """The shared experts: moeflow's own (`count` of them), a given module, or None."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"num_shared_experts={count!r} must be an int >= 0")
+        if module is not None:
+            if count or d_hidden is not None:
+                raise ValueError("shared_experts= (a module) excludes num_shared_experts and shared_d_hidden")
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"shared_experts={type(module).__name__}: expected an nn.Module [T, D] -> [T, D]")
+            return module
+        if d_hidden is not None:
+            positive_int("shared_d_hidden", d_hidden)
+            if not count:
+                raise ValueError(f"shared_d_hidden={d_hidden} needs num_shared_experts >= 1 (got 0)")
+        if not count:
+            return None
+        return SharedExperts(self.d_model, d_hidden or count * self.d_hidden, self.experts.kind, options)
 
     def _build_axes(self, ctx: LayerContext, **axes: tuple[Any, Any]) -> None:
         """One component per axis, by name from its registry (with its options) or as an object."""
@@ -261,7 +296,8 @@ class MoELayer(nn.Module):
             self.planner.owners_changed(placement, self.cost_model)  # re-plan what it had planned ahead
 
     def _bind(self, placement: Placement) -> None:
-        """Set the owners and decide whether the cost model describes this group (D = W)."""
+        """Set the owners and decide whether the cost model describes this group (as many devices as
+        the group has ranks)."""
         self.placement = placement
         world = placement.world_size
         devices = None if self.cost_model is None else self.cost_model.topology.num_devices
@@ -277,22 +313,37 @@ class MoELayer(nn.Module):
         cluster) acts only with its loss on and the cluster known."""
         return not self.balance.topology_aware or (self.balance_weight > 0 and not self.cluster_mismatch)
 
-    def _route(self, x_TD: torch.Tensor, me: int) -> Routing:
-        """Gate and balance: the routing of this rank's tokens, and `aux_loss`."""
+    def _route(self, x_TD: torch.Tensor, me: int, sequence_length: int | None) -> Routing:
+        """Gate (with the balance term's selection bias): the routing of this rank's tokens."""
         rank = None if self.cluster_mismatch else me  # None: topology-aware terms without a topology
         bias_E = self.balance.selection_bias(rank) if self._balance_active() else None
         routing = self.gate(x_TD, bias_E, self._routing_layout(me))
+        routing.sequence_length = sequence_length
         if self.check_finite and not torch.isfinite(routing.logits_TE).all():
             raise ValueError("MoELayer routing scores contain NaN or Inf (check_finite=True)")
-        aux = (
-            self.balance_weight * self.balance.loss(routing, rank)
-            if self.balance_weight
-            else routing.logits_TE.sum() * 0.0
-        )
+        return routing
+
+    def _balance_counts(self, choices_WE: np.ndarray) -> torch.Tensor | None:
+        """A global-batch balance term's expert choices: summed over the EP group (the count exchange
+        has them), then over `balance_group` (one all-reduce of E integers); None for other terms."""
+        if not self.balance_weight or not self.balance.global_counts:
+            return None
+        counts_E = torch.from_numpy(choices_WE.sum(0)).to(self.experts.w2.device)  # nccl reduces CUDA tensors
+        if self.balance_group is not None:
+            dist.all_reduce(counts_E, group=self.balance_group)
+        return counts_E
+
+    def _aux(self, routing: Routing, me: int, counts_E: torch.Tensor | None) -> torch.Tensor:
+        """`aux_loss`: the weighted balance term (over the global batch's choices `counts_E` where it
+        asks for them: `_balance_counts`) and z-loss."""
+        rank = None if self.cluster_mismatch else me
+        if not self.balance_weight:
+            aux = routing.logits_TE.sum() * 0.0
+        else:
+            aux = self.balance_weight * self.balance.loss(routing, rank, counts_E)
         if self.z_loss_weight:
             aux = aux + self.z_loss_weight * router_z_loss(routing.logits_TE)
-        self.aux_loss = aux
-        return routing
+        return aux
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(x, self.d_model, self.check_finite)
@@ -300,7 +351,7 @@ class MoELayer(nn.Module):
             self._notice_mismatch()
         x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
         me = dispatch.group_rank(self.group)
-        routing = self._route(x_TD, me)
+        routing = self._route(x_TD, me, x.shape[-2] if x.dim() > 2 else None)
         choices_E = torch.bincount(routing.expert_A, minlength=self.num_experts)
         routing, dropped = routing.within_capacity(self.capacity_factor, self.num_experts, self.top_k)
         expert_A = routing.expert_A
@@ -309,7 +360,7 @@ class MoELayer(nn.Module):
         if mode == "replay":  # recomputation under activation checkpointing: the first pass's decisions
             decision = tape.take(self, expert_A)
             flow_WE, choices_WE, placement, plan_SEW = decision.flow_WE, None, decision.placement, decision.plan_SEW
-            call_id = decision.call_id
+            call_id, counts_E = decision.call_id, decision.balance_counts_E
         else:
             # Count exchange → global flow (and choices before capacity) → plan, the same on every rank.
             # (Both rows whenever capacity may drop, on every rank alike: the gather's size must agree.)
@@ -317,15 +368,19 @@ class MoELayer(nn.Module):
             counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
             rows = dispatch.exchange_counts(counts, self.group)
             flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
+            counts_E = self._balance_counts(choices_WE)
             placement = self._plan(self._replicas_flow(flow_WE, x_TD.device))
             plan_SEW = dispatch_counts(flow_WE, placement, self.node_of)
             self._calls += 1
             call_id = self._calls
             if mode == "record":
-                tape.put(self, Decision(expert_A.detach().clone(), flow_WE, placement, plan_SEW, call_id))
+                decision = Decision(expert_A.detach().clone(), flow_WE, placement, plan_SEW, call_id, counts_E)
+                tape.put(self, decision)
+        self.aux_loss = self._aux(routing, me, counts_E)
 
         # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
         dest_A = dispatch.assignment_destinations(expert_A, plan_SEW[me])
+        remote_nodes = self._remote_nodes_per_token(routing, dest_A, me)
         order_A = torch.sort(dest_A * self.num_experts + expert_A, stable=True).indices
         block = ExchangeBlock(
             x_sent_AD=routing.rows(x_TD, order_A),
@@ -349,8 +404,10 @@ class MoELayer(nn.Module):
         y_TD = routing.combine(y_back_AD.to(x.dtype), order_A, x_TD.shape[0])
         y_TD = self._release_copies(y_TD, placement, me)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
+        if self.shared_experts is not None:  # dense, on every token: added to the routed output
+            y_TD = y_TD + self.shared_experts(x_TD)
         if mode != "replay":  # recomputation never records stats or balance choices a second time
-            self._record(block, flow_WE, choices_WE, plan_SEW, placement, dropped, routing.redirected, me)
+            self._record(block, flow_WE, choices_WE, plan_SEW, placement, dropped, routing.redirected, me, remote_nodes)
         return y_TD.reshape(x.shape)
 
     def _replicas_flow(self, flow_WE: np.ndarray, device: torch.device) -> np.ndarray:
@@ -403,7 +460,17 @@ class MoELayer(nn.Module):
         the weights it was given) for backward, and runs again there — local GEMMs, no collective."""
         return torch.utils.checkpoint.checkpoint(self.experts, x_RD, counts_J, weights_J, use_reentrant=False)
 
-    def _record(self, block, flow_WE, choices_WE, plan_SEW, placement, dropped, redirected, me) -> None:
+    def _remote_nodes_per_token(self, routing: Routing, dest_A: torch.Tensor, me: int) -> float:
+        """`MoEStats.remote_nodes_per_token`: distinct other nodes the rows of a token go to, averaged."""
+        if self.node_of is None or routing.token_A is None or routing.num_tokens == 0:
+            return 0.0
+        node_W = torch.tensor(self.node_of, dtype=torch.int64, device=dest_A.device)
+        node_A = node_W[dest_A]
+        remote_A = node_A != self.node_of[me]
+        pairs = torch.unique(routing.token_A[remote_A] * len(self.node_of) + node_A[remote_A])
+        return pairs.numel() / routing.num_tokens
+
+    def _record(self, block, flow_WE, choices_WE, plan_SEW, placement, dropped, redirected, me, remote_nodes) -> None:
         """`stats` of this forward; in training, the expert choices for the step's balance update."""
         wire = WIRE_DTYPES[self.dispatch_dtype] if self.dispatch_dtype else block.x_sent_AD.dtype
         self.stats = MoEStats.of_forward(
@@ -417,6 +484,7 @@ class MoELayer(nn.Module):
             dropped=dropped,
             placement=placement,
             redirected=redirected,
+            remote_nodes_per_token=remote_nodes,
             strategy=self.planner.choice() or self.strategy,
             schedule=self.schedule.choice() or self.axes["schedule"],
             materialized_bytes=self.held_bytes[0],
@@ -506,7 +574,8 @@ class MoELayer(nn.Module):
 
     def extra_repr(self) -> str:
         axes = ", ".join(f"{axis}={name!r}" for axis, name in self.axes.items())
+        shared = "" if self.shared_experts is None else f", shared={type(self.shared_experts).__name__}"
         return (
             f"d_model={self.d_model}, d_hidden={self.d_hidden}, num_experts={self.num_experts}, "
-            f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, {axes}"
+            f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, {axes}{shared}"
         )

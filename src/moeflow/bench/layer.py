@@ -1,6 +1,11 @@
 """Layer benchmark: forward+backward time and peak step memory of `MoELayer` next to its lower
-bound and, where installed, Hugging Face's `MixtralSparseMoeBlock` (swiglu experts) and Tutel's
-`moe_layer` (ffn experts), all holding identical weights so that every token is routed alike.
+bound and, where installed, Hugging Face's `MixtralSparseMoeBlock` or `DeepseekV3MoE` (swiglu
+experts) and Tutel's `moe_layer` (ffn experts), all holding identical weights so that every token
+is routed alike. `block="deepseek_v3"` is the fine-grained block (DeepSeek-V3 §2.1.2): moeflow's
+`gate="sigmoid"` with group-limited routing, normalised and scaled weights, and one shared expert,
+beside `transformers`' `DeepseekV3MoE` with the same router, experts and shared MLP. Hugging Face's
+experts run with the implementation a model gets by default (`grouped_mm`, where `torch` has it)
+or the one asked for (`hf_impl`: `eager`, its loop over the experts hit).
 
 The bound is the same expert FFN computed as perfectly balanced batched matmuls (`bmm` over
 `[E, T·k/E, d]`): what the experts would cost if routing, permutation and combining were free and
@@ -34,6 +39,7 @@ from torch.utils import benchmark
 
 from moeflow.bench.interleave import balanced_order
 from moeflow.bench.quiet import native_output_silenced
+from moeflow.hf.weights import LAYOUTS
 from moeflow.layer import MoELayer
 
 
@@ -53,6 +59,12 @@ class LayerBenchConfig:
     """Per measurement (one contender, one round), for torch.utils.benchmark's blocked_autorange."""
     rounds: int = 1
     """Interleaved rounds: every contender is measured once per round."""
+    block: str = "mixtral"
+    """`mixtral` (top-k softmax, no shared expert) or `deepseek_v3` (group-limited sigmoid routing
+    with `min(8, E)` groups of which half are kept, weights normalised and × 2.5, one shared expert
+    of the experts' width): the Hugging Face block compared, and moeflow configured as it."""
+    hf_impl: str = "grouped_mm"
+    """The Hugging Face experts implementation timed (`grouped_mm`: a model's default; `eager`)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -64,6 +76,28 @@ class LayerBenchConfig:
             raise ValueError(f"top_k={self.top_k} must be <= num_experts={self.num_experts}")
         if self.expert not in ("ffn", "swiglu"):
             raise ValueError(f"expert={self.expert!r} must be 'ffn' or 'swiglu'")
+        if self.block not in ("mixtral", "deepseek_v3"):
+            raise ValueError(f"block={self.block!r} must be 'mixtral' or 'deepseek_v3'")
+        if self.block == "deepseek_v3" and self.expert != "swiglu":
+            raise ValueError(f"block='deepseek_v3' has swiglu experts, got expert={self.expert!r}")
+        if self.hf_impl not in ("grouped_mm", "eager", "batched_mm"):
+            raise ValueError(f"hf_impl={self.hf_impl!r} must be 'grouped_mm', 'batched_mm' or 'eager'")
+
+    @property
+    def groups(self) -> int:
+        """`n_group` of the deepseek_v3 block (the largest of 8, 4, 2, 1 dividing E)."""
+        return next(g for g in (8, 4, 2, 1) if self.num_experts % g == 0)
+
+    def layer_kwargs(self) -> dict:
+        """`MoELayer` arguments of the block."""
+        if self.block == "mixtral":
+            return {"expert": self.expert}
+        n_group = self.groups
+        topk_group = max(1, n_group // 2)
+        while topk_group * (self.num_experts // n_group) < self.top_k:
+            topk_group += 1
+        options = {"n_group": n_group, "topk_group": topk_group, "normalize": True, "scaling_factor": 2.5}
+        return {"expert": "swiglu", "gate": "sigmoid", "gate_options": options, "num_shared_experts": 1}
 
 
 class _Step:
@@ -121,7 +155,8 @@ def _balanced_bound(layer: MoELayer, cfg: LayerBenchConfig):
     def fn(x_TD):
         x_ECD = x_TD.repeat(cfg.top_k, 1)[: per_expert * cfg.num_experts].view(cfg.num_experts, per_expert, -1)
         if cfg.expert == "swiglu":
-            hidden = F.silu(torch.bmm(x_ECD, w["w1"])) * torch.bmm(x_ECD, w["w3"])
+            gate, up = torch.bmm(x_ECD, w["w13"].flatten(2)).unflatten(-1, (2, -1)).unbind(-2)
+            hidden = F.silu(gate) * up
             return torch.bmm(hidden, w["w2"])
         hidden = F.gelu(torch.baddbmm(w["b1"][:, None], x_ECD, w["w1"]))
         return torch.baddbmm(w["b2"][:, None], hidden, w["w2"])
@@ -129,8 +164,9 @@ def _balanced_bound(layer: MoELayer, cfg: LayerBenchConfig):
     return fn
 
 
-def mixtral_block_from(layer: MoELayer):
-    """Hugging Face's `MixtralSparseMoeBlock` holding exactly `layer`'s gate and swiglu experts."""
+def mixtral_block_from(layer: MoELayer, impl: str = "grouped_mm"):
+    """Hugging Face's `MixtralSparseMoeBlock` holding exactly `layer`'s gate and swiglu experts,
+    its experts run by `impl` (transformers' `ExpertsInterface`; `grouped_mm` is what a model gets)."""
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -141,14 +177,47 @@ def mixtral_block_from(layer: MoELayer):
         num_experts_per_tok=layer.top_k,
         router_jitter_noise=0.0,
     )
+    config._experts_implementation = impl
     block = MixtralSparseMoeBlock(config)
     w = layer.experts.weights()
     with torch.no_grad():
         block.gate.weight.copy_(layer.gate.weight)
-        # Mixtral stores [gate; up] rows as (out, in): gate_up_proj[e] = [w1[e]ᵀ; w3[e]ᵀ].
-        block.experts.gate_up_proj.copy_(torch.cat([w["w1"], w["w3"]], dim=2).transpose(1, 2))
-        block.experts.down_proj.copy_(w["w2"].transpose(1, 2))
-    return block, getattr(config, "_experts_implementation", None) or "eager"
+        # Mixtral stores [gate; up] rows as (out, in): the `fused` layout of `moeflow.hf.weights`.
+        for name, tensor in LAYOUTS["fused"].to_hf(w).items():
+            getattr(block.experts, name).copy_(tensor)
+    return block, impl
+
+
+def deepseek_block_from(layer: MoELayer, impl: str = "grouped_mm"):
+    """`transformers`' `DeepseekV3MoE` holding exactly `layer`'s router (group limits, scaling),
+    swiglu experts and shared expert, its experts run by `impl`."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    gate, shared = layer.gate, layer.shared_experts
+    config = DeepseekV3Config(
+        hidden_size=layer.d_model,
+        moe_intermediate_size=layer.d_hidden,
+        n_routed_experts=layer.num_experts,
+        num_experts_per_tok=layer.top_k,
+        n_group=gate.group_limit.n_group,
+        topk_group=gate.group_limit.topk_group,
+        norm_topk_prob=gate.normalize,
+        routed_scaling_factor=gate.scaling_factor,
+        n_shared_experts=shared.d_hidden // layer.d_hidden,
+    )
+    config._experts_implementation = impl
+    block = DeepseekV3MoE(config)
+    w = layer.experts.weights()
+    with torch.no_grad():
+        block.gate.weight.copy_(gate.weight)
+        block.gate.e_score_correction_bias.zero_()
+        for name, tensor in LAYOUTS["fused"].to_hf(w).items():
+            getattr(block.experts, name).copy_(tensor)
+        block.shared_experts.gate_proj.weight.copy_(shared.w13[:, 0].t())
+        block.shared_experts.up_proj.weight.copy_(shared.w13[:, 1].t())
+        block.shared_experts.down_proj.weight.copy_(shared.w2.t())
+    return block, impl
 
 
 def tutel_layer_from(layer: MoELayer):
@@ -197,6 +266,22 @@ def load_moeflow_layer_class(src_dir: str) -> type:
     return cls
 
 
+def _state_for(module, state: dict) -> dict:
+    """`state` in `module`'s parameter names: a revision that kept the gate and up projections apart
+    (`w1`, `w3`) gets them from `w13` (and `b13`), `[..., 2, H]`."""
+    want = module.state_dict()
+    out = {}
+    for name, value in state.items():
+        stem, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        prefix = f"{stem}." if stem else ""
+        if leaf in ("w13", "b13") and name not in want:
+            first, up = ("w1", "w3") if leaf == "w13" else ("b1", "b3")
+            out[prefix + first], out[prefix + up] = value[..., 0, :].contiguous(), value[..., 1, :].contiguous()
+        else:
+            out[name] = value
+    return out
+
+
 def _summary(times: list[float]) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "rounds_s": times}
 
@@ -221,7 +306,7 @@ def run_layer_bench(
     `progress`: a progress bar over the timed runs (tqdm, on stderr)."""
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(seed)
-    layer = MoELayer(cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, expert=cfg.expert).to(dtype)
+    layer = MoELayer(cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, **cfg.layer_kwargs()).to(dtype)
     x = torch.randn(cfg.tokens, cfg.d_model, dtype=dtype, requires_grad=True)
     result = {"config": asdict(cfg), "threads": torch.get_num_threads(), "torch": torch.__version__}
     params = list(layer.parameters())
@@ -232,7 +317,8 @@ def run_layer_bench(
 
     if compare_hf and cfg.expert == "swiglu":
         try:
-            block, impl = mixtral_block_from(layer)
+            build = deepseek_block_from if cfg.block == "deepseek_v3" else mixtral_block_from
+            block, impl = build(layer, cfg.hf_impl)
         except ImportError:
             result["hf"] = None
         else:
@@ -259,9 +345,9 @@ def run_layer_bench(
     if baseline_src:
         torch.manual_seed(seed)
         base = load_moeflow_layer_class(baseline_src)(
-            cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, expert=cfg.expert
+            cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, **cfg.layer_kwargs()
         ).to(dtype)
-        base.load_state_dict(layer.state_dict())
+        base.load_state_dict(_state_for(base, layer.state_dict()))
         with torch.no_grad():
             result["baseline_max_abs_diff"] = float((ours.float() - base(x).float()).abs().max())
         steps["baseline"] = _Step(base, x, list(base.parameters()))

@@ -50,6 +50,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--min-run-time", type=float, default=2.0, help="seconds per measurement (1 process)")
     parser.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
+    parser.add_argument(
+        "--block",
+        choices=("mixtral", "deepseek_v3"),
+        default="mixtral",
+        help="1 process: the block compared (deepseek_v3: group-limited sigmoid routing and a shared expert)",
+    )
+    parser.add_argument(
+        "--hf-impl", choices=("grouped_mm", "batched_mm", "eager"), default="grouped_mm", help="HF experts (1 process)"
+    )
     parser.add_argument("--nproc", type=int, default=None, help="local ranks for the strategy benchmark")
     parser.add_argument("--cost-model", default=None, help="preset name or profile JSON (planners need one)")
     parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.8, 1.2, 1.6], help="Zipf exponents")
@@ -196,6 +205,8 @@ def _layer_result(args) -> dict:
         dtype=args.dtype,
         expert=args.expert or "swiglu",
         min_run_time_s=args.min_run_time,
+        block=args.block,
+        hf_impl=args.hf_impl,
     )
     with transformers_quiet():
         return run_layer_bench(cfg, compare_hf=not args.no_hf, progress=True)

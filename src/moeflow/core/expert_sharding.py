@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from moeflow.core import dispatch
 
-HIDDEN_AXIS = {"w1": 2, "w3": 2, "b1": 1, "w2": 1}
+HIDDEN_AXIS = {"w1": 2, "w13": 3, "b1": 1, "b13": 2, "w2": 1}
 """The axis of each `[J, ...]` expert parameter that runs over the hidden dimension; `b2` has none
 (whole on every member)."""
 
@@ -103,8 +103,9 @@ class ForwardOnMemberZero(torch.autograd.Function):
 
 
 def shard_hidden_(experts, esp_rank: int, esp_size: int) -> None:
-    """Keep this member's slice `[r·H/S, (r+1)·H/S)` of every expert's hidden dimension (w1/w3
-    columns, b1, w2 rows); b2 stays whole. Build the layer with the same seed on every rank first."""
+    """Keep this member's slice `[r·H/S, (r+1)·H/S)` of every expert's hidden dimension (w1 columns,
+    both halves of w13, their biases, w2 rows); b2 stays whole. Build the layer with the same seed on
+    every rank first."""
     from torch import nn
 
     if esp_size == 1:
@@ -117,7 +118,8 @@ def shard_hidden_(experts, esp_rank: int, esp_size: int) -> None:
     lo = esp_rank * width
     for name, param in list(experts.named_parameters()):
         if name in HIDDEN_AXIS:
-            setattr(experts, name, nn.Parameter(param.detach().narrow(HIDDEN_AXIS[name], lo, width).clone()))
+            piece = param.detach().narrow(HIDDEN_AXIS[name], lo, width).clone()
+            setattr(experts, name, nn.Parameter(piece))
     experts.d_hidden_full, experts.hidden_offset = experts.d_hidden, lo
     experts.d_hidden, experts.esp_rank, experts.esp_size = width, esp_rank, esp_size
 

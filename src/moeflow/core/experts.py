@@ -2,8 +2,18 @@
 computed as grouped matmuls over variable-size groups of tokens (never a loop over tokens).
 
 `expert="ffn"`:    y = gelu(x·w1[e] + b1[e])·w2[e] + b2[e]     (exact erf GELU; GPT, FasterMoE)
-`expert="swiglu"`: y = (silu(x·w1[e]) * (x·w3[e]))·w2[e]        (Mixtral; no biases)
-Their parameters, FLOPs and GEMMs as numbers: `moeflow.core.expert_shape`.
+`expert="swiglu"`: [g | u] = x·w13[e],  y = (silu(g) * u)·w2[e]  (Mixtral; no biases)
+`expert="clamped_swiglu"`: [g | u] = x·w13[e] + b13[e], g = min(g, l), u = clamp(u, −l, l),
+                   y = ((u + 1) · g·σ(α·g))·w2[e] + b2[e]        (GPT-OSS; α, l: `expert_options`)
+The gated kinds keep the gate and up projections in one `[L, D, 2, H]` tensor `w13` (`[..., 0, :]`
+the gate, `[..., 1, :]` the up; bias `b13 [L, 2, H]`): one grouped GEMM on its `[L, D, 2H]` view
+computes both, as transformers' fused `gate_up_proj` does — two would double the per-expert GEMMs,
+and on a CPU each is a parallel region, the cost that dominates fine-grained experts — and a slice
+of the last axis is a slice of hidden units with both halves (expert sharding, checkpoints of any
+`esp_size`). Their parameters, FLOPs and GEMMs as numbers:
+`moeflow.core.expert_shape`. `SharedExperts` is the
+same formula as one dense MLP on every token (DeepSeek-MoE's shared experts): its parameters are
+dense parameters, never planned, copied or dispatched.
 
 Shape suffixes: N rows (tokens × choices) sorted by expert, D d_model, H d_hidden, L local experts.
 """
@@ -19,6 +29,7 @@ from torch import nn
 
 from moeflow.core.expert_shape import EXPERT_KINDS
 from moeflow.core.expert_sharding import ForwardOnMemberZero
+from moeflow.core.registry import parse_options
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -187,32 +198,52 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def activate(kind: str, options, h_NX: torch.Tensor) -> torch.Tensor:
+    """The hidden activation `[N, H]` of expert `kind` from its first projection (biases added):
+    ffn's `[N, H]`, or the gated kinds' interleaved gate and up `[N, 2H]`."""
+    if kind == "ffn":
+        return F.gelu(h_NX)  # exact erf GELU, as GPT's
+    h1_NH, h3_NH = h_NX.unflatten(-1, (2, -1)).unbind(-2)  # gate, up (backward: one stack)
+    if kind == "swiglu":
+        return F.silu(h1_NH) * h3_NH
+    # GPT-OSS (transformers' GptOssExperts._apply_gate, the same operations in the same order).
+    gate_NH = h1_NH.clamp(min=None, max=options.limit)
+    up_NH = h3_NH.clamp(min=-options.limit, max=options.limit)
+    return (up_NH + 1) * (gate_NH * torch.sigmoid(gate_NH * options.alpha))
+
+
+def expert_options(kind: str, options, where: str = "expert_options") -> object:
+    """The validated options dataclass of expert `kind` (a mapping, an instance, or None)."""
+    if kind not in EXPERT_KINDS:
+        raise ValueError(f"unknown expert={kind!r}; valid: {sorted(EXPERT_KINDS)}")
+    return parse_options(EXPERT_KINDS[kind].options, options, f"{where} for expert={kind!r}")
+
+
 class GroupedExperts(nn.Module):
     """`num_local` experts of one layer; row l holds global expert `expert_ids[l]` (ascending).
 
     Plain expert parallelism keeps a contiguous range; Hecate's heterogeneous sharding (§4.3) any
     set, of any size (0 included), per layer and rank (`reshard_`)."""
 
-    def __init__(self, num_local: int, d_model: int, d_hidden: int, kind: str = "ffn"):
+    def __init__(self, num_local: int, d_model: int, d_hidden: int, kind: str = "ffn", options=None):
         super().__init__()
-        if kind not in EXPERT_KINDS:
-            raise ValueError(f"unknown expert={kind!r}; valid: {sorted(EXPERT_KINDS)}")
+        self.options = expert_options(kind, options)
         self.kind = kind
+        spec = EXPERT_KINDS[kind]
         self.expert_ids = list(range(num_local))
         self.d_model, self.d_hidden = d_model, d_hidden
         self.esp_rank, self.esp_size = None, 1  # expert sharding by hidden slice (core.expert_sharding)
-        self.w1 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
+        hidden = (2, d_hidden) if spec.gated else (d_hidden,)
+        setattr(self, spec.first_projection, nn.Parameter(torch.empty(num_local, d_model, *hidden)))
         self.w2 = nn.Parameter(torch.empty(num_local, d_hidden, d_model))
-        if EXPERT_KINDS[kind].biases:
-            self.b1 = nn.Parameter(torch.zeros(num_local, d_hidden))
+        if spec.biases:
+            setattr(self, spec.first_bias, nn.Parameter(torch.zeros(num_local, *hidden)))
             self.b2 = nn.Parameter(torch.zeros(num_local, d_model))
-        if EXPERT_KINDS[kind].matrices == 3:
-            self.w3 = nn.Parameter(torch.empty(num_local, d_model, d_hidden))
         self.reset_parameters()
 
     @property
     def num_local(self) -> int:
-        return self.w1.shape[0]
+        return self.w2.shape[0]
 
     def reset_parameters(self) -> None:
         # nn.Linear's default bound 1/sqrt(fan_in), expert by expert.
@@ -226,11 +257,11 @@ class GroupedExperts(nn.Module):
         fp32, in parameter order): the distribution of `reset_parameters` — weights uniform in
         ±1/sqrt(fan_in), biases zero. A meta-device build draws each expert from a generator seeded
         by its global id (`moeflow.training.init`), so that it is the same whichever rank holds it."""
-        full = {"w1": (self.d_model, self.full_hidden), "w3": (self.d_model, self.full_hidden)}
-        full |= {"w2": (self.full_hidden, self.d_model), "b1": (self.full_hidden,), "b2": (self.d_model,)}
         out = {}
-        for name, _ in self.named_parameters():
-            shape = full[name]
+        for name, param in self.named_parameters():
+            shape = list(param.shape[1:])
+            if name != "b2":  # the hidden axis: w2's first, the last of w1/w13/b1/b13
+                shape[0 if name == "w2" else -1] = self.full_hidden
             if name.startswith("w"):
                 bound = 1.0 / math.sqrt(shape[0])
                 out[name] = torch.empty(shape).uniform_(-bound, bound, generator=generator)
@@ -253,14 +284,18 @@ class GroupedExperts(nn.Module):
         w = self.weights() if weights is None else weights
         dtype = _compute_dtype(x_ND)
         x_ND = x_ND.to(dtype)
-        if self.kind == "ffn":
-            # Biases are broadcast over each group's rows, never gathered per row (Tutel's way):
-            # their backward is a sum over contiguous rows, not a scatter over all of them.
-            hidden_NH = F.gelu(grouped_mm(x_ND, w["w1"], counts_L, w["b1"]))  # exact erf GELU, as GPT's
-            b2 = w["b2"] if self.esp_rank is None else ForwardOnMemberZero.apply(w["b2"], self.esp_rank == 0)
-            return grouped_mm(hidden_NH, w["w2"], counts_L, b2)
-        gated_NH = F.silu(grouped_mm(x_ND, w["w1"], counts_L)) * grouped_mm(x_ND, w["w3"], counts_L)
-        return grouped_mm(gated_NH, w["w2"], counts_L)
+        # Biases are broadcast over each group's rows, never gathered per row (Tutel's way): their
+        # backward is a sum over contiguous rows, not a scatter over all of them.
+        spec = EXPERT_KINDS[self.kind]
+        bias = w.get(spec.first_bias)
+        h_NX = grouped_mm(
+            x_ND, w[spec.first_projection].flatten(2), counts_L, None if bias is None else bias.flatten(1)
+        )
+        hidden_NH = activate(self.kind, self.options, h_NX)
+        b2 = w.get("b2")
+        if b2 is not None and self.esp_rank is not None:
+            b2 = ForwardOnMemberZero.apply(b2, self.esp_rank == 0)
+        return grouped_mm(hidden_NH, w["w2"], counts_L, b2)
 
     def row_of(self, expert: int) -> int:
         """Local row of global expert `expert` (KeyError when this rank does not own it)."""
@@ -289,3 +324,50 @@ class GroupedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, experts={self.expert_ids}, d_model={self.d_model}, d_hidden={self.d_hidden}"
+
+
+class SharedExperts(nn.Module):
+    """Shared experts (DeepSeek-MoE, DeepSeek-V3 §2.1.2): one dense MLP of the routed experts' kind,
+    hidden width `d_hidden` (= shared experts × their width), applied to every token and added to
+    the routed output by `MoELayer`. Its parameters are dense: replicated on every rank and
+    averaged like attention's, never planned, copied or dispatched."""
+
+    def __init__(self, d_model: int, d_hidden: int, kind: str = "ffn", options=None):
+        super().__init__()
+        self.options = expert_options(kind, options)
+        self.kind = kind
+        spec = EXPERT_KINDS[kind]
+        self.d_model, self.d_hidden = d_model, d_hidden
+        hidden = (2, d_hidden) if spec.gated else (d_hidden,)
+        setattr(self, spec.first_projection, nn.Parameter(torch.empty(d_model, *hidden)))
+        self.w2 = nn.Parameter(torch.empty(d_hidden, d_model))
+        if spec.biases:
+            setattr(self, spec.first_bias, nn.Parameter(torch.zeros(*hidden)))
+            self.b2 = nn.Parameter(torch.zeros(d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's bound 1/sqrt(fan_in) for the weights, zero biases (also after a meta-device
+        build: `moeflow.training.init`)."""
+        for name, param in self.named_parameters():
+            if name.startswith("w"):
+                bound = 1.0 / math.sqrt(param.shape[0])
+                nn.init.uniform_(param, -bound, bound)
+            else:
+                nn.init.zeros_(param)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        w = dict(self.named_parameters())
+        dtype = _compute_dtype(x_TD)
+        x_TD = x_TD.to(dtype)
+
+        def project(name: str, bias: str, x: torch.Tensor) -> torch.Tensor:
+            out = x @ w[name].to(dtype).flatten(1)  # w13: [D, 2, H] as [D, 2H]
+            return out if bias not in w else out + w[bias].to(dtype).flatten()
+
+        spec = EXPERT_KINDS[self.kind]
+        hidden_TH = activate(self.kind, self.options, project(spec.first_projection, spec.first_bias, x_TD))
+        return project("w2", "b2", hidden_TH)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, d_model={self.d_model}, d_hidden={self.d_hidden}"

@@ -49,6 +49,8 @@ class Decision:
     """The dispatch plan."""
     call_id: int
     """The layer's forward counter (message tags of asynchronous schedules)."""
+    balance_counts_E: torch.Tensor | None = None
+    """A global-batch balance term's expert choices (summed over the group and the replicas)."""
 
 
 class Tape:

@@ -38,6 +38,11 @@ class MoEStats:
     cross_node_share: float = 0.0
     """Global share of the dispatched rows that travel to a rank on another node, by the dispatch
     plan (rows served by a local copy do not cross); 0 without a node layout."""
+    remote_nodes_per_token: float = 0.0
+    """Mean over this rank's tokens of the other nodes its rows go to: what a dispatch that sends a
+    token once to each node holding its experts (DeepSeek-V3 §3.2.2: across nodes once, then inside
+    the node) moves across nodes, per token; node-limited routing bounds it by M. 0 without a node
+    layout or for slot rows."""
     strategy: str = "ep"
     """The planner whose placement ran (for `strategy="auto"`: the one it chose this step)."""
     schedule: str = "sync"

@@ -11,7 +11,14 @@ from __future__ import annotations
 from torch import nn
 
 from moeflow.core.registry import Component, Registry
-from moeflow.routing.balance import AuxFreeBalance, AuxFreeOptions, GShardBalance, NoBalance
+from moeflow.routing.balance import (
+    AuxFreeBalance,
+    AuxFreeOptions,
+    GShardBalance,
+    GShardOptions,
+    NoBalance,
+    SequenceBalance,
+)
 from moeflow.routing.expert_choice import ExpertChoiceGate
 from moeflow.routing.gates import (
     NoisyTopKGate,
@@ -33,9 +40,10 @@ GATES = Registry(
     [
         Component(
             "topk",
-            lambda ctx, o: TopKGate(ctx.d_model, ctx.num_experts, ctx.top_k, o.normalize),
+            lambda ctx, o: TopKGate(ctx.d_model, ctx.num_experts, ctx.top_k, options=o),
             TopKOptions,
-            "softmax over fp32 logits, the k largest, weights renormalised (GShard, Mixtral)",
+            "softmax over fp32 logits, the k largest, weights renormalised (GShard, Mixtral); group-limited, "
+            "softmax after top-k (GPT-OSS), router bias, scaling: options",
         ),
         Component(
             "switch",
@@ -44,7 +52,7 @@ GATES = Registry(
         ),
         Component(
             "noisy_topk",
-            lambda ctx, o: NoisyTopKGate(ctx.d_model, ctx.num_experts, ctx.top_k, o.normalize),
+            lambda ctx, o: NoisyTopKGate(ctx.d_model, ctx.num_experts, ctx.top_k, options=o),
             TopKOptions,
             "top-k over logits with learned Gaussian noise while training (Shazeer et al., GShard)",
         ),
@@ -56,9 +64,10 @@ GATES = Registry(
         ),
         Component(
             "sigmoid",
-            lambda ctx, o: SigmoidGate(ctx.d_model, ctx.num_experts, ctx.top_k, o.normalize),
+            lambda ctx, o: SigmoidGate(ctx.d_model, ctx.num_experts, ctx.top_k, options=o),
             SigmoidOptions,
-            "sigmoid scores, the k largest, each expert scaled by its own score (BASE, StableMoE, DeepSeek-V3)",
+            "sigmoid scores, the k largest, each expert scaled by its own score (BASE, StableMoE); group- or "
+            "node-limited, scaled (DeepSeek-V3), scaled inputs (Llama 4): options",
         ),
         Component(
             "xmoe",
@@ -89,8 +98,15 @@ BALANCES = Registry(
     [
         Component(
             "gshard",
-            lambda ctx, o: GShardBalance(ctx.num_experts),
-            summary="GShard/Switch loss E·Σ f_e·P_e",
+            lambda ctx, o: GShardBalance(ctx.num_experts, o),
+            GShardOptions,
+            "GShard/Switch loss E·Σ f_e·P_e; global_batch: f_e over every data-parallel rank (Qwen)",
+            kind="token_choice",
+        ),
+        Component(
+            "sequence",
+            lambda ctx, o: SequenceBalance(ctx.num_experts),
+            summary="DeepSeek-V3 complementary sequence-wise loss Σ f_e·P_e per sequence",
             kind="token_choice",
         ),
         Component(

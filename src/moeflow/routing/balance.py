@@ -1,13 +1,17 @@
-"""Load-balancing terms (`balance="gshard" | "aux_free" | "none"`, and `ta_moe` in `ta_moe.py`)
-and the router z-loss.
+"""Load-balancing terms (`balance="gshard" | "sequence" | "aux_free" | "none"`, and `ta_moe` in
+`ta_moe.py`) and the router z-loss.
 
 A balance term returns the auxiliary loss of one rank's routing (unweighted; the layer applies
 `balance_weight`), may bias expert *selection* (aux-free, TA-MoE steering), and may keep state
 updated from the expert choices of a whole optimizer step:
 
-    loss(routing, rank)      every forward; `rank` = this rank in the expert-parallel group, or
+    loss(routing, rank, counts_E)
+                             every forward; `rank` = this rank in the expert-parallel group, or
                              None when the cluster is unknown (one process, or a cost model of
-                             another size): topology-aware terms then act as GShard's
+                             another size): topology-aware terms then act as GShard's;
+                             `counts_E` = expert choices over the global batch (every rank of
+                             the data-parallel group), passed to terms with `global_counts` set
+                             (GShard's global-batch form), else None
     selection_bias(rank)     [E] added to the routing scores for top-k selection only, or None
     observe(choices_WE)      once per optimizer step (`MoELayer.update_balance`, called by
                              `all_reduce_gradients`): every rank's expert choices *before* capacity
@@ -45,10 +49,17 @@ def gshard_loss(routing: Routing, num_experts: int) -> torch.Tensor:
 class BalanceTerm(nn.Module):
     """Base of every balance term: no loss, no bias, no state (the module docstring's interface)."""
 
+    global_counts = False
+    """Whether `loss` needs the expert choices of the global batch (`counts_E`): the layer then
+    sums them over its expert-parallel group (the count exchange it makes anyway) and its
+    data-parallel replicas (`MoELayer.balance_group`, one all-reduce of E numbers)."""
     observes = False
     """Whether `observe` uses the step's expert choices (the layer accumulates them only then)."""
     token_choice_only = True
     """Whether it shapes a token's choice of experts (refused with expert-choice and slot gates)."""
+    model_bias = False
+    """Whether its selection bias is part of the model's routing, applied at inference too
+    (aux-free): a Hugging Face export adds it to the router's own correction bias."""
     topology_aware = False
     """Whether its bias and state belong to its loss term and to the cluster (TA-MoE): the layer
     then uses it only with `balance_weight > 0` and a cost model that describes its group, and
@@ -61,18 +72,65 @@ class BalanceTerm(nn.Module):
     def selection_bias(self, rank: int | None = None) -> torch.Tensor | None:
         return None
 
-    def loss(self, routing: Routing, rank: int | None = None) -> torch.Tensor:
+    def loss(self, routing: Routing, rank: int | None = None, counts_E: torch.Tensor | None = None) -> torch.Tensor:
         return routing.probs_TE.sum() * 0.0
 
     def observe(self, choices_WE: torch.Tensor) -> None:
         del choices_WE
 
 
-class GShardBalance(BalanceTerm):
-    """`balance="gshard"`: `E · Σ_e f_e · P_e` (`gshard_loss`)."""
+@dataclass(frozen=True)
+class GShardOptions:
+    """Options of `balance="gshard"`."""
 
-    def loss(self, routing: Routing, rank: int | None = None) -> torch.Tensor:
-        return gshard_loss(routing, self.num_experts)
+    global_batch: bool = False
+    """Global-batch balance (Qiu et al. 2025, "Demons in the details", Qwen3-MoE): `f_e` from the
+    expert choices summed over every data-parallel rank before the loss (`P_e` stays this rank's),
+    so that a sequence-specialised expert is not pushed towards uniform use within each micro-batch."""
+
+
+class GShardBalance(BalanceTerm):
+    """`balance="gshard"`: `E · Σ_e f_e · P_e` (`gshard_loss`); with `global_batch`, `f_e` over the
+    global batch (`GShardOptions`)."""
+
+    def __init__(self, num_experts: int, options: GShardOptions | None = None) -> None:
+        super().__init__(num_experts)
+        self.global_counts = (options or GShardOptions()).global_batch
+
+    def loss(self, routing: Routing, rank: int | None = None, counts_E: torch.Tensor | None = None) -> torch.Tensor:
+        if counts_E is None:
+            return gshard_loss(routing, self.num_experts)
+        if routing.num_tokens == 0:
+            return routing.probs_TE.sum() * 0.0
+        share_E = counts_E.to(routing.probs_TE.device, torch.float32) / counts_E.sum().clamp(min=1)
+        return self.num_experts * (share_E * routing.probs_TE.mean(0)).sum()
+
+
+class SequenceBalance(BalanceTerm):
+    """`balance="sequence"`: DeepSeek-V3's complementary sequence-wise balance loss (§2.1.2,
+    Eq. 17-20), per sequence of S tokens, averaged over the rank's sequences:
+
+        L = Σ_e f_e · P_e,   f_e = E / (k·S) · Σ_t 1[e ∈ topk(t)],   P_e = (1/S) Σ_t s'_{e,t}
+
+    with `s'` the router scores normalised over the experts (`Routing.probs_TE`: softmax, or the
+    sigmoid scores over their sum). The sequences are the rows of the layer's input `[B, S, D]`
+    (`Routing.sequence_length`); a `[T, D]` input is one sequence. Use a small weight (DeepSeek-V3:
+    α = 1e-4) beside `aux_free`-style balancing, or alone."""
+
+    def loss(self, routing: Routing, rank: int | None = None, counts_E: torch.Tensor | None = None) -> torch.Tensor:
+        tokens = routing.num_tokens
+        if tokens == 0:
+            return routing.probs_TE.sum() * 0.0
+        length = routing.sequence_length or tokens
+        if tokens % length:
+            raise ValueError(f"balance='sequence': {tokens} tokens are not whole sequences of length {length}")
+        sequences = tokens // length
+        k = routing.expert_A.numel() / tokens  # choices per token
+        seq_A = routing.token_A // length
+        counts_BE = torch.bincount(seq_A * self.num_experts + routing.expert_A, minlength=sequences * self.num_experts)
+        share_BE = counts_BE.view(sequences, self.num_experts).float() * (self.num_experts / (k * length))
+        mean_BE = routing.probs_TE.view(sequences, length, self.num_experts).mean(1)
+        return (share_BE * mean_BE).sum(1).mean()
 
 
 class NoBalance(BalanceTerm):
@@ -99,6 +157,7 @@ class AuxFreeBalance(BalanceTerm):
     less likely to be picked. The bias is part of the model's routing: it applies at inference too."""
 
     observes = True
+    model_bias = True
 
     def __init__(self, num_experts: int, update_rate: float = 1e-3) -> None:
         super().__init__(num_experts)

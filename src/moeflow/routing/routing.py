@@ -62,6 +62,12 @@ class Routing:
     """One of `ROUTING_KINDS`."""
     redirected: int = 0
     """Assignments a topology-aware gate moved from a remote to a local expert."""
+    input_scaled: bool = False
+    """Each row is its token scaled by the row's weight and the outputs are summed unweighted
+    (Llama 4), instead of weighting the outputs."""
+    sequence_length: int | None = None
+    """S: the rank's tokens are consecutive sequences of S tokens (the layer sets it from its
+    input's shape `[..., S, D]`; sequence-wise balance terms use it); None: one sequence."""
 
     def __post_init__(self) -> None:
         if self.kind not in ROUTING_KINDS:
@@ -88,18 +94,21 @@ class Routing:
         if self.slots is None:
             k = dispatch.choices_per_token(self.token_A, self.num_tokens)
             if k:
-                return dispatch.gather_token_rows(x_TD, self.token_A, order_A, k)
-            return x_TD.index_select(0, self.token_A[order_A])
+                rows_AD = dispatch.gather_token_rows(x_TD, self.token_A, order_A, k)
+            else:
+                rows_AD = x_TD.index_select(0, self.token_A[order_A])
+            return rows_AD * self.weight_A[order_A, None].to(rows_AD.dtype) if self.input_scaled else rows_AD
         return self.slots.dispatch_TA.index_select(1, order_A).t().to(x_TD.dtype) @ x_TD
 
     def combine(self, y_AD: torch.Tensor, order_A: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Each token's output `[T, D]` from the rows' outputs (in `order_A` order): the weighted sum
         of its rows (rows of dropped assignments are absent and add zero), or the mix of the slots."""
         if self.slots is None:
+            weight_A = torch.ones_like(self.weight_A) if self.input_scaled else self.weight_A
             k = dispatch.choices_per_token(self.token_A, num_tokens)
             if k:  # every token has its k rows: gather back and sum, no scatter
-                return dispatch.sum_token_rows(y_AD, self.weight_A, order_A, k)
-            weighted_AD = y_AD * self.weight_A[order_A, None].to(y_AD.dtype)
+                return dispatch.sum_token_rows(y_AD, weight_A, order_A, k)
+            weighted_AD = y_AD * weight_A[order_A, None].to(y_AD.dtype)
             out = torch.zeros((num_tokens, y_AD.shape[1]), dtype=y_AD.dtype, device=y_AD.device)
             return out.index_add(0, self.token_A[order_A], weighted_AD)
         return self.slots.combine_TA.index_select(1, order_A).to(y_AD.dtype) @ y_AD
@@ -127,14 +136,33 @@ class RoutingLayout:
 
 
 def stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores along the last dim; ties go to the lower index.
+    """Indices of the k largest scores along the last dim, by descending score; ties go to the
+    lower index.
 
-    `torch.topk` does not promise an order among equal values; a stable descending sort does.
+    `torch.topk` does not promise an order among equal values; a stable descending sort does, but
+    sorting all E scores of every token costs O(E log E) where the top-k costs O(E) — with 256
+    fine-grained experts the sort was the gate's largest op. So: `topk`, then the k chosen ordered
+    by (score, index) with a sort of k; rows where the k-th score ties a score outside the k (the
+    chosen set itself is ambiguous: a zero router ties everything) take the full stable sort.
     """
-    return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :k]
+    num = scores_TE.shape[-1]
+    if k >= num or scores_TE.numel() == 0:
+        return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :k]
+    top = torch.topk(scores_TE, k, dim=-1)
+    kth = top.values[..., -1:]
+    chosen = top.indices.sort(dim=-1).values  # ascending ids
+    order = torch.sort(scores_TE.gather(-1, chosen), dim=-1, descending=True, stable=True).indices
+    out = chosen.gather(-1, order)
+    ambiguous = (scores_TE >= kth).sum(-1) > k
+    if bool(ambiguous.any()):
+        rows = ambiguous.nonzero(as_tuple=True)
+        out[rows] = torch.sort(scores_TE[rows], dim=-1, descending=True, stable=True).indices[..., :k]
+    return out
 
 
-def token_choices(expert_TK, weight_TK, probs_TE, logits_TE, redirected: int = 0) -> Routing:
+def token_choices(
+    expert_TK, weight_TK, probs_TE, logits_TE, redirected: int = 0, input_scaled: bool = False
+) -> Routing:
     """Token-choice routing from `[T, K]` choices, stored choice-major (all first choices, then all
     second choices, ...): the capacity priority order."""
     num_tokens, k = expert_TK.shape
@@ -147,4 +175,5 @@ def token_choices(expert_TK, weight_TK, probs_TE, logits_TE, redirected: int = 0
         num_tokens=num_tokens,
         token_A=token_KT.reshape(-1),
         redirected=redirected,
+        input_scaled=input_scaled,
     )

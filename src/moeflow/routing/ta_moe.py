@@ -169,7 +169,7 @@ class TAMoEBalance(BalanceTerm):
             return None
         return self.bias_WE[self._check_rank(rank)]
 
-    def loss(self, routing: Routing, rank: int | None = None) -> torch.Tensor:
+    def loss(self, routing: Routing, rank: int | None = None, counts_E: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's `Σ_e (c_ie / ĉ_ie) · m_ie` (unweighted; the layer applies `balance_weight`);
         GShard's loss with `loss="gshard"` or without a topology (`rank=None`)."""
         if rank is None or self.options.loss == "gshard":

@@ -19,14 +19,21 @@ one mechanism for every component, errors naming the key.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from moeflow.core.checks import did_you_mean
+from moeflow.core.experts import expert_options
 from moeflow.core.hooks import WIRE_DTYPES
 from moeflow.layer import AXES
 from moeflow.routing import check_balance_fits_gate, default_balance, routing_kind
 from moeflow.training.tokenizer import parse_tokenizer
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
 
 PRECISIONS = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -40,6 +47,16 @@ def _positive(section: str, **values: float) -> None:
     for name, value in values.items():
         if value <= 0:
             raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
+
+
+def _toml_value(value: Any) -> Any:
+    """A text value as the TOML value it spells (`64`, `1e-5`, `true`, `[0, 1]`), else unchanged."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
 
 
 def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -65,8 +82,20 @@ class ModelConfig:
     """Hidden width of the dense FFN in blocks that are not MoE blocks (see `moe_every`)."""
     moe_every: int = 1
     """Every n-th block has an MoE FFN (1 = all; 2 = blocks 1, 3, 5, ...); the others are dense."""
+    moe_first_dense: int = 0
+    """The first this many blocks have a dense FFN whatever `moe_every` says (DeepSeek-V3's
+    `first_k_dense_replace`: the first 3 of its 61 blocks are dense)."""
     vocab_size: int = 256
     """Vocabulary size: follows `data.tokenizer` (256 for bytes; set from the tokenizer when the run starts)."""
+    hf_architecture: str | None = None
+    """Train a Hugging Face model instead of MoE-GPT: a `transformers` *ForCausalLM class name
+    (`DeepseekV3ForCausalLM`, ...), randomly initialised from `hf_config` (docs/architectures.md);
+    its MoE blocks run on `MoELayer` with the `[moe]` table's strategy, schedule and balance. The
+    shape keys above (but `seq_len`) are then unused."""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """The configuration of `hf_architecture` (its config class's keyword arguments)."""
+    hf_pretrained: str | None = None
+    """Train a Hugging Face model from a local `save_pretrained` directory (nothing is downloaded)."""
 
     def __post_init__(self) -> None:
         _positive(
@@ -78,10 +107,33 @@ class ModelConfig:
             d_ff=self.d_ff,
             moe_every=self.moe_every,
         )
+        if isinstance(self.moe_first_dense, bool) or not isinstance(self.moe_first_dense, int):
+            raise ValueError(f"model.moe_first_dense must be an int >= 0, got {self.moe_first_dense!r}")
+        if not 0 <= self.moe_first_dense < self.n_layers:
+            raise ValueError(
+                f"model.moe_first_dense={self.moe_first_dense} must be in [0, model.n_layers={self.n_layers}): "
+                f"at least one block must be a MoE block"
+            )
         if self.d_model % self.n_heads:
             raise ValueError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model}")
         if self.vocab_size < 2:
             raise ValueError(f"model.vocab_size must be >= 2, got {self.vocab_size!r}")
+        if self.hf_architecture is not None and self.hf_pretrained is not None:
+            raise ValueError(
+                f"model.hf_architecture={self.hf_architecture!r} and model.hf_pretrained={self.hf_pretrained!r}: "
+                f"set one (a random model of an architecture, or a saved one)"
+            )
+        # `--set model.hf_config.KEY=VALUE` gives text: read it as a TOML value (64, 1e-5, true, [1, 2]).
+        self.hf_config = {key: _toml_value(value) for key, value in self.hf_config.items()}
+        if self.hf_config and self.hf_architecture is None:
+            raise ValueError(
+                "model.hf_config needs model.hf_architecture (a hf_pretrained directory has its own config)"
+            )
+
+    @property
+    def is_hf(self) -> bool:
+        """Whether the model is a Hugging Face one (`hf_architecture` or `hf_pretrained`)."""
+        return self.hf_architecture is not None or self.hf_pretrained is not None
 
 
 # Keys of earlier releases, and where their value lives now.
@@ -106,7 +158,14 @@ class MoEConfig:
     gate: str = "topk"
     """Router: a name of `moeflow.routing.GATES`."""
     expert: str = "ffn"
-    """Expert kind: `ffn` (GELU, biases) or `swiglu`."""
+    """Expert kind: `ffn` (GELU, biases), `swiglu` or `clamped_swiglu` (GPT-OSS's, biases)."""
+    expert_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the expert kind (`alpha`, `limit` of `clamped_swiglu`)."""
+    num_shared_experts: int = 0
+    """Shared experts (DeepSeek-MoE): a dense MLP of the experts' kind on every token, added to the
+    routed output; never planned, copied or dispatched."""
+    shared_d_hidden: int | None = None
+    """Hidden width of the shared MLP; None: `num_shared_experts · d_hidden`."""
     capacity_factor: float | None = None
     """Per-expert capacity factor; `None` is dropless."""
     balance: str | None = None
@@ -164,6 +223,15 @@ class MoEConfig:
             typed = dataclasses.asdict(registry.options(name, raw, where=f"moe.{axis}_options"))
             setattr(self, f"{axis}_options", {key: typed[key] for key in raw})  # the keys given, typed
         check_balance_fits_gate(self.balance, self.gate)
+        typed = dataclasses.asdict(expert_options(self.expert, self.expert_options, where="moe.expert_options"))
+        self.expert_options = {key: typed[key] for key in self.expert_options}
+        shared = self.num_shared_experts
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"moe.num_shared_experts must be an int >= 0, got {shared!r}")
+        if self.shared_d_hidden is not None:
+            _positive("moe", shared_d_hidden=self.shared_d_hidden)
+            if not shared:
+                raise ValueError(f"moe.shared_d_hidden={self.shared_d_hidden} needs moe.num_shared_experts >= 1")
         if self.dispatch_dtype is not None and self.dispatch_dtype not in WIRE_DTYPES:
             raise ValueError(f"moe.dispatch_dtype={self.dispatch_dtype!r}: expected one of {sorted(WIRE_DTYPES)}")
         if self.capacity_factor is not None and routing_kind(self.gate) == "soft":
@@ -378,6 +446,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         """Checks across tables that do not depend on the process count."""
+        if self.model.is_hf:
+            self._check_hf()
         esp = self.parallel.esp_size
         if self.moe.d_hidden % esp:
             raise ValueError(f"parallel.esp_size={esp} must divide moe.d_hidden={self.moe.d_hidden}")
@@ -407,10 +477,38 @@ class RunConfig:
         `parallel.experts="fsdp"` the whole dp × ep mesh (one owner per expert)."""
         return dp * ep if self.parallel.experts == "fsdp" and self.moe.strategy == "fssdp" else ep
 
-    def validate_world_size(self, world_size: int, node_size: int | None = None) -> None:
+    def _check_hf(self) -> None:
+        """What a Hugging Face model (`model.hf_architecture` / `hf_pretrained`) trains with: its own
+        blocks, built whole and then parallelized — no FSDP2 units, activation checkpointing or
+        FSMoE gradient partition of MoE-GPT's blocks."""
+        source = (
+            f"model.hf_architecture={self.model.hf_architecture!r}"
+            if self.model.hf_architecture
+            else (f"model.hf_pretrained={self.model.hf_pretrained!r}")
+        )
+        for key, value, default in (
+            ("parallel.dense", self.parallel.dense, "replicate"),
+            ("parallel.experts", self.parallel.experts, "replicate"),
+            ("train.activation_checkpointing", self.train.activation_checkpointing, "none"),
+        ):
+            if value != default:
+                raise ValueError(
+                    f"{key}={value!r} with {source}: a Hugging Face model trains with {key}={default!r} "
+                    f"(FSDP2 units and recomputation are MoE-GPT's, docs/parallel.md)"
+                )
+        if self.train.grad_sync == "fsmoe":
+            raise ValueError(
+                "train.grad_sync='fsmoe' prices MoE-GPT's own blocks; with a Hugging Face model use "
+                "'after_backward' or 'ddp'"
+            )
+
+    def validate_world_size(
+        self, world_size: int, node_size: int | None = None, num_experts: int | None = None
+    ) -> None:
         """Cross-field checks that depend on how many processes run: the mesh dp × ep × esp, the
         experts over the EP ranks, the batch over the ranks and micro-steps. `node_size`: processes
-        per node when known (the launcher's `LOCAL_WORLD_SIZE`)."""
+        per node when known (the launcher's `LOCAL_WORLD_SIZE`); `num_experts`: the model's experts
+        per layer when not `moe.num_experts` (a Hugging Face model)."""
         dp, ep, esp = self.parallel.layout_sizes(world_size)
         if node_size is not None and esp > node_size:
             raise ValueError(
@@ -429,10 +527,11 @@ class RunConfig:
                 f"parallel.experts='replicate')"
             )
         owners = self.owner_ranks(dp, ep)
-        if self.moe.num_experts % owners:
+        experts = self.moe.num_experts if num_experts is None else num_experts
+        if experts % owners:
             if self.parallel.ep_size is None and esp == 1:
                 raise ValueError(
-                    f"{world_size} processes cannot share moe.num_experts={self.moe.num_experts} experts "
+                    f"{world_size} processes cannot share moe.num_experts={experts} experts "
                     f"evenly (expert parallelism needs world size dividing num_experts)"
                 )
             who = f"{owners} expert-parallel ranks ({world_size} processes as dp {dp} × ep {ep} × esp {esp})"
@@ -441,7 +540,7 @@ class RunConfig:
                     f"{owners} owner ranks (moe.strategy='fssdp' with parallel.experts='fsdp': one owner per expert "
                     f"over dp {dp} × ep {ep})"
                 )
-            raise ValueError(f"{who} cannot share moe.num_experts={self.moe.num_experts} experts evenly")
+            raise ValueError(f"{who} cannot share moe.num_experts={experts} experts evenly")
         if self.train.global_batch_size % world_size:
             raise ValueError(
                 f"train.global_batch_size={self.train.global_batch_size} is not divisible by the {world_size} processes"

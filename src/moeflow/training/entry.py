@@ -45,13 +45,19 @@ def preflight(
     resume from, the data (loaded and split here, so that an empty folder or binary files fail now;
     kept when training runs in this process, so the trainer reuses it). Names and options of the
     layer's components were validated when the config was built (`MoEConfig`)."""
+    experts = cfg.moe.num_experts
+    if cfg.model.is_hf:  # the model's own blocks, built on the meta device: no weights read
+        from moeflow.training.hf_model import check_moe_keys, hf_experts
+
+        check_moe_keys(cfg.moe, cfg.model)
+        experts = hf_experts(cfg.model)[0]
     default_layout = cfg.parallel.ep_size is None and cfg.parallel.esp_size == 1
-    if default_layout and cfg.moe.num_experts % world:  # other layouts: validate_world_size says it
+    if default_layout and experts % world:  # other layouts: validate_world_size says it
         raise ValueError(
-            f"--nproc {world}: moe.num_experts={cfg.moe.num_experts} experts cannot be split "
-            f"evenly over {world} processes (use a divisor of {cfg.moe.num_experts})"
+            f"--nproc {world}: moe.num_experts={experts} experts cannot be split "
+            f"evenly over {world} processes (use a divisor of {experts})"
         )
-    cfg.validate_world_size(world)
+    cfg.validate_world_size(world, num_experts=experts)
     check_tensorboard(cfg)
     note = check_cost_model(cfg, world, out, resume)
     if note and int(os.environ.get("RANK", "0")) == 0:
@@ -71,6 +77,10 @@ def preflight(
             f"{tokenizer.vocab_size} tokens (leave model.vocab_size out: it follows the tokenizer)"
         )
     cfg.model.vocab_size = tokenizer.vocab_size
+    if cfg.model.is_hf:  # its vocabulary must hold the tokenizer's
+        from moeflow.training.hf_model import hf_config
+
+        hf_config(cfg.model)
     corpus = load_corpus(cfg.data, cfg.model.seq_len + 1, tokenizer)
     return corpus if in_process else None
 

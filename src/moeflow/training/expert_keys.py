@@ -6,7 +6,7 @@ A `[J, ...]` expert tensor (parameter or AdamW moment) is split into its J rows,
 expert-parallel group size loads into any other. Under `experts="fsdp"` a rank holds the rows of
 its FSDP2 shard only (a DTensor over the dp replicas, `core.parallel.local_rows`): it offers those.
 Under expert sharding (ESP, FSMoE §3,
-`moeflow.core.expert_sharding`) a row is only this member's hidden slice (w1/w3 columns, b1, w2
+`moeflow.core.expert_sharding`) a row is only this member's hidden slice (w1 or w13 columns, b1/b13, w2
 rows): it is offered as this member's shard of a DTensor over the ESP group (`Shard(hidden axis)`,
 the full size as its global shape). DCP then stores each slice as a chunk of the full tensor at its
 offset, and a load reads, from however many chunks, exactly the part the loading rank holds: full

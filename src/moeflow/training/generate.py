@@ -19,7 +19,7 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.training import checkpoint
 from moeflow.training.config_files import load_config
 from moeflow.training.cost_model_setup import relocate_measured
-from moeflow.training.model import MoEGPT
+from moeflow.training.model import MoEGPT, build_full_model
 from moeflow.training.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -38,7 +38,7 @@ def load_model(
     # The run's cluster, if it had one: the layers say once that it has another size and run without it.
     relocate_measured(cfg, run_dir)
     cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None
-    model = MoEGPT(cfg.model, cfg.moe, cost_model)
+    model = build_full_model(cfg, cost_model)
     checkpoint.load_checkpoint(path, model, optimizer=None, extra={})
     step = int(path.name.rsplit("_", 1)[-1]) if path.name.startswith("step_") else -1
     return model.to(device or torch.device("cpu")).eval(), step

@@ -34,6 +34,8 @@ class StepResult:
     """Per layer: expert copies materialized beyond their owners (shadowing)."""
     redirected: int = 0
     """Assignments the hierarchical gate moved to a local expert, on this rank."""
+    remote_nodes_per_token_L: list[float] | None = None
+    """Per layer: other nodes a token's rows go to, mean over this rank's tokens (`MoEStats`)."""
     rank_loads_LW: list[list[int]] | None = None
     """Per layer: assignments each rank computed, after the strategy's placement (copies included)."""
     owner_loads_LW: list[list[int]] | None = None
@@ -84,6 +86,7 @@ def metric_record(result: StepResult, tokens_per_s: float, val_loss: float | Non
         "cross_node_share": float(np.mean(result.cross_node_share_L or [0.0])),
         "extra_copies_per_layer": result.extra_copies_L,
         "redirected": result.redirected,
+        "remote_nodes_per_token": float(np.mean(result.remote_nodes_per_token_L or [0.0])),
     }
     if result.rank_loads_LW is not None:
         after_L = [max_over_mean(w) for w in result.rank_loads_LW]

@@ -79,6 +79,9 @@ def build_moe_layer(d_model: int, moe: MoEConfig, cost_model: CostModel | None =
         top_k=moe.top_k,
         gate=moe.gate,
         expert=moe.expert,
+        expert_options=moe.expert_options,
+        num_shared_experts=moe.num_shared_experts,
+        shared_d_hidden=moe.shared_d_hidden,
         capacity_factor=moe.capacity_factor,
         strategy=moe.strategy,
         schedule=moe.schedule,
@@ -124,9 +127,10 @@ class Block(nn.Module):
         return self.attn(self.ln1(x_BTD))
 
 
-def is_moe_block(index: int, moe_every: int) -> bool:
-    """Blocks moe_every-1, 2*moe_every-1, ... are MoE blocks (all of them when moe_every = 1)."""
-    return (index + 1) % moe_every == 0
+def is_moe_block(index: int, moe_every: int, first_dense: int = 0) -> bool:
+    """Blocks moe_every-1, 2*moe_every-1, ... are MoE blocks (all of them when moe_every = 1),
+    except the first `first_dense` blocks (DeepSeek-V3's dense first blocks)."""
+    return index >= first_dense and (index + 1) % moe_every == 0
 
 
 class MoEGPT(nn.Module):
@@ -135,8 +139,11 @@ class MoEGPT(nn.Module):
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, cost_model: CostModel | None = None) -> None:
         super().__init__()
-        if not any(is_moe_block(i, cfg.moe_every) for i in range(cfg.n_layers)):
-            raise ValueError(f"model.moe_every={cfg.moe_every} leaves no MoE block among model.n_layers={cfg.n_layers}")
+        if not any(is_moe_block(i, cfg.moe_every, cfg.moe_first_dense) for i in range(cfg.n_layers)):
+            raise ValueError(
+                f"model.moe_every={cfg.moe_every} with model.moe_first_dense={cfg.moe_first_dense} leaves no MoE "
+                f"block among model.n_layers={cfg.n_layers}"
+            )
         if routing_kind(moe.gate) != "token_choice":
             # Expert choice ranks a batch's tokens per expert and SoftMoE mixes them into slots: a
             # token's output depends on later tokens of the batch (both papers' limitations
@@ -151,7 +158,8 @@ class MoEGPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(
-            Block(cfg, moe if is_moe_block(i, cfg.moe_every) else None, cost_model) for i in range(cfg.n_layers)
+            Block(cfg, moe if is_moe_block(i, cfg.moe_every, cfg.moe_first_dense) else None, cost_model)
+            for i in range(cfg.n_layers)
         )
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -210,6 +218,19 @@ class MoEGPT(nn.Module):
         for block in self.blocks:
             x_BTD = block(x_BTD)
         return self.head(self.ln_f(x_BTD))
+
+
+def build_full_model(cfg, cost_model: CostModel | None = None) -> nn.Module:
+    """The whole model of a run's config (`RunConfig`), every expert on this process: MoE-GPT, or a
+    Hugging Face causal LM on `MoELayer` when `[model]` names one (`training.hf_model.HFCausalLM`).
+    Seed first: the same seed on every rank builds the same full model (`moeflow generate`, and the
+    trainer's path for Hugging Face models; MoE-GPT trains from the meta device:
+    `training.trainer.build_model`)."""
+    if cfg.model.is_hf:
+        from moeflow.training.hf_model import HFCausalLM  # imports transformers: only when asked for
+
+        return HFCausalLM(cfg.model, cfg.moe, cost_model)
+    return MoEGPT(cfg.model, cfg.moe, cost_model)
 
 
 def owners_over_mesh(model: MoEGPT, layout: ParallelLayout) -> bool:

@@ -29,7 +29,7 @@ def lr_factor(completed_steps: int, warmup_steps: int, total_steps: int, min_rat
 def _is_no_decay(name: str, param: torch.Tensor) -> bool:
     # Biases (also the per-expert b1/b2, which are 2-D [E_local, H]) and LayerNorm gains are not decayed.
     leaf = name.rsplit(".", 1)[-1]
-    return param.dim() < 2 or leaf in ("bias", "b1", "b2")
+    return param.dim() < 2 or leaf in ("bias", "b1", "b13", "b2")
 
 
 def build_optimizer(model: torch.nn.Module, cfg) -> torch.optim.AdamW:

@@ -46,7 +46,7 @@ from moeflow.training.config_files import config_to_dict
 from moeflow.training.data import BatchSampler, Corpus, load_corpus, validation_batches
 from moeflow.training.init import init_weights
 from moeflow.training.metrics import StepResult, placement_fields
-from moeflow.training.model import MoEGPT, parallelize
+from moeflow.training.model import MoEGPT, build_full_model, parallelize
 from moeflow.training.optim import build_optimizer, clip_gradients, lr_factor
 from moeflow.training.run_dir import TRACE_FILE
 
@@ -123,7 +123,12 @@ def build_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device, co
     """MoE-GPT on `layout`: built on the meta device, parallelized (EP, ESP, FSDP2 units), allocated
     on `device` — only what this rank keeps — and initialised from `train.seed` by parameter name
     and global expert id (`training.init`): the same function on every layout, one process included.
-    Activation checkpointing per `train.activation_checkpointing`."""
+    Activation checkpointing per `train.activation_checkpointing`. A Hugging Face model (`[model]`
+    hf_architecture / hf_pretrained) is built whole from the seed by `transformers`' own
+    initialisation, then parallelized (EP and ESP; its dense part replicated)."""
+    if cfg.model.is_hf:
+        torch.manual_seed(cfg.train.seed)  # the same full model on every rank before sharding
+        return parallelize(build_full_model(cfg, cost_model), layout).to(device)
     with torch.device("meta"):
         model = MoEGPT(cfg.model, cfg.moe, cost_model)
     parallelize(model, layout)
@@ -148,18 +153,23 @@ class Trainer:
         # The launcher's ranks per node (torchrun, the testbed); one process: none.
         node_size = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
         node_size = node_size if self.distributed else None
-        cfg.validate_world_size(self.world_size, node_size)
         self.device = device or torch.device("cpu")
 
         # warn_only: an op without a deterministic kernel warns instead of stopping the run.
         torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
         cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None  # read once
+        num_experts, d_hidden = cfg.moe.num_experts, cfg.moe.d_hidden
+        if cfg.model.is_hf:  # the model's blocks decide (`training.hf_model`)
+            from moeflow.training.hf_model import hf_experts
+
+            num_experts, d_hidden = hf_experts(cfg.model)
+        cfg.validate_world_size(self.world_size, node_size, num_experts=num_experts)
         _, ep_size, esp_size = cfg.parallel.layout_sizes(self.world_size)
         self.layout = ParallelLayout(
             ep_size=ep_size,
             esp_size=esp_size,
             node_size=node_size,
-            d_hidden=cfg.moe.d_hidden,
+            d_hidden=d_hidden,
             dense=cfg.parallel.dense,
             experts=cfg.parallel.experts,
             device_type=self.device.type,
@@ -346,6 +356,7 @@ class Trainer:
             cross_node_share_L=mean(lambda s: s.cross_node_share),
             extra_copies_L=[sum(int(s.placement.materialized_EW().sum()) for s in layer) for layer in per_layer],
             redirected=sum(s.redirected for layer in per_layer for s in layer),
+            remote_nodes_per_token_L=mean(lambda s: s.remote_nodes_per_token),
             flow_LWE=(
                 np.stack([np.sum([s.flow.numpy() for s in layer], axis=0) for layer in per_layer])
                 if self.trace is not None

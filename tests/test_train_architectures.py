@@ -1,0 +1,122 @@
+"""`moeflow train` trains today's architectures (docs/architectures.md, "Training"): the shipped
+DeepSeek-V3-like config natively, and Hugging Face models named by architecture and config
+(random initialisation) or by a local `save_pretrained` directory — with the same strategies
+(a copying one follows plain EP, and 2 processes follow 1), checkpoints (a 2-process run resumes
+on 1) and metrics; bad `[model]` / `[moe]` combinations are one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moeflow import cli
+from moeflow.perf.costmodel import CostModel
+from moeflow.perf.topology import Topology
+from moeflow.training.generate import load_model
+
+pytest.importorskip("transformers")
+
+SMALL = [
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.seq_len=32",
+    "model.d_ff=64",
+    "moe.d_hidden=16",
+    "data.max_bytes=300000",
+    "train.global_batch_size=8",
+    "train.eval_every=6",
+    "train.eval_batches=2",
+    "train.checkpoint_every=6",
+    "optim.warmup_steps=2",
+]
+
+
+def _sets(items):
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(run, *argv, steps=6):
+    assert cli.main(["train", "--steps", str(steps), "--out", str(run), *argv]) == 0
+    return _metrics(run)
+
+
+def test_the_deepseek_v3_config_trains_natively(tmp_path):
+    from moeflow.training.model import DenseFFN
+
+    records = _train(tmp_path / "ds", "--config", "configs/deepseek_v3_tiny.toml", "--nproc", "1", *_sets(SMALL))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.3
+    model, step = load_model(tmp_path / "ds")
+    assert step == 6 and isinstance(model.blocks[0].ffn, DenseFFN)
+    layer = model.moe_layers()[0][1]
+    assert layer.num_experts == 16 and layer.top_k == 4 and layer.shared_experts is not None
+    assert layer.gate.group_limit.n_group == 4 and layer.axes["balance"] == "aux_free"
+    assert float(layer.balance.bias_E.abs().sum()) > 0, "the aux-free bias never moved"
+
+
+@pytest.mark.multirank
+def test_a_hugging_face_model_trains_with_moeflow_strategies_and_resumes(tmp_path):
+    """DeepSeek-V3 (random init from its config) on 2 processes under shadowing (copies made) follows
+    one process (balance weight 0: the loss is the global batch's; plain EP's equality with both is
+    `multirank_hf`'s), a 2-process checkpoint resumes on 1 process and samples."""
+    shrink = [
+        f"model.hf_config.{k}={v}"
+        for k, v in dict(
+            hidden_size=32, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, num_hidden_layers=3
+        ).items()
+    ]
+    fast = tmp_path / "fast.json"
+    CostModel(Topology([[0], [1]], [1e12, 1e12]), gemm_flops_per_s=1e6).save(fast)
+    common = ["--config", "configs/hf_deepseek_v3_tiny.toml", *_sets([*shrink, "model.seq_len=32", *SMALL[5:]])]
+    common += _sets(["moe.balance=gshard", "moe.balance_weight=0"])
+    one = _train(tmp_path / "one", *common, "--nproc", "1")
+    copies = ["--cost-model", str(fast), "--set", "moe.strategy=shadow"]
+    shadow = _train(tmp_path / "shadow", *common, "--nproc", "2", *copies)
+    assert [m["loss"] for m in shadow] == pytest.approx([m["loss"] for m in one], rel=1e-5, abs=1e-5)
+    assert sum(sum(m["extra_copies_per_layer"]) for m in shadow) > 0, "the planner never shadowed"
+    assert len(one[0]["expert_counts"]) == 2 and len(one[0]["expert_counts"][0]) == 8  # 2 MoE blocks, 8 experts
+    assert one[-1]["loss"] < one[0]["loss"]
+    with pytest.warns(UserWarning, match="describes 2 devices but this expert-parallel group has 1"):
+        resumed = _train(tmp_path / "shadow", "--nproc", "1", "--resume", steps=8)
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    assert cli.main(["generate", "--run", str(tmp_path / "one"), "--length", "8", "--json"]) == 0
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama4", "glm4_moe"])
+def test_hugging_face_models_train_from_a_pretrained_directory(tmp_path, arch):
+    from .hf_models import tiny
+
+    model = tiny(arch, vocab_size=256, output_router_logits=arch == "gpt_oss")
+    model.save_pretrained(tmp_path / "pretrained")
+    run = tmp_path / "run"
+    sets = [f"model.hf_pretrained={tmp_path / 'pretrained'}", "model.seq_len=32", *SMALL[5:], "moe.balance=sequence"]
+    records = _train(run, "--nproc", "1", *_sets(sets), steps=4)
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+    if arch == "gpt_oss":  # the model's own load-balancing loss is part of the aux loss
+        assert records[0]["aux_loss"] > 0.0
+
+
+@pytest.mark.parametrize(
+    ("sets", "named"),
+    [
+        (["model.hf_architecture=NoSuchForCausalLM"], "model.hf_architecture='NoSuchForCausalLM': not a transformers"),
+        (["model.hf_architecture=LlamaForCausalLM"], "has no supported sparse-MoE block"),
+        (["model.hf_config.hidden_size=32"], "model.hf_config needs model.hf_architecture"),
+        (["model.hf_architecture=MixtralForCausalLM", "model.hf_config.vocab_size=64"], "vocab_size=64 cannot hold"),
+        (["model.hf_architecture=MixtralForCausalLM", "moe.gate_options.normalize=false"], "moe.gate_options="),
+        (["model.hf_architecture=MixtralForCausalLM", "moe.num_experts=8"], "moe.num_experts=8: model.hf_arch"),
+        (["model.hf_architecture=MixtralForCausalLM", "train.grad_sync=fsmoe"], "train.grad_sync='fsmoe' prices"),
+        (["model.hf_pretrained=/nonexistent"], "model.hf_pretrained='/nonexistent' has no config.json"),
+        (["model.hf_architecture=MixtralForCausalLM", "model.hf_pretrained=/x"], "set one"),
+    ],
+)
+def test_bad_hugging_face_settings_are_one_line_errors(tmp_path, capsys, sets, named):
+    assert cli.main(["train", "--nproc", "1", "--steps", "1", "--out", str(tmp_path / "r"), *_sets(sets)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
