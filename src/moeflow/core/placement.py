@@ -267,31 +267,43 @@ def copies_by_tree(node_of: Sequence[int] | None, backend: str) -> bool:
 
 
 def broadcast_tree(owner: int, node_of: Sequence[int]) -> list[list[tuple[int, int]]]:
-    """Routes of a two-level broadcast from `owner` to every rank: `[stage 1 edges, stage 2 edges]`,
-    each edge `(src, dst)`. A reduce to `owner` runs the same edges reversed, stages in reverse.
+    """Routes of a two-level broadcast from `owner` to every rank: `copy_tree` to all the others.
 
-    Stage 1: the owner sends to its node-mates and to one *leader* on every other node, so each
-    inter-node link carries the parameters once (FasterMoE Eq. 8's `2·r·size/W_net` assumes this;
-    a flat broadcast that sends from the root to every rank — gloo's — puts them on the inter-node
-    link once per remote rank). Stage 2: each leader forwards to its node-mates. The leader is the
-    remote rank with the owner's local index shifted by the owner's node: owners on different local
-    indices use different leaders, and two owners do not use one pair of ranks in opposite
-    directions (gloo serves a pair's two directions poorly: on the 2 × 2 testbed, four owners took
-    174 ms with rail-aligned leaders, 144 ms shifted; `benchmarks/shadow_copies.py`).
+    Each inter-node link carries the parameters once (FasterMoE Eq. 8's `2·r·size/W_net` assumes
+    this; a flat broadcast that sends from the root to every rank — gloo's — puts them on the
+    inter-node link once per remote rank)."""
+    return copy_tree(owner, [r for r in range(len(node_of)) if r != owner], node_of)
+
+
+def copy_tree(owner: int, holders: Sequence[int], node_of: Sequence[int] | None) -> list[list[tuple[int, int]]]:
+    """Routes that copy an expert from `owner` to `holders` (other ranks, ascending): `[stage 1
+    edges, stage 2 edges]`, each edge `(src, dst)` (Hecate §4.1's sparse all-gather as a
+    topology-aware tree). A reduction to `owner` runs the same edges reversed, stages in reverse:
+    holders sum into their node's relay, relays into the owner.
+
+    Stage 1: the owner sends to the holders on its own node and to one *relay* among the holders of
+    every other node, so each node is entered once whatever its number of holders. Stage 2: each
+    relay forwards to its node's other holders. Without a node layout (`node_of` None) every edge is
+    in stage 1: one message per holder, straight from the owner. The relay is the node's holder at
+    the owner's local index shifted by the owner's node (modulo the node's holders): with every rank
+    a holder (`broadcast_tree`) owners on different local indices use different relays, and two
+    owners do not use one pair of ranks in opposite directions (gloo serves a pair's two directions
+    poorly: on the 2 × 2 testbed, four owners took 174 ms with rail-aligned relays, 144 ms shifted;
+    `benchmarks/shadow_copies.py`).
     """
+    if node_of is None:
+        return [[(owner, int(h)) for h in holders], []]
     members: dict[int, list[int]] = {}
-    for rank, node in enumerate(node_of):
-        members.setdefault(int(node), []).append(rank)
+    for h in holders:
+        members.setdefault(int(node_of[h]), []).append(int(h))
     home = int(node_of[owner])
-    local_index = members[home].index(owner)
-    first = [(owner, r) for r in members[home] if r != owner]
+    local_index = [r for r in range(len(node_of)) if int(node_of[r]) == home].index(owner)
+    first = [(owner, r) for r in members.pop(home, [])]
     second = []
-    for node, ranks in members.items():
-        if node == home:
-            continue
-        leader = ranks[(local_index + home) % len(ranks)]
-        first.append((owner, leader))
-        second += [(leader, r) for r in ranks if r != leader]
+    for ranks in members.values():
+        relay = ranks[(local_index + home) % len(ranks)]
+        first.append((owner, relay))
+        second += [(relay, r) for r in ranks if r != relay]
     return [first, second]
 
 

@@ -22,9 +22,10 @@ layer takes its prefetched copies through the hook's `wrap_copies`.
 Mechanism: `BlockPrefetch` is a `MoEHook` (FSMoE §3.1) on every MoE layer; at the layer's start,
 after its dispatch, before its combine and at its end it returns the tensor through `core.hooks.Mark`, an
 identity whose forward and backward run the actions of that point. Partial replica sets travel
-point-to-point (`batch_isend_irecv`, one tag per layer, direction and part), experts held everywhere
-as one asynchronous broadcast (forward) / reduce (backward) per owner — a pipelined ring on NCCL,
-not the two-stage tree of `placement.broadcast_tree`, whose second stage would wait on the first;
+point-to-point straight from the owner (`batch_isend_irecv`, one tag per layer, direction and
+part), experts held everywhere as one asynchronous broadcast (forward) / reduce (backward) per
+owner — a pipelined ring on NCCL, not the two-stage trees of `placement.copy_tree`, whose second
+stage would wait on the first;
 the received parameters enter autograd through `_Prefetched`, whose backward hands the copies'
 gradients to Agg and returns the owned experts' own gradients; the owners add the received sums
 into `.grad` when Agg completes. Numbers equal those of the unscheduled layer (tested).
@@ -125,20 +126,24 @@ class _Trans(_TwoParts):
         self.sent_MP = self.layout.flat_sent(list(weights.values()))
         self.recv = [self.sent_MP.new_empty((len(self.plan.received), w)) for w in self.widths]
 
+    def bundle(self, b: int) -> torch.Tensor:
+        """Rows `[len(experts), P]` of a bundle this rank owns."""
+        index, layout = self.layout.sent_index, self.layout
+        return self.sent_MP[[index[r] for r in layout.rows(self.plan.bundles[b].experts)]]
+
     def messages(self, part: int) -> tuple[list, list]:
-        cols, index, row_of = self.columns(part), self.layout.sent_index, self.layout.row_of
-        sends = [(peer, self.sent_MP[index[row_of[e]], cols].contiguous()) for e, peer in self.plan.sends]
-        recvs = [(peer, self.recv[part][i]) for i, (_, peer) in enumerate(self.plan.recvs)]
+        cols, plan, me = self.columns(part), self.plan, self.plan.me
+        edges = [e for stage in plan.stages for e in stage]  # one stage: straight from the owner
+        sends = [(dst, self.bundle(b)[:, cols].contiguous()) for b, src, dst in edges if src == me]
+        recvs = [(src, self.recv[part][plan.rows(b)]) for b, src, dst in edges if dst == me]
         return sends, recvs
 
     def collectives(self, part: int) -> list:
-        plan, cols, index, row_of = self.plan, self.columns(part), self.layout.sent_index, self.layout.row_of
+        plan, cols = self.plan, self.columns(part)
         launches = []
-        for owner, experts in plan.everywhere.items():
-            if owner == plan.me:
-                buf = self.sent_MP[[index[row_of[e]] for e in experts]][:, cols].contiguous()
-            else:
-                buf = self.recv[part][plan.rows(owner)]
+        for b in plan.collective:
+            owner = plan.bundles[b].owner
+            buf = self.bundle(b)[:, cols].contiguous() if owner == plan.me else self.recv[part][plan.rows(b)]
             src = dist.get_global_rank(self.group, owner)
             launches.append(lambda buf=buf, src=src: dist.broadcast(buf, src=src, group=self.group, async_op=True))
         return launches
@@ -174,27 +179,36 @@ class _Agg(_TwoParts):
     def __init__(self, trans: _Trans, grad_MP: torch.Tensor, split: float) -> None:
         super().__init__(trans.group, trans.tag + 2, grad_MP.shape[1], split)
         self.trans, self.grad_MP = trans, grad_MP
-        self.incoming = [grad_MP.new_empty((len(trans.plan.sends), w)) for w in self.widths]
         plan = trans.plan
-        # Per owner of experts held everywhere: this rank's gradients of them, summed at the owner.
+        self.edges = [e for stage in plan.stages for e in stage]
+        cols = (self.columns(0), self.columns(1))
+        # Per edge out of this rank (an owned bundle's holder): that holder's gradients, received here.
+        self.incoming = [
+            [(b, grad_MP.new_empty((len(plan.bundles[b].experts), w))) for b, src, dst in self.edges if src == plan.me]
+            for w in self.widths
+        ]
+        # Per bundle held everywhere: this rank's gradients of it, summed at the owner.
         self.partial = {
-            owner: [
-                grad_MP.new_zeros((len(experts), w)) if owner == plan.me else grad_MP[plan.rows(owner), cols].clone()
-                for w, cols in zip(self.widths, (self.columns(0), self.columns(1)))
+            b: [
+                grad_MP.new_zeros((len(plan.bundles[b].experts), w))
+                if plan.bundles[b].owner == plan.me
+                else grad_MP[plan.rows(b), c].clone()
+                for w, c in zip(self.widths, cols)
             ]
-            for owner, experts in plan.everywhere.items()
+            for b in plan.collective
         }
 
     def messages(self, part: int) -> tuple[list, list]:
         cols, plan = self.columns(part), self.trans.plan
-        sends = [(peer, self.grad_MP[i, cols].contiguous()) for i, (_, peer) in enumerate(plan.recvs)]
-        recvs = [(peer, self.incoming[part][i]) for i, (_, peer) in enumerate(plan.sends)]
+        sends = [(src, self.grad_MP[plan.rows(b), cols].contiguous()) for b, src, dst in self.edges if dst == plan.me]
+        outgoing = [dst for b, src, dst in self.edges if src == plan.me]
+        recvs = [(dst, buf) for dst, (_, buf) in zip(outgoing, self.incoming[part])]
         return sends, recvs
 
     def collectives(self, part: int) -> list:
         launches = []
-        for owner, bufs in self.partial.items():
-            dst = dist.get_global_rank(self.group, owner)
+        for b, bufs in self.partial.items():
+            dst = dist.get_global_rank(self.group, self.trans.plan.bundles[b].owner)
             launches.append(
                 lambda buf=bufs[part], dst=dst: dist.reduce(
                     buf, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True
@@ -203,21 +217,24 @@ class _Agg(_TwoParts):
         return launches
 
     def finish(self) -> None:
-        """Wait for both parts and add the received sums into the owners' `.grad`."""
+        """Wait for both parts and add the received sums into the owners' `.grad` (each owned
+        bundle's holders in edge order, then its reduce)."""
         self.wait_all()
         plan, layout = self.trans.plan, self.trans.layout
-        mine = plan.everywhere.get(plan.me, [])
-        if not plan.sends and not mine:
+        owned = plan.owned
+        if not owned:
             return
         params = list(self.trans.layer.experts.weights().values())
         for p in params:
             if p.grad is None:  # only copies' gradients reached this parameter (no owned tokens)
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        if plan.sends:
-            add_flat_rows(grads, layout, layout.rows(e for e, _ in plan.sends), torch.cat(self.incoming, dim=1))
-        if mine:
-            add_flat_rows(grads, layout, layout.rows(mine), torch.cat(self.partial[plan.me], dim=1))
+        for (b, first), (_, second) in zip(*self.incoming):
+            add_flat_rows(grads, layout, layout.rows(plan.bundles[b].experts), torch.cat([first, second], dim=1))
+        for b in owned:
+            if b in self.partial:
+                rows = layout.rows(plan.bundles[b].experts)
+                add_flat_rows(grads, layout, rows, torch.cat(self.partial[b], dim=1))
 
 
 class BlockPrefetch(MoEHook):
