@@ -3,8 +3,10 @@ arrives equal to its owner's weights and every holder's gradient is summed into 
 the ranks as one node (copies straight from the owner), as 1 × 2 or 2 × 2 nodes (trees: one
 transfer into each node, relays fanning out; experts held everywhere through the same trees on
 gloo), for partial and full holder sets, bundles of several experts, and a rank that owns no
-expert and holds no copy. The tree's results equal the point-to-point ones exactly in forward and
-within float tolerance in backward (the sums run in another order), and repeat bit for bit.
+expert and holds no copy; and the block-wise prefetch sending the trees stage by stage (a
+two-block model with copies planned ahead equals plain EP). The tree's results equal the
+point-to-point ones exactly in forward and within float tolerance in backward (the sums run in
+another order), and repeat bit for bit.
 
 Shape suffixes: E experts, W ranks, J experts held by this rank, A, B parameter dims."""
 
@@ -14,10 +16,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeflow.core.parallel import ParallelLayout
 from moeflow.core.placement import Placement
 from moeflow.core.sparse_collectives import _transfers, materialize
+from moeflow.model_step import all_reduce_gradients
+from moeflow.perf.costmodel import CostModel
+from moeflow.perf.topology import Topology
+from moeflow.strategies.planners.base import PlanAheadPlanner
+from moeflow.strategies.prefetch import BlockPrefetch
 
 from .equivalence import TOL
+from .multirank_prophet import TwoBlocks, _batch
 
 SHAPES = {"w": (3, 4), "b": (5,)}
 """Per-expert parameter shapes (A, B dims)."""
@@ -101,3 +110,54 @@ def check_sparse_collectives(rank: int, world: int) -> None:
     total = torch.tensor([float(inter_node_edges)])
     dist.all_reduce(total)
     assert total.item() > 0
+
+
+class AheadCopies(PlanAheadPlanner):
+    """Plans ahead (so the block-wise prefetch sends its copies) a pseudo-random set of copies per
+    call, the same on every rank: half the (expert, rank) pairs."""
+
+    name = "ahead_copies"
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(window=1, background=False)
+        self.seed, self.calls = seed, 0
+
+    def search(self, flow_WE, placement, cost_model):
+        self.calls += 1
+        return _ahead, (placement, self.seed + self.calls)
+
+
+def _ahead(placement: Placement, seed: int):
+    rng = np.random.default_rng(seed)
+    return placement.with_holders(rng.random(placement.holders_EW.shape) < 0.5), None
+
+
+def check_prefetched_trees(rank: int, world: int) -> None:
+    nodes = [list(range(world // 2)), list(range(world // 2, world))]
+    cost_model = CostModel(Topology(nodes, [1e9, 1e10]), gemm_flops_per_s=1e7)
+    layout = ParallelLayout(ep_size=world)
+    models = {"ep": TwoBlocks(world, "ep", cost_model), "ahead": TwoBlocks(world, "ep", cost_model)}
+    models["ahead"].moe1.planner, models["ahead"].moe2.planner = AheadCopies(1), AheadCopies(50)
+    prefetch = BlockPrefetch([models["ahead"].moe1, models["ahead"].moe2])
+    relayed = 0
+    for it in range(4):
+        x, g = _batch(rank, world, it)
+        results = {}
+        for name, model in models.items():
+            xi = x.clone().requires_grad_()
+            y = model(xi)
+            ((y * g).sum() + model.aux_loss()).backward()
+            all_reduce_gradients(model, layout)
+            results[name] = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in model.named_parameters()})
+            model.zero_grad(set_to_none=True)
+        for i in range(2):
+            torch.testing.assert_close(results["ahead"][i], results["ep"][i], **TOL)
+        for n, value in results["ep"][2].items():
+            what = f"{n} it {it}"
+            torch.testing.assert_close(results["ahead"][2][n], value, **TOL, msg=lambda m, w=what: f"{w}: {m}")
+        plan = _transfers(models["ahead"].moe2.stats.placement, rank, cost_model.topology.node_of, "nccl")
+        relayed += len(plan.stages[1])
+    assert prefetch.steps == 4
+    total = torch.tensor([float(relayed)])
+    dist.all_reduce(total)
+    assert total.item() > 0 or world == 2  # relays forwarded inside a node (2 x 2)

@@ -17,6 +17,7 @@ from moeflow.core.placement import (
     copy_tree,
     dispatch_counts,
     plain_ep_owners,
+    tree_edges,
 )
 from moeflow.core.registry import LayerContext
 from moeflow.core.sparse_collectives import bundles_of
@@ -209,3 +210,20 @@ def test_bundles_group_experts_by_owner_and_holders():
         (1, (3,), (0,), False),
         (2, (4,), (0, 1), True),
     ]
+
+
+def test_tree_edges_are_copy_tree_row_by_row():
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        W = int(rng.integers(2, 10))
+        node_of = list(rng.integers(0, 3, W)) if rng.random() < 0.8 else None
+        K = int(rng.integers(1, 6))
+        owner = rng.integers(0, W, K)
+        holders = rng.random((K, W)) < 0.5
+        k, src, dst, stage = tree_edges(holders, owner, node_of)
+        for r in range(K):
+            mine = [h for h in range(W) if holders[r, h] and h != owner[r]]
+            want = copy_tree(int(owner[r]), mine, node_of)
+            for s in (0, 1):
+                got = sorted(zip(src[(k == r) & (stage == s)].tolist(), dst[(k == r) & (stage == s)].tolist()))
+                assert got == sorted(want[s]), (r, s, node_of)

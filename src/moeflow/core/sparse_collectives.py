@@ -55,7 +55,8 @@ class _Transfers:
     bundles: list[Bundle]
     """The bundles this rank owns or holds (in the order every rank enumerates them)."""
     stages: list[list[tuple[int, int, int]]]
-    """Stages of (bundle index, src, dst) tree edges that involve this rank (`copy_tree`)."""
+    """The two stages of (bundle index, src, dst) tree edges that involve this rank (`copy_tree`;
+    either may be empty)."""
     collective: list[int]
     """Bundles moved by one broadcast / reduce over the group (held everywhere, no tree)."""
     received: list[int]
@@ -107,14 +108,14 @@ def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, bac
         if bundle.owner != me:
             row_start[i] = len(received)
             received += bundle.experts
-    return _Transfers(me, mine, [s for s in stages if s], collective, received, row_start)
+    return _Transfers(me, mine, stages, collective, received, row_start)
 
 
-def prefetch_transfers(placement: Placement, me: int) -> _Transfers:
+def prefetch_transfers(placement: Placement, me: int, node_of: Sequence[int] | None) -> _Transfers:
     """The copies of `placement` as `strategies.prefetch` launches them asynchronously: partial replica
-    sets straight from the owner, experts held everywhere one broadcast / reduce per bundle — never
-    the two-stage tree, whose second stage would have to wait for the first."""
-    return _transfers(placement, me, None, "nccl", direct=True)
+    sets along their trees, experts held everywhere one asynchronous broadcast / reduce per bundle
+    (never through the trees, as on gloo across nodes in `materialize`)."""
+    return _transfers(placement, me, node_of, "nccl")
 
 
 def batched_p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]], group) -> None:
