@@ -4,7 +4,7 @@ gradient partitioning, next to the cost model's prediction (FSMoE §3–§5).
 
     sudo .venv/bin/python benchmarks/fsmoe_testbed.py --out results/fsmoe_testbed.json
 
-2 nodes x 2 ranks, `moe.esp_size=2`: each node is one ESP group (its two ranks hold the same experts,
+2 nodes x 2 ranks, `parallel.esp_size=2`: each node is one ESP group (its two ranks hold the same experts,
 half the hidden dimension each) and the two expert-parallel groups (ESP index 0 and 1) run their
 all-to-alls across the shaped inter-node link at the same time. Every variant is one `moeflow train`
 run (configs/tiny.toml with 4 experts and `moe.d_hidden=1024`, 2048 tokens per step); the step time
@@ -193,7 +193,7 @@ def run_variant(
     shutil.rmtree(out, ignore_errors=True)
     argv = ["train", "--config", "configs/tiny.toml", "--out", str(out), "--steps", str(steps)]
     argv += ["--cost-model", str(cost_model)]
-    for s in [*SHAPE, f"moe.esp_size={esp}", *SCHEDULES[name], f"train.grad_sync={grad_sync}"]:
+    for s in [*SHAPE, f"parallel.esp_size={esp}", *SCHEDULES[name], f"train.grad_sync={grad_sync}"]:
         argv += ["--set", s]
     on_testbed(argv, bandwidth_mbit=bandwidth, timeout_s=600)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -275,7 +275,7 @@ def summarize(steps: dict, pred: dict, args) -> dict:
         "rounds": len(next(iter(steps.values()))),
         "steps": args.steps,
         "skip": args.skip,
-        "shape": [*SHAPE, f"moe.esp_size={args.esp_size}"],
+        "shape": [*SHAPE, f"parallel.esp_size={args.esp_size}"],
         "cost_model": str(args.cost_model_path),
         "grad_sync": {},
     }

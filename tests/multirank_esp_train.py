@@ -1,5 +1,5 @@
 """Expert sharding (ESP, FSMoE §3) in training, under real gloo collectives (run inside
-tests/test_esp_train.py's spawns): `moe.esp_size` > 1 follows plain EP's losses, gradient norms and
+tests/test_esp_train.py's spawns): `parallel.esp_size` > 1 follows plain EP's losses, gradient norms and
 weights; its checkpoints resume bit for bit under the same layout and load exactly under another
 (esp 2 ↔ esp 1, 4 ranks esp 2 × ep 2 → 2 ranks esp 2 × ep 1).
 
@@ -40,7 +40,7 @@ def config(esp_size: int, *extra: str):
             *TINY,
             "moe.num_experts=4",
             f"moe.d_hidden={D_HIDDEN}",
-            f"moe.esp_size={esp_size}",
+            f"parallel.esp_size={esp_size}",
             f"train.steps={STEPS}",
             "train.checkpoint_every=100",
             *extra,

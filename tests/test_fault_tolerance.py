@@ -131,8 +131,9 @@ def test_prophet_plan_made_before_the_kill_is_used_after_the_restart(clean, fast
     assert rc == 0
     assert _summary(capsys)["restarts"] == 1
     copies = [m["extra_copies_per_layer"] for m in _metrics(run)]
-    # A planner's first call has no plan (no copies); here the plan of step 4 survives the restart.
-    assert copies[0] == [0, 0] and copies[3] != [0, 0] and copies[4] != [0, 0], copies
+    # A planner's first call has no plan (no copies); the planner copied before the kill, and the
+    # plan made in step 4 for step 5 survives the restart.
+    assert copies[0] == [0, 0] and any(c != [0, 0] for c in copies[1:4]) and copies[4] != [0, 0], copies
     want, got = _weights(clean), _weights(run)
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")

@@ -92,6 +92,8 @@ def test_bench_variants_parse_and_name_the_bad_one():
         StrategyBenchConfig(trace_replay=True)
     with pytest.raises(ValueError, match="warmup=-1"):
         StrategyBenchConfig(warmup=-1)
+    with pytest.raises(ValueError, match="ep_size=0 must be positive"):
+        StrategyBenchConfig(ep_size=0)
     assert str(Variant.parse("ep:sync:hierarchical")) == "ep:sync:hierarchical"
     assert Variant.parse("ep:sync:a2a:bfloat16").wire_dtype == "bfloat16"
     assert str(Variant.parse("ep:sync:a2a:bfloat16")) == "ep:sync:a2a:bfloat16"

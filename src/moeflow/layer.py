@@ -37,6 +37,7 @@ from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.core.registry import LayerContext
 from moeflow.core.rematerialize import release_held
+from moeflow.core.replay import RECOMPUTE_MODES, Decision, replay_state
 from moeflow.core.sparse_collectives import materialize
 from moeflow.core.stats import MoEStats
 from moeflow.routing import BALANCES, GATES, check_balance_fits_gate, default_balance, routing_kind
@@ -172,6 +173,9 @@ class MoELayer(nn.Module):
         self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
         self.group: dist.ProcessGroup | None = None
         self.esp_group: dist.ProcessGroup | None = None  # expert sharding (core.expert_sharding)
+        self.replica_group: dist.ProcessGroup | None = None  # the same experts, other tokens (expert DP)
+        self.balance_group: dist.ProcessGroup | None = None  # the same experts: replicas × ESP members
+        self.recompute = "none"  # activation checkpointing of this layer (`set_recompute`)
         self._bind(Placement.expert_parallel(num_experts, 1))
         if group is not None:
             self.to_expert_parallel(group)
@@ -191,11 +195,21 @@ class MoELayer(nn.Module):
         return self.axes["strategy"]
 
     # ---- parallelism -------------------------------------------------------------------------
-    def to_expert_parallel(self, group: dist.ProcessGroup | None) -> MoELayer:
+    def to_expert_parallel(
+        self,
+        group: dist.ProcessGroup | None,
+        replicas: dist.ProcessGroup | None = None,
+        balance: dist.ProcessGroup | None = None,
+    ) -> MoELayer:
         """Keep only this rank's experts `[r·E_local, (r+1)·E_local)` of the group; returns self.
 
-        Build the layer with the same seed on every rank first: the kept slices then form exactly
-        the single-process layer's experts.
+        Build the layer with the same seed on every rank first (or on the meta device, then
+        initialise it by global expert id: `moeflow.training.init`): the kept slices then form
+        exactly the single-process layer's experts. `replicas`: the ranks holding the same experts
+        with other tokens (expert data parallelism, `ParallelLayout.expert_dp_group`) — planners
+        plan on the mean of their flows, so every replica takes the same decisions and keeps the
+        same planner state. `balance`: the ranks whose expert choices balance state sums
+        (`ParallelLayout.balance_group`: replicas × ESP members; default: `replicas`).
         """
         world = dispatch.group_size(group)
         if self.num_experts % world:
@@ -214,8 +228,29 @@ class MoELayer(nn.Module):
         me = dispatch.group_rank(group)
         self.experts.shard_(range(me * local, (me + 1) * local))
         self.group = group
+        self.replica_group = replicas if dispatch.group_size(replicas) > 1 else None
+        self.balance_group = balance if balance is not None else self.replica_group
         self._bind(Placement.expert_parallel(self.num_experts, world))
         return self
+
+    def set_recompute(self, mode: str) -> None:
+        """Activation checkpointing of this layer (docs/parallel.md): `none`; `selective`: the
+        experts' FFN on the received rows is recomputed in backward (its input, the exchanged
+        rows, is kept); `full`: the enclosing block is recomputed (`torch.utils.checkpoint`) and
+        this layer replays its first pass's routing check, flows, plan and message tags
+        (`core.replay`) — no re-planning, no second record of stats, balance choices or planner
+        history — while its exchanges run again, in the same order on every rank."""
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={mode!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+        if mode == "full":
+            observers = [c for c in (self.planner, self.schedule) if c.observes_time]
+            if observers or any(not hook.replayable for hook in self.hooks):
+                what = self.axes["strategy"] if self.planner.observes_time else self.axes["schedule"]
+                raise ValueError(
+                    f"activation_checkpointing='full' with {what!r} or the block-wise prefetch: they measure or "
+                    f"send ahead each forward, which recomputation would repeat; use 'selective'"
+                )
+        self.recompute = mode
 
     def rebind(self, placement: Placement) -> None:
         """Adopt new owners once `core.resharding` has moved the shards (Hecate §4.3)."""
@@ -270,19 +305,28 @@ class MoELayer(nn.Module):
         routing, dropped = routing.within_capacity(self.capacity_factor, self.num_experts, self.top_k)
         expert_A = routing.expert_A
 
-        # Count exchange → global flow (and choices before capacity) → plan, the same on every rank.
-        # (Both rows whenever capacity may drop, on every rank alike: the gather's size must agree.)
-        may_drop = self.capacity_factor is not None
-        counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
-        rows = dispatch.exchange_counts(counts, self.group)
-        flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
-        placement = self._plan(flow_WE)
-        plan_SEW = dispatch_counts(flow_WE, placement, self.node_of)
+        mode, tape = replay_state()
+        if mode == "replay":  # recomputation under activation checkpointing: the first pass's decisions
+            decision = tape.take(self, expert_A)
+            flow_WE, choices_WE, placement, plan_SEW = decision.flow_WE, None, decision.placement, decision.plan_SEW
+            call_id = decision.call_id
+        else:
+            # Count exchange → global flow (and choices before capacity) → plan, the same on every rank.
+            # (Both rows whenever capacity may drop, on every rank alike: the gather's size must agree.)
+            may_drop = self.capacity_factor is not None
+            counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
+            rows = dispatch.exchange_counts(counts, self.group)
+            flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
+            placement = self._plan(self._replicas_flow(flow_WE, x_TD.device))
+            plan_SEW = dispatch_counts(flow_WE, placement, self.node_of)
+            self._calls += 1
+            call_id = self._calls
+            if mode == "record":
+                tape.put(self, Decision(expert_A.detach().clone(), flow_WE, placement, plan_SEW, call_id))
 
         # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
         dest_A = dispatch.assignment_destinations(expert_A, plan_SEW[me])
         order_A = torch.sort(dest_A * self.num_experts + expert_A, stable=True).indices
-        self._calls += 1
         block = ExchangeBlock(
             x_sent_AD=routing.rows(x_TD, order_A),
             send_WW=plan_SEW.sum(1),
@@ -293,7 +337,7 @@ class MoELayer(nn.Module):
             node_of=self.node_of,
             dispatcher=self.dispatcher,
             hooks=lambda point, t, first=True, last=True: run_hooks(self.hooks, point, self, t, first, last),
-            call_id=self._calls,
+            call_id=call_id,
             plan_SEW=plan_SEW,
             esp_group=self.esp_group,
         )
@@ -305,8 +349,20 @@ class MoELayer(nn.Module):
         y_TD = routing.combine(y_back_AD.to(x.dtype), order_A, x_TD.shape[0])
         y_TD = self._release_copies(y_TD, placement, me)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
-        self._record(block, flow_WE, choices_WE, plan_SEW, placement, dropped, routing.redirected, me)
+        if mode != "replay":  # recomputation never records stats or balance choices a second time
+            self._record(block, flow_WE, choices_WE, plan_SEW, placement, dropped, routing.redirected, me)
         return y_TD.reshape(x.shape)
+
+    def _replicas_flow(self, flow_WE: np.ndarray, device: torch.device) -> np.ndarray:
+        """What the planner plans on: this EP group's flow, or with data-parallel replicas (the
+        same experts, other tokens) the mean of their flows — one small all-reduce — so that every
+        replica takes the same decision (and keeps the same history) while each dispatches its own
+        tokens under it. Planners that ignore the flow (`reads_flow=False`) get it as is."""
+        if self.replica_group is None or not self.planner.reads_flow or self.cluster_mismatch:
+            return flow_WE
+        flow = torch.as_tensor(flow_WE, dtype=torch.float64, device=device)
+        dist.all_reduce(flow, group=self.replica_group)
+        return (flow / dist.get_world_size(self.replica_group)).cpu().numpy()
 
     def _plan(self, flow_WE: np.ndarray) -> Placement:
         """The planner's placement for this flow (plain EP where the cost model is another cluster's)."""
@@ -335,9 +391,17 @@ class MoELayer(nn.Module):
 
     def _run_experts(self, x_RD: torch.Tensor, counts_J: list[int], weights_J) -> torch.Tensor:
         """The held experts on rows grouped by expert; over the ESP group when sharded (FSMoE §3)."""
+        experts = self.experts
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            experts = self._experts_recomputed
         if self.esp_group is None:
-            return self.experts(x_RD, counts_J, weights_J)
-        return sharded_compute(self.experts, x_RD, counts_J, self.esp_group, weights_J)
+            return experts(x_RD, counts_J, weights_J)
+        return sharded_compute(experts, x_RD, counts_J, self.esp_group, weights_J)
+
+    def _experts_recomputed(self, x_RD: torch.Tensor, counts_J: list[int], weights_J) -> torch.Tensor:
+        """`selective` activation checkpointing: the experts' FFN keeps only its input rows (and
+        the weights it was given) for backward, and runs again there — local GEMMs, no collective."""
+        return torch.utils.checkpoint.checkpoint(self.experts, x_RD, counts_J, weights_J, use_reentrant=False)
 
     def _record(self, block, flow_WE, choices_WE, plan_SEW, placement, dropped, redirected, me) -> None:
         """`stats` of this forward; in training, the expert choices for the step's balance update."""
@@ -398,20 +462,22 @@ class MoELayer(nn.Module):
 
     # ---- once per optimizer step -------------------------------------------------------------
     @torch.no_grad()
-    def update_balance(self, dp_group: dist.ProcessGroup | None = None, dp_size: int = 1) -> None:
+    def update_balance(self, group: dist.ProcessGroup | None = None) -> None:
         """Hand the balance term the expert choices of the training forwards since the last call —
-        the mean per forward, summed over the `dp_size` data-parallel replicas of this rank's
-        expert-parallel group and divided by them — so that its state (aux-free bias, TA-MoE
-        steering) moves once per step and identically on every rank. `all_reduce_gradients` calls
-        it; call it yourself once per step if you do not use that."""
+        the mean per forward (per micro-step under gradient accumulation), summed over the ranks
+        holding the same experts (`group`, default `balance_group`: data-parallel replicas × ESP
+        members) and divided by them — so that its state (aux-free bias, TA-MoE steering) moves once
+        per step and identically on every rank. `all_reduce_gradients` calls it; call it yourself
+        once per step if you do not use that."""
         if self._choices_WE is None:
             return
+        group = self.balance_group if group is None else group
         choices_WE = self._choices_WE / self._forwards
         self._choices_WE, self._forwards = None, 0
-        if dp_group is not None and dp_size > 1:
-            choices_WE = choices_WE.to(self.experts.w1.device)  # nccl reduces CUDA tensors
-            dist.all_reduce(choices_WE, group=dp_group)
-            choices_WE = choices_WE / dp_size
+        if group is not None and dist.get_world_size(group) > 1:
+            choices_WE = choices_WE.to(self.aux_loss.device)  # nccl reduces CUDA tensors
+            dist.all_reduce(choices_WE, group=group)
+            choices_WE = choices_WE / dist.get_world_size(group)
         if self._balance_active():
             self.balance.observe(choices_WE)
 

@@ -3,12 +3,17 @@ balance state moved, prefetched gradient sums landed, Hecate's shards re-balance
 
     loss.backward(); all_reduce_gradients(model, layout); optimizer.step()
     maybe_reshard(model, optimizer, step)   # FSSDP layers only (Hecate §4.3)
+
+Under gradient accumulation (several micro-steps per optimizer step) `set_gradient_sync(model,
+False)` before the micro-steps but the last keeps FSDP2's gradients local until then.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from moeflow.core.parallel import ParallelLayout, _all_reduce_mean, dense_parameters, expert_parameters
 from moeflow.core.resharding import reshard_experts
@@ -28,35 +33,60 @@ def finish_prefetch(model: nn.Module) -> None:
         prefetch.finish()
 
 
+def layer_groups(layer: MoELayer, layout: ParallelLayout) -> tuple:
+    """(replicas, balance) groups of `layer`: the layout's dp and dp × esp groups when the layer is
+    expert-parallel over the layout's EP group, else those the layer was given (Hecate's FSSDP over
+    the whole dp × ep mesh has no replicas: `training.model.parallelize`)."""
+    if layer.group is layout.ep_group:
+        return layout.expert_dp_group, layout.balance_group
+    return layer.replica_group, layer.balance_group
+
+
 def all_reduce_gradients(model: nn.Module, layout: ParallelLayout, dense: bool = True) -> None:
-    """Once per optimizer step, after backward: make gradients those of the mean loss over the
-    global batch, and move every MoE layer's balance state (`MoELayer.update_balance`).
+    """Once per optimizer step, after backward (after the last micro-step's): make gradients those
+    of the mean loss over the global batch, and move every MoE layer's balance state
+    (`MoELayer.update_balance`).
 
     Each rank's loss is the mean over its own tokens. A dense parameter's gradient is the average
     over all ranks. An expert's gradient already sums every rank's contribution (the all-to-all
     backward brought them to the owner), so it is summed over its replicas only and divided by the
     same world size. Balance terms see the step's expert choices summed over the data-parallel
     replicas, so their state stays identical on every rank. ``dense=False``: the dense gradients
-    were already averaged (``training.grad_buckets``).
+    were already averaged (``training.grad_buckets``). Parameters sharded by FSDP2 (DTensors,
+    `training.model.parallelize`) were reduce-scattered by it with the same result: left alone.
     """
     finish_prefetch(model)
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            module.update_balance(layout.balance_group, layout.dp_size * layout.esp_size)
-    experts = [p for _, p in expert_parameters(model)]
-    for p in experts:  # every shard steps, even one without rows (Hecate §4.3): equal step counts
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        layer.update_balance(layer_groups(layer, layout)[1])
+    for _, p in expert_parameters(model):  # every shard steps, even one without rows (Hecate §4.3)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if layout.world_size == 1:
         return
     if dense:
-        _all_reduce_mean([p for _, p in dense_parameters(model)], None, layout.world_size)
-    if layout.dp_size > 1:
-        _all_reduce_mean(experts, layout.expert_dp_group, layout.world_size)
-    else:
-        for p in experts:
-            if p.grad is not None:
+        plain = [p for _, p in dense_parameters(model) if not isinstance(p, DTensor)]
+        _all_reduce_mean(plain, None, layout.world_size)
+    by_group: dict[int, tuple] = {}
+    for layer in layers:
+        replicas = layer_groups(layer, layout)[0]
+        plain = [p for p in layer.experts.parameters() if not isinstance(p, DTensor)]
+        by_group.setdefault(id(replicas), (replicas, []))[1].extend(plain)
+    for replicas, params in by_group.values():
+        if replicas is not None:
+            _all_reduce_mean(params, replicas, layout.world_size)
+        else:
+            for p in params:
                 p.grad.div_(layout.world_size)
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """Gradient accumulation under FSDP2: `False` before the micro-steps whose gradients stay
+    unsharded and local (no reduce-scatter), `True` before the last one (its backward reduces the
+    sum). Replicated parameters need nothing: `all_reduce_gradients` runs once, after the last."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(sync, recurse=False)
 
 
 def fssdp_layers(model: nn.Module) -> list:

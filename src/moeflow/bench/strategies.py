@@ -21,6 +21,7 @@ from moeflow.bench.interleave import balanced_order
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.heap import HeapTrim
 from moeflow.core.hooks import MoEHook
+from moeflow.core.parallel import ParallelLayout
 from moeflow.core.placement import Placement
 from moeflow.layer import MoELayer
 from moeflow.model_step import maybe_reshard
@@ -111,11 +112,18 @@ class StrategyBenchConfig:
     warmup: int = 3
     iterations: int = 8
     seed: int = 0
+    ep_size: int | None = None
+    """Ranks that split the experts (None: all). Below the world size the layers run on the device
+    mesh dp × ep (`core.parallel.ParallelLayout`, docs/parallel.md): every dp replica of an EP group
+    routes its own tokens and plans with the others on their mean flow; the timed iteration is the
+    layers' forward + backward (the replicas' gradient all-reduce is the optimizer step's)."""
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_rank", "d_model", "d_hidden", "experts_per_rank", "top_k", "iterations", "blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.ep_size is not None and self.ep_size <= 0:
+            raise ValueError(f"ep_size={self.ep_size} must be positive")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be >= 0")
         if self.drift_period < 0:
@@ -205,12 +213,19 @@ def _sum_over_ranks(value: float) -> float:
 
 
 def _model(
-    cfg: StrategyBenchConfig, variant: Variant, probs_BWE: torch.Tensor, cost_model, timer, even: bool = False
+    cfg: StrategyBenchConfig,
+    layout: ParallelLayout,
+    variant: Variant,
+    probs_BWE: torch.Tensor,
+    cost_model,
+    timer,
+    even: bool = False,
 ) -> BenchBlocks:
-    """The variant's blocks on the live group, with the benchmark's seeded weights and sampled routing
-    (`even`: perfectly even routing instead; the timer on block 0's layer, sync schedules only)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    num_experts = cfg.experts_per_rank * world
+    """The variant's blocks on the layout's EP groups, with the benchmark's seeded weights and
+    sampled routing (`even`: perfectly even routing instead; the timer on block 0's layer, sync
+    schedules only). Each rank draws from its EP rank's row; dp replicas draw other tokens."""
+    rank = layout.ep_rank
+    num_experts = cfg.experts_per_rank * layout.ep_size
     layers = []
     for b in range(cfg.blocks):
         torch.manual_seed(cfg.seed + b)
@@ -220,7 +235,9 @@ def _model(
             num_experts,
             top_k=cfg.top_k,
             expert=cfg.expert,
-            gate=SampledGate(cfg.d_model, num_experts, cfg.top_k, probs_BWE[b], cfg.seed + b, rank, even=even),
+            gate=SampledGate(
+                cfg.d_model, num_experts, cfg.top_k, probs_BWE[b], cfg.seed + b + 7919 * layout.dp_rank, rank, even=even
+            ),
             strategy=variant.strategy,
             strategy_options=dict(variant.options) or None,
             schedule=variant.schedule,
@@ -230,7 +247,7 @@ def _model(
             dispatch_dtype=variant.wire_dtype,
             hooks=[timer] if variant.schedule == "sync" and b == 0 else None,
         )
-        layers.append(layer.to_expert_parallel(dist.group.WORLD))
+        layers.append(layer.to_expert_parallel(layout.ep_group, layout.expert_dp_group, layout.balance_group))
     if variant.prefetch and not layers[0].planner.plans_ahead:
         raise ValueError(
             f"variant {str(variant)!r}: strategy {variant.strategy!r} does not plan ahead; nothing to prefetch"
@@ -365,16 +382,19 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model, progress: bool = Fa
     shows a progress bar per routing case (tqdm, on stderr)."""
     from tqdm import tqdm
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
+    layout = ParallelLayout(ep_size=cfg.ep_size)
+    ep = layout.ep_size
     rows = []
-    for routing_name, probs_IBWE in _routing_cases(cfg, world, cfg.experts_per_rank * world):
+    for routing_name, probs_IBWE in _routing_cases(cfg, ep, cfg.experts_per_rank * ep):
         runs = []
         for variant in cfg.variants:
             timer = PhaseTimer()
-            runs.append(_Run(variant, _model(cfg, variant, probs_IBWE[0], cost_model, timer), timer, cost_model))
+            model = _model(cfg, layout, variant, probs_IBWE[0], cost_model, timer)
+            runs.append(_Run(variant, model, timer, cost_model))
         if cfg.ceiling:  # interleaved with the others, so that it meets the same machine noise
             timer, ceiling = PhaseTimer(), Variant("ep", "sync")
-            model = _model(cfg, ceiling, probs_IBWE[0], cost_model, timer, even=True)
+            model = _model(cfg, layout, ceiling, probs_IBWE[0], cost_model, timer, even=True)
             runs.append(_Run(ceiling, model, timer, cost_model, even=True))
         # The input needs its gradient, as the first MoE layer's does in a model (embeddings and
         # attention before it): without one the first layer's backward skips half its exchanges.
@@ -391,7 +411,7 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model, progress: bool = Fa
         for it in iterations:
             for run in balanced_order(runs, it):
                 if probs_IBWE.shape[0] > 1:
-                    run.model.set_popularity(probs_IBWE[it], rank)
+                    run.model.set_popularity(probs_IBWE[it], layout.ep_rank)
                 dist.barrier()
                 start = time.perf_counter()
                 run.model(x).square().mean().backward()

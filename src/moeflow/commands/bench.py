@@ -8,6 +8,7 @@ testbed): one layer per (routing skew × strategy × schedule), identical weight
     moeflow bench --nproc 4 --cost-model results/profile.json --skews 0 1.2 \\
         --variants ep:sync shadow:sync ep:pairwise shadow:pairwise
     moeflow bench --nproc 4 --cost-model results/profile.json --suite --out suite.json
+    moeflow bench --nproc 4 --ep-size 2 --cost-model two_devices.json --variants ep:sync shadow:sync
 
 `--suite`: every strategy and schedule on the same workloads — Zipf s ∈ {0, 0.8, 1.2, 1.6, 2.0},
 the SmartMoE trace replayed iteration by iteration, a drifting load — with the force-balanced
@@ -78,6 +79,13 @@ def add_arguments(parser) -> None:
         "--ceiling", action="store_true", help="also time plain EP on perfectly even routing (force-balanced ceiling)"
     )
     parser.add_argument("--suite", action="store_true", help="every strategy x schedule on the suite's workloads")
+    parser.add_argument(
+        "--ep-size",
+        type=int,
+        default=None,
+        help="ranks that split the experts (default: all); fewer: data-parallel replicas on a dp x ep mesh "
+        "(docs/parallel.md), --experts and --cost-model per EP group",
+    )
     parser.add_argument("--iterations", type=int, default=6)
     parser.add_argument(
         "--warmup",
@@ -101,10 +109,11 @@ def _strategy_worker(cfg, cost_model_source):
     init_distributed("cpu")
     try:
         cost_model = CostModel.resolve(cost_model_source) if cost_model_source else None
-        if cost_model is not None and cost_model.topology.num_devices != dist.get_world_size():
+        ep = cfg.ep_size or dist.get_world_size()
+        if cost_model is not None and cost_model.topology.num_devices != ep:
             raise ValueError(
                 f"--cost-model {cost_model_source!r} describes {cost_model.topology.num_devices} devices, "
-                f"but {dist.get_world_size()} ranks run"
+                f"but the expert-parallel groups have {ep} ranks"
             )
         return run_strategy_bench(cfg, cost_model, progress=True)
     finally:
@@ -163,6 +172,7 @@ def _strategy_result(args, world: int, outer: bool) -> dict | None:
         schedule_options=None if args.group_size is None else {"group_size": args.group_size},
         iterations=args.iterations,
         warmup=args.warmup,
+        ep_size=args.ep_size,
     )
     if outer:
         rows = _strategy_worker(cfg, args.cost_model)

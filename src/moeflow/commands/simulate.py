@@ -2,7 +2,8 @@
 
 moeflow simulate --cluster trevor --trace zipf --iterations 1000 --d-model 1024
 moeflow simulate --cluster johnny --trace smartmoe --strategy ep,shadow --balance ta_moe --json
-moeflow simulate --cluster results/profile.json --trace runs/demo/routing.npz --option schedule.group_size=1
+moeflow simulate --cluster results/profile.json --trace runs/demo/routing.npz --schedule pairwise \
+    --option schedule.group_size=1
 moeflow simulate --cluster fsmoe_a --trace zipf --strategy ep --schedule sync --degrees 1,2,4,8,auto
 moeflow simulate --cluster johnny --trace smartmoe --trace-iterations 125: --progress
 moeflow simulate --trace smartmoe --sweep johnny,johnny@64,hecate_a,trevor --out results/sweep.json

@@ -221,6 +221,28 @@ class GroupedExperts(nn.Module):
                 bound = 1.0 / math.sqrt(param.shape[1])
                 nn.init.uniform_(param, -bound, bound)
 
+    def initial_expert(self, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """One expert's initial parameters at the FULL hidden size, drawn from `generator` (CPU,
+        fp32, in parameter order): the distribution of `reset_parameters` — weights uniform in
+        ±1/sqrt(fan_in), biases zero. A meta-device build draws each expert from a generator seeded
+        by its global id (`moeflow.training.init`), so that it is the same whichever rank holds it."""
+        full = {"w1": (self.d_model, self.full_hidden), "w3": (self.d_model, self.full_hidden)}
+        full |= {"w2": (self.full_hidden, self.d_model), "b1": (self.full_hidden,), "b2": (self.d_model,)}
+        out = {}
+        for name, _ in self.named_parameters():
+            shape = full[name]
+            if name.startswith("w"):
+                bound = 1.0 / math.sqrt(shape[0])
+                out[name] = torch.empty(shape).uniform_(-bound, bound, generator=generator)
+            else:
+                out[name] = torch.zeros(shape)
+        return out
+
+    @property
+    def full_hidden(self) -> int:
+        """The experts' hidden size before expert sharding (`core.expert_sharding`) sliced it."""
+        return self.d_hidden * self.esp_size
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The `[L, ...]` tensors by name; sparse collectives and sharding work on this dict."""
         return dict(self.named_parameters())

@@ -49,6 +49,9 @@ class MoEHook:
     once_per_block: bool = False
     """Under a schedule that exchanges in pieces, run `after_dispatch` at the first piece and
     `before_combine` at the last only (module docstring, "Pieces")."""
+    replayable: bool = True
+    """It may run twice for one forward: a block recomputed under full activation checkpointing
+    (`core.replay`) runs its hooks again. False for hooks that measure or send ahead per forward."""
 
     def wrap_copies(self, layer, gather: Callable) -> Callable:
         """The function that returns the held experts' weights (`gather(placement, held_J)`)."""

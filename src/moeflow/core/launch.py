@@ -39,12 +39,13 @@ def resolve_world_size(nproc: int | None) -> tuple[int, bool]:
 
 
 def init_distributed(
-    requested: str = "auto", deterministic: bool = False, timeout_s: float | None = None
+    requested: str = "auto", deterministic: bool = False, timeout_s: float | None = None, needs_group: bool = False
 ) -> torch.device:
     """Pick this rank's device and join the process group that torchrun / the elastic launcher
     described in the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT): nccl on CUDA,
-    gloo on CPU. One process without that environment runs without a process group. `timeout_s`:
-    how long a collective may wait before it fails (None: torch's default, 30 minutes)."""
+    gloo on CPU. One process without that environment runs without a process group, unless
+    `needs_group` (FSDP2 shards over a device mesh even of one rank: a group of one, in memory).
+    `timeout_s`: how long a collective may wait before it fails (None: torch's default, 30 minutes)."""
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={requested!r} must be 'auto', 'cpu' or 'cuda'")
     if requested == "cuda" and not torch.cuda.is_available():
@@ -61,9 +62,12 @@ def init_distributed(
     else:
         device = torch.device("cpu")
         torch.set_num_threads(cpu_threads_per_rank())
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if use_cuda else "gloo"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **_attempt_store(timeout))
+        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
+    elif needs_group and not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return device
 
 

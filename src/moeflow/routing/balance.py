@@ -105,6 +105,11 @@ class AuxFreeBalance(BalanceTerm):
         self.update_rate = finite_number("update_rate", update_rate, low=0.0)
         self.register_buffer("bias_E", torch.zeros(num_experts))
 
+    def reset_parameters(self) -> None:
+        """Initial state (also after a meta-device build: `moeflow.training.init`): no bias."""
+        with torch.no_grad():
+            self.bias_E.zero_()
+
     def selection_bias(self, rank: int | None = None) -> torch.Tensor:
         return self.bias_E
 

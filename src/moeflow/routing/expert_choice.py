@@ -31,7 +31,11 @@ class ExpertChoiceGate(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.capacity_factor = 1.0 if capacity_factor is None else float(capacity_factor)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initial values (also after a meta-device build: `moeflow.training.init`)."""
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.weight.shape[1]))
 
     def capacity(self, num_tokens: int) -> int:
         """C: tokens each expert takes from a batch of `num_tokens`."""

@@ -79,7 +79,11 @@ class TopKGate(TokenChoiceGate):
     def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = True) -> None:
         super().__init__(num_experts, top_k, normalize)
         self.weight = nn.Parameter(torch.empty(num_experts, d_model))
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initial values (also after a meta-device build: `moeflow.training.init`)."""
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.weight.shape[1]))
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         return x_TD.float() @ self.weight.float().t()
@@ -99,8 +103,14 @@ class NoisyTopKGate(TopKGate):
     training, `G = softmax(KeepTopK(H, k))` — i.e. the selected noisy probabilities renormalised."""
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, normalize: bool = True) -> None:
+        self.noise_weight = None
         super().__init__(d_model, num_experts, top_k, normalize=normalize)
         self.noise_weight = nn.Parameter(torch.zeros(num_experts, d_model))
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.noise_weight is not None:
+            nn.init.zeros_(self.noise_weight)
 
     def forward(
         self, x_TD: torch.Tensor, selection_bias_E: torch.Tensor | None = None, layout: RoutingLayout | None = None
@@ -178,11 +188,17 @@ class XMoEGate(TokenChoiceGate):
         options = options or XMoEOptions()
         super().__init__(num_experts, top_k, options.normalize)
         self.min_temperature, self.max_temperature = options.min_temperature, options.max_temperature
+        self.initial_temperature = options.temperature
         self.proj = nn.Parameter(torch.empty(options.proj_dim, d_model))
-        nn.init.normal_(self.proj, std=1.0 / math.sqrt(d_model))
         self.weight = nn.Parameter(torch.empty(num_experts, options.proj_dim))
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(options.proj_dim))
-        self.log_temperature = nn.Parameter(torch.tensor(math.log(options.temperature)))
+        self.log_temperature = nn.Parameter(torch.empty(()))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initial values (also after a meta-device build: `moeflow.training.init`)."""
+        nn.init.normal_(self.proj, std=1.0 / math.sqrt(self.proj.shape[1]))
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.weight.shape[1]))
+        nn.init.constant_(self.log_temperature, math.log(self.initial_temperature))
 
     @property
     def temperature(self) -> torch.Tensor:

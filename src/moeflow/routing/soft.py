@@ -44,7 +44,11 @@ class SoftGate(nn.Module):
         self.num_experts = num_experts
         self.slots_per_expert = (options or SoftOptions()).slots_per_expert
         self.weight = nn.Parameter(torch.empty(num_experts * self.slots_per_expert, d_model))
-        nn.init.normal_(self.weight, std=1.0 / math.sqrt(d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initial values (also after a meta-device build: `moeflow.training.init`)."""
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(self.weight.shape[1]))
 
     def forward(
         self, x_TD: torch.Tensor, selection_bias_E: torch.Tensor | None = None, layout: RoutingLayout | None = None

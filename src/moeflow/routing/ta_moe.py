@@ -136,6 +136,11 @@ class TAMoEBalance(BalanceTerm):
         # One row per rank, identical on every rank (updated from global counts): replicated state.
         self.register_buffer("bias_WE", torch.zeros(self.world_size, num_experts))
 
+    def reset_parameters(self) -> None:
+        """Initial state (also after a meta-device build: `moeflow.training.init`): no steering."""
+        with torch.no_grad():
+            self.bias_WE.zero_()
+
     def target(self, tokens_per_rank: int) -> np.ndarray:
         """ĉ `[W, E]` (assignments per token) for S = `tokens_per_rank`; cached."""
         if None in self._targets:

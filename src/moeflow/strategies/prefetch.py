@@ -277,6 +277,7 @@ class BlockPrefetch(MoEHook):
     once_per_block = True
     """Under a schedule that exchanges in pieces (`pairwise`), the marks sit at the first piece's
     arrival and the last piece's compute (`core.hooks`, "Pieces")."""
+    replayable = False  # its copies travel once per forward (full activation checkpointing: refused)
 
     def __init__(self, layers: Sequence) -> None:
         self.layers = list(layers)
@@ -418,7 +419,9 @@ class BlockPrefetch(MoEHook):
     def _calibrate(self) -> None:
         values = np.concatenate([self.measured, self.exposed_s[:, None], self.predicted_s[:, None]], axis=1)
         agreed = torch.from_numpy(values)
-        groups = {id(layer.group): layer.group for layer in self.layers if layer.group is not None}
+        # The expert-parallel groups, then their data-parallel replicas (which plan alike).
+        found = [layer.group for layer in self.layers] + [layer.replica_group for layer in self.layers]
+        groups = {id(group): group for group in found if group is not None}
         for group in groups.values():
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         m, exposed, predicted = agreed[:, :4].numpy(), agreed[:, 4].numpy(), agreed[:, 5].numpy()

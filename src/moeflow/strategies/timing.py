@@ -95,6 +95,8 @@ class LayerTimer(MoEHook):
     """Times a layer's forwards for its `observers` (module docstring); the layer puts it first
     among its hooks, so that its copies' span holds every wait for them."""
 
+    replayable = False  # a recomputed forward would be timed twice
+
     def __init__(self, observers: list) -> None:
         self.observers = observers
         self.forwards = 0
@@ -103,7 +105,7 @@ class LayerTimer(MoEHook):
 
     def before_moe_start(self, layer, x):
         if self._done and self.forwards % AGREE_EVERY == 0:
-            self._agree(layer.group, x.device)
+            self._agree([layer.group, layer.replica_group], x.device)
         self._current = _Forward(x.is_cuda)
         self.forwards += 1
 
@@ -122,11 +124,14 @@ class LayerTimer(MoEHook):
     def before_moe_end(self, layer, y):
         self._done.append(self._current)
 
-    def _agree(self, group, device: torch.device) -> None:
-        """The slowest rank's times of the forwards done (one all-reduce), to every observer."""
+    def _agree(self, groups: list, device: torch.device) -> None:
+        """The slowest rank's times of the forwards done (one all-reduce per group: the layer's
+        expert-parallel group, then its data-parallel replicas, which plan alike), to every observer."""
         done, self._done = self._done, []
         times_N3 = torch.tensor([[f.seconds(n) for n in ("copies", "compute", "block")] for f in done])
-        if group is not None:
+        for group in groups:
+            if group is None:
+                continue
             times_N3 = times_N3.to(device)  # nccl reduces device tensors
             dist.all_reduce(times_N3, op=dist.ReduceOp.MAX, group=group)
         samples = [Sample(*row) for row in times_N3.tolist()]

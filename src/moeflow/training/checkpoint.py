@@ -4,14 +4,21 @@
     path = latest_checkpoint(run / "checkpoints")         # None when there is no complete one
     extra = load_checkpoint(path, model, optimizer, extra_template)
 
-Keys. Dense tensors keep their parameter name (`model.blocks.0.attn.qkv.weight`); every rank
-offers the same key and DCP writes it once. Expert tensors are split per expert and keyed by the
-GLOBAL expert id (`model.blocks.0.ffn.experts.w1.e3`), so each rank saves and loads exactly the
-experts it owns — a checkpoint written by 4 processes loads into 2 (or 1) and vice versa. Expert
-tensors always have the FULL hidden size: under expert sharding (ESP) each member saves and loads its
-hidden slice as a chunk of it (`training.expert_keys`), so any `esp_size` resumes any other. AdamW
-state follows its parameter (`optim.<param name>.exp_avg[.e3]`): expert optimizer state lives,
-and is saved, only on the owner (its slice on each ESP member).
+State. The model's and the optimizer's state come from
+`torch.distributed.checkpoint.state_dict.get_state_dict` (parameter names as keys, FSDP2 shards as
+DTensors; for a run that has not stepped yet it creates AdamW's state the way torch does) and go
+back through `set_state_dict`, after DCP has loaded into them in place.
+
+Keys. Dense tensors keep their parameter name (`model.blocks.0.attn.qkv.weight`): replicated, every
+rank offers the same key and DCP writes it once; FSDP2-sharded (`parallel.dense="fsdp"`), each rank
+offers its shard of the DTensor and DCP writes the pieces — either way one full tensor, which loads
+into any other layout. Expert tensors are split per expert and keyed by the GLOBAL expert id
+(`model.blocks.0.ffn.experts.w1.e3`), so each rank saves and loads exactly the experts it holds (its
+FSDP2 shard's rows under `parallel.experts="fsdp"`) — a checkpoint written by 4 processes as dp 2 ×
+ep 2 loads into ep 4, dp 4 × ep 1, 2 processes or 1, and vice versa. Expert tensors always have the
+FULL hidden size: under expert sharding (ESP) each member saves and loads its hidden slice as a
+chunk of it (`training.expert_keys`), so any `esp_size` resumes any other. AdamW state follows its
+parameter (`optim.<param name>.exp_avg[.e3]`, `optim.<param name>.step`).
 
 Atomicity. A checkpoint is written into `step_N.tmp/`; after every rank has finished (dcp.save
 returns once the coordinator has written the metadata), rank 0 writes the `COMPLETE` marker and
@@ -34,6 +41,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from moeflow.training.expert_keys import expert_rows, split
 
@@ -45,47 +58,40 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    rows = expert_rows(model)
-    state: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        state.update(split(f"model.{name}", param.data, rows.get(name)))
-    for name, buf in model.named_buffers():
-        state[f"model.{name}"] = buf
-    return state
-
-
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's lazily built state so that DCP has tensors to load into.
-
-    Same approach as torch.distributed.checkpoint.state_dict: one step with zero gradients and
-    lr = 0 (AdamW's update and its decoupled decay are then exactly zero), state then overwritten.
-    """
-    if all(p in optimizer.state for g in optimizer.param_groups for p in g["params"]):
-        return
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-        for p in g["params"]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-
-
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    rows = expert_rows(model)
-    state: dict[str, Any] = {}
-    for name, param in model.named_parameters():
-        for key, value in optimizer.state.get(param, {}).items():
-            prefix = f"optim.{name}.{key}"
-            if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
-                state.update(split(prefix, value, rows.get(name)))
+def _flat(state: dict[str, Any], prefix: str, rows: dict, optim: dict | None = None) -> dict[str, Any]:
+    """DCP entries of a model state dict (or an optimizer's per-parameter `state`): expert tensors
+    split by global id, everything else as is. Views: loading into them writes into `state`."""
+    out: dict[str, Any] = {}
+    if optim is None:
+        for name, tensor in state.items():
+            out.update(split(f"{prefix}.{name}", tensor, rows.get(name)))
+        return out
+    for name, entries in optim.items():
+        for key, value in entries.items():
+            key_prefix = f"{prefix}.{name}.{key}"
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                out.update(split(key_prefix, value, rows.get(name)))
             else:
-                state[prefix] = value  # AdamW's scalar `step`: identical on every rank
-    return state
+                out[key_prefix] = value  # AdamW's `step`: identical on every rank
+    return out
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's DCP entries (`get_model_state_dict`, experts by global id)."""
+    return _flat(get_model_state_dict(model), "model", expert_rows(model))
+
+
+def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None, dict]:
+    """(model state dict, optimizer state dict or None, their DCP entries)."""
+    rows = expert_rows(model)
+    if optimizer is None:
+        msd, osd = get_model_state_dict(model), None
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+    flat = _flat(msd, "model", rows)
+    if osd is not None:
+        flat.update(_flat({}, "optim", rows, osd["state"]))
+    return msd, osd, flat
 
 
 def damage(path: Path) -> str | None:
@@ -169,7 +175,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
         tmp.mkdir(parents=True)
     _barrier()
-    state = {**model_state(model), **optimizer_state(model, optimizer), **extra}
+    state = {**_states(model, optimizer)[2], **extra}
     _dcp(dcp.save, state, tmp)
     if rank == 0:
         marker = tmp / MARKER
@@ -258,20 +264,19 @@ def load_checkpoint(
     why = damage(path)
     if why is not None:
         raise ValueError(f"checkpoint {str(path)!r} cannot be loaded: {why}")
-    state = model_state(model)
-    if optimizer is not None:
-        init_optimizer_state(optimizer)
-        state.update(optimizer_state(model, optimizer))
+    msd, osd, state = _states(model, optimizer)
     _check_shapes(path, state)
     keys = saved_keys(path)
     extra = {k: v for k, v in extra.items() if any(s == k or s.startswith(k + ".") for s in keys)}
     state.update(extra)
     _dcp(dcp.load, state, path)
-    if optimizer is not None:
-        # Non-tensor optimizer entries (none for AdamW today) come back by value, not in place.
-        for name, param in model.named_parameters():
-            for key in list(optimizer.state.get(param, {})):
-                value = state.get(f"optim.{name}.{key}")
-                if value is not None and not isinstance(optimizer.state[param][key], torch.Tensor):
-                    optimizer.state[param][key] = value
+    if osd is None:
+        set_model_state_dict(model, msd)
+    else:
+        # Non-tensor entries come back by value, not in place.
+        for name, entries in osd["state"].items():
+            for key, value in entries.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    entries[key] = state[f"optim.{name}.{key}"]
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
     return {k: state[k] for k in extra}

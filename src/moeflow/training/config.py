@@ -32,6 +32,8 @@ PRECISIONS = ("fp32", "bf16")
 NONFINITE_POLICIES = ("stop", "skip")
 GRAD_SYNC_MODES = ("after_backward", "ddp", "fsmoe")
 DEVICES = ("auto", "cpu", "cuda")
+PARALLEL_MODES = ("replicate", "fsdp")
+CHECKPOINTING = ("none", "selective", "full")
 
 
 def _positive(section: str, **values: float) -> None:
@@ -87,6 +89,7 @@ RENAMED_KEYS = {
     "moe.group_size": "moe.schedule_options.group_size",
     "moe.ta_moe_smoothing": "moe.balance_options.smoothing",
     "moe.ta_moe_steer_rate": "moe.balance_options.steer_rate",
+    "moe.esp_size": "parallel.esp_size",
 }
 
 
@@ -135,11 +138,6 @@ class MoEConfig:
     dispatch_dtype: str | None = None
     """Send dispatched rows and expert outputs in this precision (`bfloat16`, `float16`;
     `float8_e4m3fn` on nccl), restoring the compute dtype on arrival; None: the compute dtype."""
-    esp_size: int = 1
-    """Expert sharding (FSMoE §3, `moeflow.core.expert_sharding`): this many consecutive ranks hold the
-    same experts, each a slice `d_hidden / esp_size` of their hidden dimension; the experts are split
-    over `world / esp_size` EP ranks. Must divide `d_hidden` and the process count; `strategy="ep"` only.
-    Checkpoints keep full-size experts: a run resumes under any other `esp_size`."""
     cost_model: str | None = None
     """Topology preset name or profile JSON (`moeflow profile --out`) pricing the network and GEMMs; needed by
     `strategy="shadow"`, `gate="hierarchical"` and `balance="ta_moe"`. It describes the cluster of a run: used
@@ -168,25 +166,61 @@ class MoEConfig:
         check_balance_fits_gate(self.balance, self.gate)
         if self.dispatch_dtype is not None and self.dispatch_dtype not in WIRE_DTYPES:
             raise ValueError(f"moe.dispatch_dtype={self.dispatch_dtype!r}: expected one of {sorted(WIRE_DTYPES)}")
-        self._check_esp()
         if self.capacity_factor is not None and routing_kind(self.gate) == "soft":
             raise ValueError(f"moe.capacity_factor={self.capacity_factor} with moe.gate='soft': slots never drop")
-
-    def _check_esp(self) -> None:
-        """What expert sharding (FSMoE §3) needs of the model; the process count is checked by
-        `RunConfig.validate_world_size`."""
-        esp = self.esp_size
-        if isinstance(esp, bool) or not isinstance(esp, int) or esp < 1:
-            raise ValueError(f"moe.esp_size must be an integer >= 1, got {esp!r}")
-        if self.d_hidden % esp:
-            raise ValueError(f"moe.esp_size={esp} must divide moe.d_hidden={self.d_hidden}")
-        if esp > 1 and self.strategy != "ep":
-            # Other planners move or copy whole experts (core.expert_sharding.to_expert_sharding).
-            raise ValueError(f"moe.esp_size={esp} supports moe.strategy='ep' only, got moe.strategy={self.strategy!r}")
 
     def layer_options(self) -> dict[str, dict[str, Any]]:
         """`MoELayer`'s `*_options` keyword arguments."""
         return {f"{axis}_options": dict(getattr(self, f"{axis}_options")) for axis in AXES}
+
+
+def _int_at_least(where: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """How the ranks are laid out (`moeflow.core.parallel.ParallelLayout`, docs/parallel.md): one
+    device mesh dp × ep × esp = the process count."""
+
+    ep_size: int | None = None
+    """Ranks that split the experts of a layer (expert parallelism); none given: every process,
+    divided by `esp_size`. Smaller than that: the experts are replicated over the `world / (ep_size ·
+    esp_size)` data-parallel groups (`experts` says how they are stored)."""
+    esp_size: int = 1
+    """Expert sharding (FSMoE §3, `moeflow.core.expert_sharding`): this many consecutive ranks hold the
+    same experts, each a slice `d_hidden / esp_size` of their hidden dimension. Must divide `d_hidden`,
+    the process count and the processes per node; `moe.strategy="ep"` only. Checkpoints keep full-size
+    experts: a run resumes under any other `esp_size`."""
+    dense: str = "replicate"
+    """Dense parameters (attention, norms, embeddings, head): `replicate` on every rank, gradients
+    all-reduced; `fsdp`: FSDP2 `fully_shard` per block over all ranks (1/world of the parameters,
+    gradients and AdamW state per rank, gathered per block when used)."""
+    experts: str = "replicate"
+    """Expert parameters over the ranks holding the same experts (world / ep_size / esp_size of them):
+    `replicate` (gradients summed over them) or `fsdp` (sharded over them: FSDP2 on each MoE layer; with
+    `moe.strategy="fssdp"`, Hecate's one owner per expert over the whole dp × ep mesh)."""
+
+    def __post_init__(self) -> None:
+        if self.ep_size is not None:
+            _int_at_least("parallel.ep_size", self.ep_size)
+        _int_at_least("parallel.esp_size", self.esp_size)
+        _choice("parallel", "dense", self.dense, PARALLEL_MODES)
+        _choice("parallel", "experts", self.experts, PARALLEL_MODES)
+
+    def layout_sizes(self, world_size: int) -> tuple[int, int, int]:
+        """(dp, ep, esp) for `world_size` processes; raises naming the sizes when they do not fit."""
+        esp = self.esp_size
+        if world_size % esp:
+            raise ValueError(f"parallel.esp_size={esp} must divide the number of processes, {world_size}")
+        ep = self.ep_size if self.ep_size is not None else world_size // esp
+        if world_size % (ep * esp):
+            raise ValueError(
+                f"parallel.ep_size={ep} · parallel.esp_size={esp} = {ep * esp} does not divide the "
+                f"{world_size} processes"
+            )
+        return world_size // (ep * esp), ep, esp
 
 
 @dataclass
@@ -285,6 +319,15 @@ class TrainConfig:
     moe.cost_model); docs/training.md."""
     grad_bucket_mb: float = 25.0
     """Bucket size of grad_sync=ddp, in MB (PyTorch DDP's default)."""
+    micro_batch_size: int | None = None
+    """Gradient accumulation: sequences per rank per micro-step (forward + backward); the optimizer steps
+    once per `global_batch_size / world / micro_batch_size` micro-steps, on the gradient of the whole
+    batch. None: the whole local batch in one micro-step. Must divide the local batch. Balance state,
+    planners and statistics see each micro-step as a forward (docs/parallel.md)."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward instead of keeping them, per block: `none`; `selective`
+    (attention and the experts' FFN; the exchanged rows, routing and plan are kept); `full` (the whole
+    block; its MoE layers replay their routing and plan and exchange again). docs/parallel.md."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard scalars to DIR/tensorboard/ (needs `pip install
     'moeflow[tensorboard]'`; `training.tensorboard_log`)."""
@@ -317,6 +360,9 @@ class TrainConfig:
         if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb < 1e9:
             raise ValueError(f"train.grad_bucket_mb must be a finite number of MB > 0, got {mb!r}")
         _choice("train", "device", self.device, DEVICES)
+        if self.micro_batch_size is not None:
+            _int_at_least("train.micro_batch_size", self.micro_batch_size)
+        _choice("train", "activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
 
 
 @dataclass
@@ -325,35 +371,85 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def validate_world_size(self, world_size: int, node_size: int | None = None) -> None:
-        """Cross-field checks that depend on how many processes run: experts over the
-        `world_size / moe.esp_size` EP ranks, each ESP group of `moe.esp_size` ranks one EP rank.
-        `node_size`: processes per node when known (the launcher's `LOCAL_WORLD_SIZE`)."""
-        esp = self.moe.esp_size
-        if world_size % esp:
-            raise ValueError(f"moe.esp_size={esp} must divide the number of processes, {world_size}")
-        if node_size is not None and node_size % esp:
-            # An ESP group all-gathers and reduce-scatters every dispatched row: inside a node (FSMoE §3).
+    def __post_init__(self) -> None:
+        """Checks across tables that do not depend on the process count."""
+        esp = self.parallel.esp_size
+        if self.moe.d_hidden % esp:
+            raise ValueError(f"parallel.esp_size={esp} must divide moe.d_hidden={self.moe.d_hidden}")
+        if esp > 1 and self.moe.strategy != "ep":
+            # Other planners move or copy whole experts (core.expert_sharding.to_expert_sharding).
             raise ValueError(
-                f"moe.esp_size={esp} must divide the processes per node, {node_size}: an expert-sharding group "
+                f"parallel.esp_size={esp} supports moe.strategy='ep' only, got moe.strategy={self.moe.strategy!r}"
+            )
+        if self.parallel.experts == "fsdp" and self.moe.prefetch:
+            raise ValueError(
+                "moe.prefetch=true with parallel.experts='fsdp': the prefetch reads a layer's experts during the "
+                "block before, when FSDP holds only their shards; use parallel.experts='replicate'"
+            )
+        if self.train.activation_checkpointing == "full" and self.moe.prefetch:
+            raise ValueError(
+                "train.activation_checkpointing='full' with moe.prefetch=true: the prefetched copies travel once per "
+                "forward and a recomputed block would need them again; use 'selective'"
+            )
+        if self.parallel.dense == "fsdp" and self.train.grad_sync != "after_backward":
+            raise ValueError(
+                f"train.grad_sync={self.train.grad_sync!r} buckets replicated dense gradients; with "
+                f"parallel.dense='fsdp' FSDP reduce-scatters them itself: use 'after_backward'"
+            )
+
+    def owner_ranks(self, dp: int, ep: int) -> int:
+        """Ranks that split a layer's experts: the EP size, or under Hecate's FSSDP with
+        `parallel.experts="fsdp"` the whole dp × ep mesh (one owner per expert)."""
+        return dp * ep if self.parallel.experts == "fsdp" and self.moe.strategy == "fssdp" else ep
+
+    def validate_world_size(self, world_size: int, node_size: int | None = None) -> None:
+        """Cross-field checks that depend on how many processes run: the mesh dp × ep × esp, the
+        experts over the EP ranks, the batch over the ranks and micro-steps. `node_size`: processes
+        per node when known (the launcher's `LOCAL_WORLD_SIZE`)."""
+        dp, ep, esp = self.parallel.layout_sizes(world_size)
+        if node_size is not None and esp > node_size:
+            raise ValueError(
+                f"parallel.esp_size={esp} is larger than a node of {node_size} processes: an expert-sharding "
+                f"group all-gathers every dispatched row, so it stays inside a node"
+            )
+        if node_size is not None and node_size % esp:
+            raise ValueError(
+                f"parallel.esp_size={esp} must divide the processes per node, {node_size}: an expert-sharding group "
                 f"stays inside a node"
             )
-        ep_size = world_size // esp
-        if self.moe.num_experts % ep_size:
-            if esp == 1:
+        if self.parallel.experts == "fsdp" and dp == 1:
+            raise ValueError(
+                f"parallel.experts='fsdp' with {world_size} processes as ep {ep} × esp {esp}: no data-parallel "
+                f"replicas to shard the experts over (set parallel.ep_size below {world_size // esp}, or "
+                f"parallel.experts='replicate')"
+            )
+        owners = self.owner_ranks(dp, ep)
+        if self.moe.num_experts % owners:
+            if self.parallel.ep_size is None and esp == 1:
                 raise ValueError(
                     f"{world_size} processes cannot share moe.num_experts={self.moe.num_experts} experts "
                     f"evenly (expert parallelism needs world size dividing num_experts)"
                 )
-            raise ValueError(
-                f"{ep_size} expert-parallel ranks ({world_size} processes / moe.esp_size={esp}) cannot share "
-                f"moe.num_experts={self.moe.num_experts} experts evenly"
-            )
+            who = f"{owners} expert-parallel ranks ({world_size} processes as dp {dp} × ep {ep} × esp {esp})"
+            if owners != ep:
+                who = (
+                    f"{owners} owner ranks (moe.strategy='fssdp' with parallel.experts='fsdp': one owner per expert "
+                    f"over dp {dp} × ep {ep})"
+                )
+            raise ValueError(f"{who} cannot share moe.num_experts={self.moe.num_experts} experts evenly")
         if self.train.global_batch_size % world_size:
             raise ValueError(
                 f"train.global_batch_size={self.train.global_batch_size} is not divisible by the {world_size} processes"
+            )
+        local = self.train.global_batch_size // world_size
+        micro = self.train.micro_batch_size
+        if micro is not None and local % micro:
+            raise ValueError(
+                f"train.micro_batch_size={micro} does not divide the {local} sequences per process "
+                f"(train.global_batch_size={self.train.global_batch_size} / {world_size} processes)"
             )

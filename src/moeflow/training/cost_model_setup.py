@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from moeflow.perf.costmodel import CostModel
+from moeflow.profiling.profiler import topology_from_fits
 from moeflow.profiling.startup import startup_profile, write_json
 from moeflow.routing import BALANCES, GATES
 from moeflow.strategies import PLANNERS, SCHEDULES
@@ -70,7 +71,7 @@ def check_cost_model(cfg: RunConfig, world: int, out: Path, resume: bool) -> str
         return None
     relocate_measured(cfg, out)
     cost_model = CostModel.resolve(cfg.moe.cost_model)
-    ep_size = world // cfg.moe.esp_size
+    ep_size = planning_group_size(cfg, world)
     devices = cost_model.topology.num_devices
     if devices == ep_size:
         return None
@@ -105,6 +106,10 @@ def provide_cost_model(cfg: RunConfig, out: Path, device: Any, say: bool) -> Non
     if cfg.moe.cost_model is not None or not cost_model_users(cfg):
         return
     profile, report = startup_profile(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ep_size = planning_group_size(cfg, world)
+    if ep_size < world:
+        profile = expert_group_profile(profile, ep_size, cfg.parallel.layout_sizes(world)[2])
     path = out / MEASURED_FILE
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
@@ -115,3 +120,27 @@ def provide_cost_model(cfg: RunConfig, out: Path, device: Any, say: bool) -> Non
     if say:
         users = ", ".join(cost_model_users(cfg))
         print(f"{report}\n  used by {users} as {path} (--cost-model PRESET|FILE overrides)", flush=True)
+
+
+def planning_group_size(cfg: RunConfig, world: int) -> int:
+    """Ranks of the group the MoE layers dispatch and plan over: the expert-parallel group, or the
+    whole dp × ep mesh for Hecate's FSSDP with `parallel.experts="fsdp"` (one owner per expert over
+    it: docs/parallel.md)."""
+    dp, ep, _ = cfg.parallel.layout_sizes(world)
+    return cfg.owner_ranks(dp, ep)
+
+
+def expert_group_profile(profile: dict[str, Any], ep_size: int, esp_size: int) -> dict[str, Any]:
+    """The measured profile of every rank narrowed to the first group the MoE layers plan over
+    (`planning_group_size` ranks): ranks `0, esp, 2·esp, ...` in `ParallelLayout`'s order (every group
+    sits alike in the nodes), renumbered from 0, their links from the same fits."""
+    members = [r * esp_size for r in range(ep_size)]
+    nodes = [[members.index(r) for r in node if r in members] for node in profile["nodes"]]
+    nodes = [node for node in nodes if node]
+    return {
+        **profile,
+        "name": f"{profile['name']}-ep{ep_size}",
+        "world_size": ep_size,
+        "nodes": nodes,
+        "topology": topology_from_fits(nodes, profile["fits"]),
+    }

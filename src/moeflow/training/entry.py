@@ -39,13 +39,14 @@ def preflight(
     cfg: RunConfig, out: Path, resume: bool, world: int, in_process: bool, overwrite: bool = False
 ) -> Corpus | None:
     """Everything that can be checked before processes start, each input read once: the process
-    count against the experts and the batch, the cost model (a preset or a profile JSON, and the
-    cluster it describes against the run's: `cost_model_setup.check_cost_model`), the run folder (a
-    fresh run never replaces an earlier one unless `overwrite`), the checkpoint to resume from, the
-    data (loaded and split here, so that an empty folder or binary files fail now; kept when training
-    runs in this process, so the trainer reuses it). Names and options of the layer's components were
-    validated when the config was built (`MoEConfig`)."""
-    if cfg.moe.esp_size == 1 and cfg.moe.num_experts % world:  # esp_size > 1: validate_world_size says it
+    count against the mesh (`[parallel]`), the experts and the batch, the cost model (a preset or a
+    profile JSON, and the cluster it describes against the run's: `cost_model_setup.check_cost_model`),
+    the run folder (a fresh run never replaces an earlier one unless `overwrite`), the checkpoint to
+    resume from, the data (loaded and split here, so that an empty folder or binary files fail now;
+    kept when training runs in this process, so the trainer reuses it). Names and options of the
+    layer's components were validated when the config was built (`MoEConfig`)."""
+    default_layout = cfg.parallel.ep_size is None and cfg.parallel.esp_size == 1
+    if default_layout and cfg.moe.num_experts % world:  # other layouts: validate_world_size says it
         raise ValueError(
             f"--nproc {world}: moe.num_experts={cfg.moe.num_experts} experts cannot be split "
             f"evenly over {world} processes (use a divisor of {cfg.moe.num_experts})"
@@ -101,7 +102,12 @@ def worker(
     rank0 = int(os.environ.get("RANK", "0")) == 0
     stop = StopRequest(in_process, say=rank0).install()
     try:
-        device = init_distributed(cfg.train.device, cfg.train.deterministic, cfg.train.collective_timeout_s)
+        device = init_distributed(
+            cfg.train.device,
+            cfg.train.deterministic,
+            cfg.train.collective_timeout_s,
+            needs_group=cfg.parallel.dense == "fsdp",
+        )
         provide_cost_model(cfg, Path(out_dir), device, say=rank0)
         if corpus is None:  # a worker process: its own copy of the text, in the run's tokens
             tokenizer = load_tokenizer(cfg.data.tokenizer, out_dir)

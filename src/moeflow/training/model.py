@@ -1,16 +1,21 @@
 """MoE-GPT: a byte-level GPT decoder whose FFNs are `moeflow.MoELayer`s (all, or every n-th block).
 
-Single-device code; expert parallelism is applied afterwards, the torchtitan way:
+Single-device code; the parallel layout is applied afterwards, the torchtitan way, on the meta
+device so that no rank allocates what it does not keep (docs/parallel.md):
 
-    torch.manual_seed(seed)                    # the same seed on every rank: identical full model
-    model = MoEGPT(cfg.model, cfg.moe)
-    parallelize(model, layout)                 # each MoE layer keeps only this rank's experts
+    with torch.device("meta"):
+        model = MoEGPT(cfg.model, cfg.moe)
+    parallelize(model, layout)                 # EP (+ESP) experts, FSDP2 units: shapes only
+    model.to_empty(device=device)
+    init_weights(model, seed, model.init_module)   # moeflow.training.init: a function of the seed
     logits_BTV = model(x_BT)
     loss = F.cross_entropy(logits_BTV.flatten(0, 1), y_BT.flatten()) + model.aux_loss()
 
 Pre-norm blocks (LayerNorm → causal self-attention → residual, LayerNorm → FFN → residual), learned
 absolute position embeddings, untied output head. Dense parameters are replicated on every rank
-and averaged by `moeflow.model_step.all_reduce_gradients`; expert parameters live on their owner.
+and averaged by `moeflow.model_step.all_reduce_gradients`, or sharded by FSDP2 per block
+(`dense="fsdp"`); expert parameters live on their owner (and its data-parallel replicas, whole or
+FSDP-sharded). Activation checkpointing is a per-block mode (`set_recompute`).
 
 Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim, V vocabulary (256).
 """
@@ -22,9 +27,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.checkpoint import checkpoint
 
 from moeflow import MoELayer
 from moeflow.core.expert_sharding import to_expert_sharding
+from moeflow.core.parallel import ParallelLayout, expert_parameters
+from moeflow.core.replay import RECOMPUTE_MODES, Tape
 from moeflow.perf.costmodel import CostModel
 from moeflow.routing import routing_kind
 from moeflow.strategies.prefetch import BlockPrefetch
@@ -93,10 +102,26 @@ class Block(nn.Module):
             self.ffn: nn.Module = DenseFFN(cfg.d_model, cfg.d_ff)
         else:
             self.ffn = build_moe_layer(cfg.d_model, moe, cost_model)
+        self.recompute = "none"
+        """Activation checkpointing (`MoEGPT.set_recompute`)."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        x_BTD = x_BTD + self.attn(self.ln1(x_BTD))
+        if self.recompute == "full" and torch.is_grad_enabled():
+            # The whole block again in backward; its MoE layer replays its first pass's decisions.
+            return checkpoint(self._forward, x_BTD, use_reentrant=False, context_fn=lambda: Tape().contexts())
+        return self._forward(x_BTD)
+
+    def _forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            x_BTD = x_BTD + checkpoint(self._attend, x_BTD, use_reentrant=False)
+            if isinstance(self.ffn, DenseFFN):  # a dense block's FFN like an MoE layer's experts
+                return x_BTD + checkpoint(self.ffn, self.ln2(x_BTD), use_reentrant=False)
+            return x_BTD + self.ffn(self.ln2(x_BTD))
+        x_BTD = x_BTD + self._attend(x_BTD)
         return x_BTD + self.ffn(self.ln2(x_BTD))
+
+    def _attend(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.ln1(x_BTD))
 
 
 def is_moe_block(index: int, moe_every: int) -> bool:
@@ -136,12 +161,37 @@ class MoEGPT(nn.Module):
 
     def _init_dense(self) -> None:
         # GPT-2 initialisation for the dense parts (normal, std 0.02); MoELayer initialises its own.
-        inside_moe = {id(m) for _, layer in self.moe_layers() for m in layer.modules()}
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)) and id(module) not in inside_moe:
-                nn.init.normal_(module.weight, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+            if isinstance(module, (nn.Linear, nn.Embedding)) and self._dense(module):
+                self.init_module(module)
+
+    def _dense(self, module: nn.Module) -> bool:
+        inside_moe = {id(m) for _, layer in self.moe_layers() for m in layer.modules()}
+        return id(module) not in inside_moe
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise `module`'s own parameters and buffers in place as this model defines it:
+        GPT-2's normal(0, 0.02) for the dense linear and embedding layers (zero biases), each other
+        module's `reset_parameters()` (norms; routers and balance state inside the MoE layers).
+        `moeflow.training.init.init_weights` calls it after a meta-device build."""
+        if isinstance(module, (nn.Linear, nn.Embedding)) and self._dense(module):
+            nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            return
+        module.reset_parameters()
+
+    def set_recompute(self, mode: str) -> None:
+        """Activation checkpointing of every block (`train.activation_checkpointing`,
+        docs/parallel.md): `none`, `selective` (attention and the FFN / experts' FFN recomputed; the
+        exchanged rows, routing and plan kept) or `full` (the whole block recomputed; its MoE layer
+        replays its routing and plan and exchanges again — `core.replay`)."""
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"train.activation_checkpointing={mode!r} must be one of {', '.join(RECOMPUTE_MODES)}")
+        for block in self.blocks:
+            if isinstance(block.ffn, MoELayer):
+                block.ffn.set_recompute(mode)
+            block.recompute = mode
 
     def moe_layers(self) -> list[tuple[int, MoELayer]]:
         """(block index, layer) of every MoE layer, in depth order."""
@@ -162,16 +212,62 @@ class MoEGPT(nn.Module):
         return self.head(self.ln_f(x_BTD))
 
 
-def parallelize(model: MoEGPT, layout) -> MoEGPT:
-    """Apply expert parallelism in place: every MoE layer keeps this rank's experts, and with
-    `layout.esp_size > 1` (FSMoE §3) only this ESP member's hidden slice of them.
+def owners_over_mesh(model: MoEGPT, layout: ParallelLayout) -> bool:
+    """Hecate's FSSDP with `experts="fsdp"`: each expert has ONE owner over the whole dp × ep mesh
+    (its parameters and AdamW state, Hecate §3), materialized where the load needs it — the planner
+    re-shards owners, so FSDP2 cannot hold them (docs/parallel.md)."""
+    return layout.experts == "fsdp" and model.moe_layers()[0][1].planner.reshards_owners
 
-    The model must have been built with the same seed on every rank, so the kept slices are slices
-    of one and the same full model. Dense parameters stay replicated; their gradients are averaged
-    by `moeflow.model_step.all_reduce_gradients(model, layout)` after backward.
+
+def parallelize(model: MoEGPT, layout: ParallelLayout) -> MoEGPT:
+    """Apply the layout in place (on the meta device, or on a model built with the same seed on
+    every rank): every MoE layer keeps this rank's experts (with `layout.esp_size > 1`, FSMoE §3,
+    only this ESP member's hidden slice of them) and knows its data-parallel replicas; then the
+    FSDP2 units of `layout.dense` / `layout.experts` (`apply_fsdp`).
+
+    Gradients after backward: `moeflow.model_step.all_reduce_gradients(model, layout)`.
     """
-    layout.validate_experts(model.moe_layers()[0][1].num_experts)
+    flat = owners_over_mesh(model, layout)
+    group = layout.owner_group() if flat else layout.ep_group
+    owners = layout.dp_size * layout.ep_size if flat else None
+    layout.validate_experts(model.moe_layers()[0][1].num_experts, owners)
     for _, layer in model.moe_layers():
-        layer.to_expert_parallel(layout.ep_group)  # group None (one rank): keeps every expert
-        to_expert_sharding(layer, getattr(layout, "esp_group", None))  # FSMoE ESP: hidden slices
+        if flat:  # one owner per expert over dp × ep: no replicas (Hecate §3)
+            layer.to_expert_parallel(group)
+        else:
+            layer.to_expert_parallel(group, layout.expert_dp_group, layout.balance_group)
+        to_expert_sharding(layer, layout.esp_group)  # FSMoE ESP: hidden slices
+    apply_fsdp(model, layout, experts=layout.experts == "fsdp" and not flat)
     return model
+
+
+def apply_fsdp(model: MoEGPT, layout: ParallelLayout, experts: bool) -> None:
+    """FSDP2 units (`torch.distributed.fsdp.fully_shard`):
+
+    - `experts`: each MoE layer is a unit over `layout.expert_mesh` (the dp replicas of its EP
+      rank) holding its experts only — the layer reads them outside `GroupedExperts.forward`
+      (sparse collectives, copies), so it is the layer that FSDP gathers for its forward and
+      backward; its routers stay plain (replicated) parameters. Gradients are reduce-scattered as a
+      sum over the replicas divided by the world size (`set_gradient_divide_factor`): an expert's
+      gradient already sums its EP group's tokens.
+    - `layout.dense == "fsdp"`: each block, then the root (embeddings, final norm, head), over all
+      ranks (`layout.dense_mesh`); expert parameters not sharded by the layer's unit are left out
+      (`ignored_params`), kept whole and summed over their replicas as before, and so are scalar
+      parameters (FSDP2 shards none), replicated and all-reduced like `replicate`'s.
+    """
+    if experts:
+        # The layer's output is a reshaped view; FSDP2 warns for in-place ops on it, which Block never does.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoELayer\) returned a view tensor")
+        for _, layer in model.moe_layers():
+            routers = {p for n, p in layer.named_parameters() if not n.startswith("experts.")}
+            fully_shard(layer, mesh=layout.expert_mesh, ignored_params=routers)
+            layer.set_gradient_divide_factor(float(layout.world_size))
+            layer.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    if layout.dense == "fsdp":
+        # FSDP2 shards no scalar parameter (xmoe's temperature): those stay replicated.
+        ignored = {p for p in model.parameters() if p.dim() == 0}
+        if not experts:
+            ignored |= {p for _, p in expert_parameters(model)}
+        for block in model.blocks:
+            fully_shard(block, mesh=layout.dense_mesh, ignored_params=ignored)
+        fully_shard(model, mesh=layout.dense_mesh, ignored_params=ignored)

@@ -1,15 +1,18 @@
-"""One rank's training state: MoE-GPT with expert parallelism over all ranks, AdamW, warmup +
-cosine LR, sharded checkpoints, routing traces.
+"""One rank's training state: MoE-GPT on the `[parallel]` mesh, AdamW, warmup + cosine LR, sharded
+checkpoints, routing traces.
 
 Every rank is a data-parallel rank for the dense parameters (it trains on its own rows of the
-global batch) and owns num_experts / ep_size experts of every MoE layer: the layout is
-`ParallelLayout(ep_size=world / moe.esp_size, esp_size=moe.esp_size)`, so with expert sharding
-(FSMoE §3) each of the `esp_size` consecutive ranks of a group holds a hidden slice of the same
-experts, and with `esp_size` 1 it is plain EP over all ranks. Per step:
-forward → loss = CE + Σ aux → backward → all_reduce_gradients (also each layer's balance state) →
-clip (global norm over dense + sharded expert gradients) → AdamW → LR schedule step. Rank 0 writes
-the routing trace; every rank writes its shard of each checkpoint. The loop around it is
-`moeflow.training.loop`, the processes `moeflow.training.entry`.
+global batch) and holds num_experts / ep_size experts of every MoE layer: the layout is
+`ParallelLayout(ep_size, esp_size, dense, experts)` from `[parallel]` (docs/parallel.md) — with
+expert sharding (FSMoE §3) each of the `esp_size` consecutive ranks of a group holds a hidden slice
+of the same experts, with `ep_size` below world / esp_size the experts have data-parallel replicas
+(whole, or FSDP2-sharded over them), and dense parameters are replicated or FSDP2-sharded. The model
+is built on the meta device and each rank materializes only what it keeps (`training.init`). Per
+step, for each of its micro-steps (`train.micro_batch_size`): forward → loss = (CE + Σ aux) / n →
+backward; then all_reduce_gradients (also each layer's balance state) → clip (global norm over
+dense + sharded expert gradients) → AdamW → LR schedule step. Rank 0 writes the routing trace;
+every rank writes its shard of each checkpoint. The loop around it is `moeflow.training.loop`, the
+processes `moeflow.training.entry`.
 
 Shape suffixes: B batch rows on this rank, T sequence, V vocabulary, L MoE layers, W ranks, E experts.
 """
@@ -22,7 +25,6 @@ import math
 import os
 import pickle
 import random
-import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,13 +36,15 @@ import torch.nn.functional as F
 
 from moeflow.core.parallel import ParallelLayout
 from moeflow.core.resharding import reshard_experts
-from moeflow.model_step import all_reduce_gradients, fssdp_layers, maybe_reshard
+from moeflow.model_step import all_reduce_gradients, finish_prefetch, fssdp_layers, maybe_reshard, set_gradient_sync
 from moeflow.perf.costmodel import CostModel
 from moeflow.sim.traces import TraceRecorder
+from moeflow.strategies.planners.base import FunctionPlanner
 from moeflow.training import checkpoint, faults
 from moeflow.training.config import RunConfig
 from moeflow.training.config_files import config_to_dict
 from moeflow.training.data import BatchSampler, Corpus, load_corpus, validation_batches
+from moeflow.training.init import init_weights
 from moeflow.training.metrics import StepResult, placement_fields
 from moeflow.training.model import MoEGPT, parallelize
 from moeflow.training.optim import build_optimizer, clip_gradients, lr_factor
@@ -67,8 +71,9 @@ def _grad_buckets(model, layout, cfg, cost_model, world_size: int):
     return GradBuckets(model, layout, partition_buckets(params, list(partition.layer_elements[::-1])))
 
 
-# Model-defining config sections: a checkpoint only resumes into a run with the same values,
-# except the layout keys (checkpoints hold full experts by global id, `training.expert_keys`).
+# Model-defining config sections: a checkpoint only resumes into a run with the same values; the
+# `[parallel]` layout may change (checkpoints hold full experts by global id, `training.expert_keys`;
+# `moe.esp_size` is where checkpoints of earlier releases kept the ESP size).
 SHAPE_SECTIONS = ("model", "moe")
 LAYOUT_KEYS = {("moe", "esp_size")}
 
@@ -97,20 +102,35 @@ def _seed_rank(seed: int, rank: int, step: int) -> None:
     random.seed(mixed)
 
 
-def routing_meta(model: MoEGPT, world_size: int, tokens_per_rank: int) -> dict[str, Any]:
-    """The `meta` of a training run's routing trace (docs/traces.md)."""
+def routing_meta(model: MoEGPT, tokens_per_rank: int) -> dict[str, Any]:
+    """The `meta` of a training run's routing trace (docs/traces.md): `world_size` is the size of
+    the expert-parallel group whose flows it records (rank 0's)."""
     layers = model.moe_layers()
     first = layers[0][1]
     return {
         "num_experts": first.num_experts,
         "top_k": first.top_k,
-        "world_size": world_size,
+        "world_size": first.placement.world_size,
         "d_model": first.d_model,
         "d_hidden": first.d_hidden,
         "expert": first.experts.kind,
         "tokens_per_rank": tokens_per_rank,
         "layers": [i for i, _ in layers],
     }
+
+
+def build_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device, cost_model=None) -> MoEGPT:
+    """MoE-GPT on `layout`: built on the meta device, parallelized (EP, ESP, FSDP2 units), allocated
+    on `device` — only what this rank keeps — and initialised from `train.seed` by parameter name
+    and global expert id (`training.init`): the same function on every layout, one process included.
+    Activation checkpointing per `train.activation_checkpointing`."""
+    with torch.device("meta"):
+        model = MoEGPT(cfg.model, cfg.moe, cost_model)
+    parallelize(model, layout)
+    model.set_recompute(cfg.train.activation_checkpointing)
+    model.to_empty(device=device)
+    init_weights(model, cfg.train.seed, model.init_module)
+    return model
 
 
 class Trainer:
@@ -133,14 +153,18 @@ class Trainer:
 
         # warn_only: an op without a deterministic kernel warns instead of stopping the run.
         torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
-        torch.manual_seed(cfg.train.seed)  # identical full model on every rank before sharding
         cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None  # read once
-        model = MoEGPT(cfg.model, cfg.moe, cost_model)
-        esp_size = cfg.moe.esp_size
+        _, ep_size, esp_size = cfg.parallel.layout_sizes(self.world_size)
         self.layout = ParallelLayout(
-            ep_size=self.world_size // esp_size, esp_size=esp_size, node_size=node_size, d_hidden=cfg.moe.d_hidden
+            ep_size=ep_size,
+            esp_size=esp_size,
+            node_size=node_size,
+            d_hidden=cfg.moe.d_hidden,
+            dense=cfg.parallel.dense,
+            experts=cfg.parallel.experts,
+            device_type=self.device.type,
         )
-        self.model = parallelize(model, self.layout).to(self.device)
+        self.model = build_model(cfg, self.layout, self.device, cost_model)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.grad_buckets = _grad_buckets(self.model, self.layout, cfg, cost_model, self.world_size)
         self.grad_sync_wait_s = 0.0  # total time waiting for outstanding bucket all-reduces
@@ -167,8 +191,10 @@ class Trainer:
         # Flows are global (identical on every rank): rank 0 alone records them. With expert sharding
         # they are those of rank 0's EP group (ESP index 0: 1 / esp_size of the batch; docs/training.md).
         tokens_per_rank = self.sampler.local_batch_size * cfg.model.seq_len
+        local = self.sampler.local_batch_size
+        self.micro_steps = local // (cfg.train.micro_batch_size or local)
         self.trace = (
-            TraceRecorder(routing_meta(self.model, self.layout.ep_size, tokens_per_rank))
+            TraceRecorder(routing_meta(self.model, tokens_per_rank))
             if cfg.train.record_routing and self.rank == 0
             else None
         )
@@ -207,30 +233,12 @@ class Trainer:
         self.model.train()
         x_BT, y_BT = self.sampler.batch(step)
         lr = self.optimizer.param_groups[0]["lr"]
-        ce = self._ce(x_BT, y_BT)
-        if faults.before_step(step, self.rank):  # test-only fault injection (MOEFLOW_FAULT)
-            ce = ce * float("nan")
-        aux = self.model.aux_loss()
-        loss = ce + aux.to(ce.device)
-        # Every rank sees the same global values, so all ranks take the same branch (no hang).
-        g_ce, g_aux = self._mean_over_ranks([ce, aux])
-        stats = [layer.stats for _, layer in self.model.moe_layers()]
-        skipped = not (math.isfinite(g_ce) and math.isfinite(g_aux))
+        if self.micro_steps == 1:
+            ce, aux, stats, skipped = self._whole_batch(step, x_BT, y_BT)
+        else:
+            ce, aux, stats, skipped = self._micro_steps(step, x_BT, y_BT)
         grad_norm = float("nan")
-        if skipped and self.cfg.train.on_nonfinite == "stop":
-            raise FloatingPointError(
-                f"non-finite loss at step {step} (loss={g_ce}, aux_loss={g_aux}); set "
-                f"train.on_nonfinite=skip to skip such steps"
-            )
         if not skipped:
-            if self.grad_buckets is None:
-                loss.backward()
-                all_reduce_gradients(self.model, self.layout)
-            else:
-                self.grad_buckets.arm()
-                loss.backward()
-                self.grad_buckets.finish()
-                self.grad_sync_wait_s += self.grad_buckets.waited_s
             grad_norm = clip_gradients(self.model, self.layout, self.cfg.optim.grad_clip)
             # The norm is global (every rank the same value): all ranks skip or step together.
             skipped = not math.isfinite(grad_norm)
@@ -250,22 +258,100 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         self.step = step
+        return self._result(step, ce, aux, lr, grad_norm, skipped, stats)
+
+    def _check_loss(self, step: int, g_ce: float, g_aux: float) -> bool:
+        """Whether the step is skipped for a non-finite global loss (raises under `stop`). Every
+        rank sees the same global values, so all ranks take the same branch (no hang)."""
+        skipped = not (math.isfinite(g_ce) and math.isfinite(g_aux))
+        if skipped and self.cfg.train.on_nonfinite == "stop":
+            raise FloatingPointError(
+                f"non-finite loss at step {step} (loss={g_ce}, aux_loss={g_aux}); set "
+                f"train.on_nonfinite=skip to skip such steps"
+            )
+        return skipped
+
+    def _forward(self, step: int, x_BT: torch.Tensor, y_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ce = self._ce(x_BT, y_BT)
+        if faults.before_step(step, self.rank):  # test-only fault injection (MOEFLOW_FAULT)
+            ce = ce * float("nan")
+        return ce, self.model.aux_loss()
+
+    def _sync_gradients(self) -> None:
+        if self.grad_buckets is None:
+            all_reduce_gradients(self.model, self.layout)
+        else:
+            self.grad_buckets.finish()
+            self.grad_sync_wait_s += self.grad_buckets.waited_s
+
+    def _whole_batch(self, step: int, x_BT: torch.Tensor, y_BT: torch.Tensor):
+        """One forward and backward on the whole local batch (no accumulation)."""
+        ce, aux = self._forward(step, x_BT, y_BT)
+        g_ce, g_aux = self._mean_over_ranks([ce, aux])
+        stats = [[layer.stats for _, layer in self.model.moe_layers()]]
+        skipped = self._check_loss(step, g_ce, g_aux)
+        if not skipped:
+            if self.grad_buckets is not None:
+                self.grad_buckets.arm()
+            (ce + aux.to(ce.device)).backward()
+            self._sync_gradients()
+        return g_ce, g_aux, stats, skipped
+
+    def _micro_steps(self, step: int, x_BT: torch.Tensor, y_BT: torch.Tensor):
+        """Gradient accumulation (`train.micro_batch_size`): each micro-step's loss (CE + aux of its
+        own forward) scaled by 1/n, so the accumulated gradient is that of the mean over the local
+        batch; FSDP2 keeps gradients local until the last micro-step's backward, the replicated ones
+        are reduced once after it. Every micro-step runs its backward, also after a non-finite loss
+        (all ranks alike; the step is then skipped), so no gradient is left half-accumulated."""
+        n = self.micro_steps
+        ces, auxes, stats = [], [], []
+        for i, (x_bT, y_bT) in enumerate(zip(x_BT.chunk(n), y_BT.chunk(n))):
+            last = i == n - 1
+            set_gradient_sync(self.model, last)
+            if last and self.grad_buckets is not None:
+                self.grad_buckets.arm()
+            ce, aux = self._forward(step, x_bT, y_bT)
+            g_ce, g_aux = self._mean_over_ranks([ce, aux])
+            self._check_loss(step, g_ce, g_aux)  # raises under `stop`
+            ces.append(g_ce)
+            auxes.append(g_aux)
+            stats.append([layer.stats for _, layer in self.model.moe_layers()])
+            ((ce + aux.to(ce.device)) / n).backward()
+            if not last:
+                finish_prefetch(self.model)  # the copies' gradient sums land before the next forward
+        self._sync_gradients()
+        g_ce, g_aux = float(np.mean(ces)), float(np.mean(auxes))
+        return g_ce, g_aux, stats, not (math.isfinite(g_ce) and math.isfinite(g_aux))
+
+    def _result(self, step, loss, aux, lr, grad_norm, skipped, stats_ML) -> StepResult:
+        """The step's record: statistics of its micro-steps (M) summed (counts, drops, copies,
+        flows) or averaged (imbalance, load spread, cross-node share) per layer (L); what the
+        strategy did (per-rank loads, planner and schedule) from the last micro-step."""
+        per_layer = list(zip(*stats_ML))
+
+        def mean(f) -> list[float]:
+            return [float(np.mean([f(s) for s in layer])) for layer in per_layer]
+
         return StepResult(
             step=step,
-            loss=g_ce,
-            aux_loss=g_aux,
+            loss=loss,
+            aux_loss=aux,
             lr=lr,
             grad_norm=grad_norm,
             skipped=skipped,
-            counts_LE=[s.expert_counts.tolist() for s in stats],
-            imbalance_L=[s.load_imbalance for s in stats],
-            load_std_L=[s.load_std for s in stats],
-            dropped=sum(s.dropped for s in stats),
-            cross_node_share_L=[s.cross_node_share for s in stats],
-            extra_copies_L=[int(s.placement.materialized_EW().sum()) for s in stats],
-            redirected=sum(s.redirected for s in stats),
-            flow_LWE=np.stack([s.flow.numpy() for s in stats]) if self.trace is not None else None,
-            **placement_fields(stats),
+            counts_LE=[np.sum([s.expert_counts.numpy() for s in layer], axis=0).tolist() for layer in per_layer],
+            imbalance_L=mean(lambda s: s.load_imbalance),
+            load_std_L=mean(lambda s: s.load_std),
+            dropped=sum(s.dropped for layer in per_layer for s in layer),
+            cross_node_share_L=mean(lambda s: s.cross_node_share),
+            extra_copies_L=[sum(int(s.placement.materialized_EW().sum()) for s in layer) for layer in per_layer],
+            redirected=sum(s.redirected for layer in per_layer for s in layer),
+            flow_LWE=(
+                np.stack([np.sum([s.flow.numpy() for s in layer], axis=0) for layer in per_layer])
+                if self.trace is not None
+                else None
+            ),
+            **placement_fields(stats_ML[-1]),
         )
 
     @torch.no_grad()
@@ -299,19 +385,26 @@ class Trainer:
     def _planner_state(self) -> dict[str, bytes]:
         """Each MoE layer's planner, pickled: Pro-Prophet's, EPLB's and FSSDP's windows of past
         flows and the placement each planned ahead, `auto`'s calibration, what the prefetch measured.
-        Restored, the next steps are placed as the uninterrupted run would have placed them. (Plain
-        EP is a function: nothing to keep. Planners see global flows: the same on every rank.)"""
+        Restored, the next steps are placed as the uninterrupted run would have placed them. (A planner
+        wrapping a plain function keeps nothing. Planners see the flows of their EP group — averaged over
+        its data-parallel replicas —, the same on every rank.)"""
         state = {
             f"layer{i}": pickle.dumps(layer.planner)
             for i, layer in self.model.moe_layers()
-            if not isinstance(layer.planner, types.FunctionType)
+            if not isinstance(layer.planner, FunctionPlanner)
         }
         # Hecate's re-sharded owners: the restored planners planned ahead on them.
         state["fssdp_owners"] = pickle.dumps([layer.placement.owner_E for layer in fssdp_layers(self.model)])
+        state["group_size"] = pickle.dumps(self._planner_group_size())
         return state
 
+    def _planner_group_size(self) -> int:
+        """The size of the group the planners plan for (their flows are `[W, E]`)."""
+        return self.model.moe_layers()[0][1].placement.world_size
+
     def _load_planner_state(self, state: dict[str, bytes], saved_world_size: int) -> None:
-        if saved_world_size != self.world_size:
+        saved = pickle.loads(state["group_size"]) if "group_size" in state else saved_world_size
+        if saved != self._planner_group_size():
             return  # flows and placements of another group size: the planners start afresh
         for i, layer in self.model.moe_layers():
             if f"layer{i}" in state:

@@ -16,6 +16,8 @@ What else a planner can do is declared on its class and read as such (never prob
 - `reshards_owners`: it moves whole expert shards every `reshard_interval` optimizer steps (Hecate
   §4.3, Algorithm 2): `expert_load()`, `owners_changed(placement, cost_model)`.
 - `rematerializes`: copies are freed after their forward use and gathered again for backward.
+- `reads_flow`: its placement depends on the flow (off for plain EP): with data-parallel replicas of
+  the experts the layer then plans on the mean of the replicas' flows, so that they decide alike.
 
 `choice()` names the planner whose placement ran (a composite's, `auto`'s); None: the planner itself.
 
@@ -55,6 +57,7 @@ class Planner:
     plans_ahead: ClassVar[bool] = False
     observes_time: ClassVar[bool] = False
     reshards_owners: ClassVar[bool] = False
+    reads_flow: ClassVar[bool] = True
     rematerializes: bool = False
     reshard_interval: int = 0
     """Optimizer steps between re-shardings (`reshards_owners`; 0: never)."""

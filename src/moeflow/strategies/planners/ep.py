@@ -20,6 +20,7 @@ class EPPlanner(Planner):
     """`strategy="ep"` (`plan_ep`)."""
 
     name = "ep"
+    reads_flow = False
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model: object = None) -> Placement:
         return plan_ep(flow_WE, placement, cost_model)

@@ -20,16 +20,15 @@ Two defects of the public implementation are fixed, each with a test: the number
 experts ``s`` grows with every step (it is the length of the step list, not a counter that only
 accepted steps move), and the returned placement is the best prefix (not the last one tried).
 
-Generalisations, recorded: (1) with several experts per device, a device's heaviest expert not
-whose copies can still be extended is taken, and when the heaviest device has none the next
+Generalisations, recorded: (1) with several experts per device, the device's heaviest expert whose
+copies can still be extended (an *open* expert) is taken, and when the heaviest device has none the next
 heaviest is relieved instead ("if i in Used: break" becomes "no device can be relieved"); (2)
 n (`keep_out`, devices a selected expert is not sent to) counts among the devices that send the
 expert tokens — a device that sends it nothing never receives it (Fig. 6b), so n = 0 is "every
 sender"; (3) as for shadowing, a placement is taken only if predicted at least `min_gain` faster
-than plain EP (the cost model's error is of that order). Choosing the number of receivers per
-step by the cheapest predicted time instead of a fixed n was tried and dropped: myopic, it left
-partial replica sets that later steps could not fix (SmartMoE trace, `prophet_lpwnv`, layer 1,
-iterations 1-58 every 3rd: 4354 ms predicted in total vs 3836 ms with n = 0, shadowing 3840 ms).
+than plain EP (the cost model's error is of that order). The number of receivers per step is the
+fixed n, not the cheapest predicted one: a myopic choice leaves partial replica sets that later
+steps cannot fix.
 
 `ProphetPlanner` is the `strategy="prophet"` object: the placement of iteration j+1 is planned
 from a prediction of its flow — the last iteration's (`predictor="last"`) or the mean of the last
