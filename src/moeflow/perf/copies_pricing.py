@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeflow.core.placement import copies_by_tree, tree_flows, tree_stage_bytes
+from moeflow.core.placement import copies_by_tree, tree_edges, tree_flows, tree_stage_bytes
 
 
 class CopiesPricing:
@@ -74,7 +74,21 @@ class CopiesPricing:
             per_owner = np.bincount(owner[everywhere_E], minlength=W)
             t = float(self.everywhere_copies_time(param_bytes, per_owner, direction, False))
             holders = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
-        return t + float(self._stages_time(tree_stage_bytes(holders, owner, self.topology.node_of, param_bytes)))
+        return t + self._trees_time(param_bytes, holders, owner)
+
+    def _trees_time(self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray) -> float:
+        """`materialize_time` of one placement, from the trees' edges (no dense `[W, W]` flows)."""
+        topo = self.topology
+        _, src, dst, stage = tree_edges(holders_EW, owner_E, topo.node_of)
+        total = 0.0
+        for s in (0, 1):
+            m = stage == s
+            if m.any():
+                hops = topo.route_WWH[src[m], dst[m]].reshape(-1)  # link ids, padded with L
+                traffic_L = np.bincount(hops, minlength=len(topo.links) + 1)[:-1] * float(param_bytes)
+                latency = float(topo.path_latency_WW[src[m], dst[m]].max())
+                total += float(self.stage_time_from_traffic(traffic_L)) + latency
+        return total
 
     def everywhere_copies_time(
         self, param_bytes: float, per_owner_W: np.ndarray, direction: str, tree: bool

@@ -248,16 +248,23 @@ class PlacementPricer:
         slowest active route, the stages one after the other."""
         k, src, dst, stage = tree_edges(rows_KW, owner_K, node_of)
         step, sign = np.where(k < J, k, k - J), np.where(k < J, 1.0, -1.0)
-        total = np.zeros(J + 1)
+        L, N = self.L, self.N
+        if k.size == 0:
+            return np.zeros(J + 1)
+        # Both stages' link bytes and route-latency counts side by side: one running sum.
+        deltas = [np.zeros((J, L + N)), np.zeros((J, L + N))]
         for s in (0, 1):
             m = stage == s
-            if not m.any():
-                continue
-            d_traffic = self._on_links(J, step[m], src[m], dst[m], sign[m] * self.param_bytes)
-            traffic = _running(d_traffic, np.zeros(self.L), start)
-            active = _running(self._per_class(J, step[m], src[m], dst[m], sign[m]), np.zeros(self.N), start) > 0.5
+            if m.any():
+                deltas[s][:, :L] = self._on_links(J, step[m], src[m], dst[m], sign[m] * self.param_bytes)
+                deltas[s][:, L:] = self._per_class(J, step[m], src[m], dst[m], sign[m])
+        run = _running(np.concatenate(deltas, axis=1), np.zeros(2 * (L + N)), start)
+        total = np.zeros(J + 1)
+        for s in (0, 1):
+            part = run[:, s * (L + N) : (s + 1) * (L + N)]
+            active = part[:, L:] > 0.5
             latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
-            total += np.where(active.any(-1), self.cm.stage_time_from_traffic(traffic) + latency, 0.0)
+            total += np.where(active.any(-1), self.cm.stage_time_from_traffic(part[:, :L]) + latency, 0.0)
         return total
 
     def copies_of_prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray) -> np.ndarray:
