@@ -89,10 +89,10 @@ def bundles_of(placement: Placement) -> list[Bundle]:
     ]
 
 
-def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, backend: str, direct: bool = False):
-    """This rank's part of the placement's copies (module docstring). `direct`: every partial
-    bundle straight from its owner, one stage (the block-wise prefetch's asynchronous sends)."""
-    everywhere_tree = not direct and copies_by_tree(node_of, backend)
+def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, backend: str) -> _Transfers:
+    """This rank's part of the placement's copies (module docstring): the bundles it owns or holds,
+    their tree edges that involve it, and the bundles moved by a collective."""
+    everywhere_tree = copies_by_tree(node_of, backend)
     mine = [b for b in bundles_of(placement) if b.owner == me or me in b.holders]
     stages: list[list[tuple[int, int, int]]] = [[], []]
     collective = []
@@ -100,7 +100,7 @@ def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, bac
         if bundle.everywhere and not everywhere_tree:
             collective.append(i)
             continue
-        tree = copy_tree(bundle.owner, bundle.holders, None if direct else node_of)
+        tree = copy_tree(bundle.owner, bundle.holders, node_of)
         for stage, edges in zip(stages, tree):
             stage += [(i, src, dst) for src, dst in edges if me in (src, dst)]
     received, row_start = [], {}
