@@ -1,7 +1,7 @@
 """Prices of expert copies: the sparse collectives that materialize experts on extra holders and
-reduce their gradients back (FasterMoE §4.1 shadowing, Hecate §3's sparse all-gather,
-Pro-Prophet's Trans). A part of `CostModel` (its base class), kept apart because planners of three
-systems price placements with it.
+reduce their gradients back (FasterMoE §4.1 shadowing, Hecate §3's sparse all-gather along §4.1's
+topology-aware copy trees, Pro-Prophet's Trans). A part of `CostModel` (its base class), kept apart
+because planners of three systems price placements with it.
 
 It reads from the cost model: `topology`, `backend`, `link_time`, `_latency`, `collective_time` and
 `_copies_eta` (the calibration on the profile's `copies` fit, set in `CostModel.__post_init__`).
