@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import plain_ep_owners
 from moeflow.perf.costmodel import AlphaBeta, CostModel
+from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.perf.topology import Topology
 from moeflow.routing.topology_aware import TABLE1_EVEN, TABLE1_UNEVEN
 from moeflow.strategies.planners.prophet_model import prophet_layer_times
@@ -180,8 +182,15 @@ def test_materialize_traffic():
     owner = np.array([0, 1, 2, 3])
     holders = np.eye(4, dtype=bool)
     assert float(m.materialize_time(1e6, holders, owner)) == 0.0
-    holders[0, :] = True  # expert 0 copied from rank 0 to 1, 2, 3: node uplink carries 2 copies
-    assert float(m.materialize_time(1e6, holders, owner)) == pytest.approx(2e6 / 1e9)
+    holders[0, :] = True  # expert 0 copied from rank 0 to 1, 2, 3
+    # The tree: 0 -> 1 and 0 -> one relay on node 1 (the uplink carries one copy), then the relay
+    # -> its node-mate inside node 1; straight from the owner the uplink would carry two.
+    assert float(m.materialize_time(1e6, holders, owner)) == pytest.approx(1e6 / 1e9 + 1e6 / 1e10)
+    assert float(m.materialize_time(1e6, holders, owner, direct=True)) == pytest.approx(2e6 / 1e9)
+    holders[0, 1] = False  # node 1 only: one transfer in, then the fan-out
+    assert m.materialize_time(1e6, holders[None].repeat(3, 0), owner) == pytest.approx(
+        np.full(3, 1e6 / 1e9 + 1e6 / 1e10)
+    )
 
 
 def test_copies_of_shadowed_experts_by_hand():
@@ -242,3 +251,28 @@ def test_processor_sharing_on_a_shared_host():
     assert CostModel.from_dict(shared.to_dict()).host_cores == 2
     with pytest.raises(ValueError, match="host_cores=0"):
         CostModel(topo, 1.0, host_cores=0)
+
+
+@pytest.mark.parametrize("preset, backend", [("johnny", None), ("hecate_a", None), ("johnny", "gloo")])
+def test_placement_pricer_prices_copies_as_copies_time(preset, backend):
+    """The vectorised pricer's copies (trees per stage, deltas per step) equal `copies_time` of each
+    placement, as run and as the prefetch sends them, on nodes of 8 with NCCL and on gloo."""
+    rng = np.random.default_rng(0)
+    cm = CostModel.from_preset(preset)
+    cm.backend = backend or cm.backend
+    W = cm.topology.num_devices
+    owner = plain_ep_owners(2 * W, W)
+    shape = ExpertShape(256, 1024, "ffn")
+    pricer = PlacementPricer(rng.integers(0, 50, (W, 2 * W)), owner, cm, shape, cm.topology.node_of)
+    candidates = [np.eye(W, dtype=bool)[owner] | (rng.random((2 * W, W)) < p) for p in (0.0, 0.05, 0.2, 0.5)]
+    candidates[1][rng.integers(0, 2 * W, 3)] = True  # some held everywhere
+    terms = pricer.placements(candidates)
+    size = shape.param_bytes(cm.bytes_per_element)
+    for c, holders in enumerate(candidates):
+        for got, direction, tree in [
+            (terms.trans_s, "materialize", None),
+            (terms.agg_s, "reduce", None),
+            (terms.trans_prefetched_s, "materialize", False),
+            (terms.agg_prefetched_s, "reduce", False),
+        ]:
+            assert got[c] == pytest.approx(cm.copies_time(size, holders, owner, direction, tree), rel=1e-9, abs=1e-12)

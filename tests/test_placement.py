@@ -10,8 +10,17 @@ from hypothesis import strategies as st
 
 from moeflow.core.dispatch import assignment_destinations, inverse_permutation, source_major_to_expert_major
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement, broadcast_tree, copies_by_tree, dispatch_counts, plain_ep_owners
+from moeflow.core.placement import (
+    Placement,
+    broadcast_tree,
+    copies_by_tree,
+    copy_tree,
+    dispatch_counts,
+    plain_ep_owners,
+    tree_edges,
+)
 from moeflow.core.registry import LayerContext
+from moeflow.core.sparse_collectives import bundles_of
 from moeflow.strategies import PLANNERS
 
 
@@ -167,3 +176,54 @@ def test_dispatch_plan_and_loads_equal_the_loop_version_on_random_cases():
         send, computed = dispatch_loads(flow, placement, node_of)
         np.testing.assert_array_equal(send, plan.sum(1))
         np.testing.assert_array_equal(computed, plan.sum(0).T)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=9), st.data())
+def test_copy_tree_enters_each_node_once_and_reaches_exactly_the_holders(node_of, data):
+    W = len(node_of)
+    owner = data.draw(st.integers(0, W - 1))
+    holders = sorted(data.draw(st.sets(st.sampled_from([r for r in range(W) if r != owner]))))
+    first, second = copy_tree(owner, holders, node_of)
+    have = {owner}
+    for stage in (first, second):
+        assert all(src in have for src, _ in stage), "a relay forwards only what it already has"
+        have |= {dst for _, dst in stage}
+    assert have == {owner, *holders} and len(first) + len(second) == len(holders)
+    remote = [dst for _, dst in first if node_of[dst] != node_of[owner]]
+    assert sorted(node_of[d] for d in remote) == sorted({node_of[h] for h in holders} - {node_of[owner]})
+    assert all(node_of[src] == node_of[dst] for src, dst in second)
+    assert copy_tree(owner, holders, None) == [[(owner, h) for h in holders], []]
+    if len(holders) == W - 1:
+        assert copy_tree(owner, holders, node_of) == broadcast_tree(owner, node_of)
+
+
+def test_bundles_group_experts_by_owner_and_holders():
+    holders = np.zeros((6, 3), dtype=bool)
+    holders[[0, 1], 2] = True  # rank 0's two experts to rank 2: one bundle
+    holders[2, 1] = True  # the owner itself: no copy
+    holders[3, 0] = True
+    holders[4, :] = True
+    bundles = bundles_of(Placement.expert_parallel(6, 3).with_holders(holders))
+    assert [(b.owner, b.experts, b.holders, b.everywhere) for b in bundles] == [
+        (0, (0, 1), (2,), False),
+        (1, (3,), (0,), False),
+        (2, (4,), (0, 1), True),
+    ]
+
+
+def test_tree_edges_are_copy_tree_row_by_row():
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        W = int(rng.integers(2, 10))
+        node_of = list(rng.integers(0, 3, W)) if rng.random() < 0.8 else None
+        K = int(rng.integers(1, 6))
+        owner = rng.integers(0, W, K)
+        holders = rng.random((K, W)) < 0.5
+        k, src, dst, stage = tree_edges(holders, owner, node_of)
+        for r in range(K):
+            mine = [h for h in range(W) if holders[r, h] and h != owner[r]]
+            want = copy_tree(int(owner[r]), mine, node_of)
+            for s in (0, 1):
+                got = sorted(zip(src[(k == r) & (stage == s)].tolist(), dst[(k == r) & (stage == s)].tolist()))
+                assert got == sorted(want[s]), (r, s, node_of)

@@ -267,32 +267,97 @@ def copies_by_tree(node_of: Sequence[int] | None, backend: str) -> bool:
 
 
 def broadcast_tree(owner: int, node_of: Sequence[int]) -> list[list[tuple[int, int]]]:
-    """Routes of a two-level broadcast from `owner` to every rank: `[stage 1 edges, stage 2 edges]`,
-    each edge `(src, dst)`. A reduce to `owner` runs the same edges reversed, stages in reverse.
+    """Routes of a two-level broadcast from `owner` to every rank: `copy_tree` to all the others.
 
-    Stage 1: the owner sends to its node-mates and to one *leader* on every other node, so each
-    inter-node link carries the parameters once (FasterMoE Eq. 8's `2·r·size/W_net` assumes this;
-    a flat broadcast that sends from the root to every rank — gloo's — puts them on the inter-node
-    link once per remote rank). Stage 2: each leader forwards to its node-mates. The leader is the
-    remote rank with the owner's local index shifted by the owner's node: owners on different local
-    indices use different leaders, and two owners do not use one pair of ranks in opposite
-    directions (gloo serves a pair's two directions poorly: on the 2 × 2 testbed, four owners took
-    174 ms with rail-aligned leaders, 144 ms shifted; `benchmarks/shadow_copies.py`).
+    Each inter-node link carries the parameters once (FasterMoE Eq. 8's `2·r·size/W_net` assumes
+    this; a flat broadcast that sends from the root to every rank — gloo's — puts them on the
+    inter-node link once per remote rank)."""
+    return copy_tree(owner, [r for r in range(len(node_of)) if r != owner], node_of)
+
+
+def copy_tree(owner: int, holders: Sequence[int], node_of: Sequence[int] | None) -> list[list[tuple[int, int]]]:
+    """Routes that copy an expert from `owner` to `holders` (other ranks, ascending): `[stage 1
+    edges, stage 2 edges]`, each edge `(src, dst)` (Hecate §4.1's sparse all-gather as a
+    topology-aware tree). A reduction to `owner` runs the same edges reversed, stages in reverse:
+    holders sum into their node's relay, relays into the owner.
+
+    Stage 1: the owner sends to the holders on its own node and to one *relay* among the holders of
+    every other node, so each node is entered once whatever its number of holders. Stage 2: each
+    relay forwards to its node's other holders. Without a node layout (`node_of` None) every edge is
+    in stage 1: one message per holder, straight from the owner. The relay is the node's holder at
+    the owner's local index shifted by the owner's node (modulo the node's holders): with every rank
+    a holder (`broadcast_tree`) owners on different local indices use different relays, and two
+    owners do not use one pair of ranks in opposite directions (gloo serves a pair's two directions
+    poorly: on the 2 × 2 testbed, four owners took 174 ms with rail-aligned relays, 144 ms shifted;
+    `benchmarks/shadow_copies.py`).
     """
+    if node_of is None:
+        return [[(owner, int(h)) for h in holders], []]
     members: dict[int, list[int]] = {}
-    for rank, node in enumerate(node_of):
-        members.setdefault(int(node), []).append(rank)
+    for h in holders:
+        members.setdefault(int(node_of[h]), []).append(int(h))
     home = int(node_of[owner])
-    local_index = members[home].index(owner)
-    first = [(owner, r) for r in members[home] if r != owner]
+    local_index = [r for r in range(len(node_of)) if int(node_of[r]) == home].index(owner)
+    first = [(owner, r) for r in members.pop(home, [])]
     second = []
-    for node, ranks in members.items():
-        if node == home:
-            continue
-        leader = ranks[(local_index + home) % len(ranks)]
-        first.append((owner, leader))
-        second += [(leader, r) for r in ranks if r != leader]
+    for ranks in members.values():
+        relay = ranks[(local_index + home) % len(ranks)]
+        first.append((owner, relay))
+        second += [(relay, r) for r in ranks if r != relay]
     return [first, second]
+
+
+def tree_edges(
+    holders_KW: np.ndarray, owner_K: np.ndarray, node_of: Sequence[int] | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The edges of `copy_tree` for K holder sets at once, vectorised: `holders_KW[k]` (the owner's
+    column ignored) copied from `owner_K[k]` → int64 arrays `(k, src, dst, stage)`, stage 0 or 1.
+    The same edges as `copy_tree` row by row (tested), for pricing placements by the thousand."""
+    holders = np.asarray(holders_KW, dtype=bool)
+    owner = np.asarray(owner_K, dtype=np.int64)
+    K, W = holders.shape
+    extra = holders.copy()
+    extra[np.arange(K), owner] = False
+    k, w = np.nonzero(extra)
+    if node_of is None or k.size == 0:
+        return k, owner[k], w, np.zeros(k.size, dtype=np.int64)
+    node = np.asarray(node_of, dtype=np.int64)
+    by_node = np.lexsort((np.arange(W), node))
+    first_W = np.searchsorted(node[by_node], node)  # first position of each rank's node
+    local_W = np.empty(W, dtype=np.int64)
+    local_W[by_node] = np.arange(W) - first_W[by_node]  # index among its node's ranks
+    remote = node[w] != node[owner[k]]
+    rk, rw = k[remote], w[remote]
+    key = rk * (int(node.max()) + 1) + node[rw]
+    o = np.lexsort((rw, key))
+    rk, rw, key = rk[o], rw[o], key[o]
+    start = np.r_[True, key[1:] != key[:-1]] if key.size else np.zeros(0, dtype=bool)
+    group = np.cumsum(start) - 1
+    group_start = np.flatnonzero(start)
+    count = np.diff(np.r_[group_start, key.size])[group]
+    ow = owner[rk]
+    relay_pos = (local_W[ow] + node[ow]) % count
+    relay = rw[group_start[group] + relay_pos]
+    is_relay = np.arange(key.size) - group_start[group] == relay_pos
+    near = ~remote
+    return (
+        np.concatenate([k[near], rk[is_relay], rk[~is_relay]]),
+        np.concatenate([owner[k[near]], ow[is_relay], relay[~is_relay]]),
+        np.concatenate([w[near], rw[is_relay], rw[~is_relay]]),
+        np.concatenate([np.zeros(near.sum() + is_relay.sum(), dtype=np.int64), np.ones((~is_relay).sum(), np.int64)]),
+    )
+
+
+def tree_stage_bytes(holders_XEW: np.ndarray, owner_E: np.ndarray, node_of, param_bytes: float) -> np.ndarray:
+    """Bytes `[..., 2, W, W]` on each stage of the copy trees of placements `holders_XEW[..., E, W]`
+    (one owner map): every edge of `tree_edges` carries one expert's `param_bytes`."""
+    holders = np.asarray(holders_XEW, dtype=bool)
+    lead, (E, W) = holders.shape[:-2], holders.shape[-2:]
+    R = int(np.prod(lead, dtype=np.int64))
+    k, src, dst, stage = tree_edges(holders.reshape(R * E, W), np.tile(np.asarray(owner_E), R), node_of)
+    index = (((k // E) * 2 + stage) * W + src) * W + dst
+    out = np.bincount(index, minlength=R * 2 * W * W).astype(np.float64) * param_bytes
+    return out.reshape(*lead, 2, W, W)
 
 
 def tree_flows(node_of: Sequence[int], bytes_per_owner_W: np.ndarray) -> list[np.ndarray]:

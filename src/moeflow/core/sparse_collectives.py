@@ -1,13 +1,21 @@
-"""Sparse collectives over a `Placement` (Hecate §3 spAG/spRS; Pro-Prophet §IV-A Trans/Agg).
+"""Sparse collectives over a `Placement` (Hecate §3 spAG/spRS, §4.1; Pro-Prophet §IV-A Trans/Agg).
 
 `materialize` copies each expert's parameters from its owner to the other holders; its backward is
-`reduce_to_owner`: every holder's gradient for a copy is sent back and summed into the owner's
-parameter gradient. Only parameters and gradients move — the optimizer state stays with the owner
-(FasterMoE §4.1, Pro-Prophet §IV-A). Implemented as batched point-to-point (`batch_isend_irecv`),
-one flat message per (expert, holder), so arbitrary subsets work without building subgroups. Experts
-held by every rank (FasterMoE shadowing) move as one message per owner: through one broadcast / reduce
-per owner (a pipelined ring with NCCL), or, with gloo across nodes, through the two-level tree of
-`placement.broadcast_tree` (each inter-node link carries them once; all owners at the same time).
+`reduce_to_owner`: every holder's gradient for a copy is summed into the owner's parameter
+gradient. Only parameters and gradients move — the optimizer state stays with the owner (FasterMoE
+§4.1, Pro-Prophet §IV-A). One engine serves every copy of an expert: shadowing, Pro-Prophet,
+FSSDP's spAG/spRS and EPLB all build a `Placement`, and this module moves it.
+
+Experts with the same owner and the same holders form one *bundle* and travel as one flat message.
+A bundle whose holders are every rank of the group moves by one broadcast / reduce (a pipelined
+ring with NCCL, FasterMoE Eq. 8); any other bundle, and on gloo across nodes (`copies_by_tree`)
+every bundle, moves along `placement.copy_tree`: one transfer into each destination node, then
+fanned out inside it by a relay; its reduction is the mirror image (the node's holders summed at the
+relay, one transfer out, summed at the owner). All trees of a layer go together, stage by stage:
+two rounds of batched point-to-point (`batch_isend_irecv`, which works for arbitrary subsets
+without subgroups), then the broadcasts / reduces. Sums run in a fixed order (a relay's own
+gradient, then its node-mates' by rank; at the owner the same over its node and the relays), so the
+result is deterministic. A relay forwards a bundle whole once it has arrived (no chunk pipeline).
 
 Shape suffixes: L experts owned by this rank, J experts held (computed) by this rank, P flattened
 parameters of one expert, M messages (copies received by this rank).
@@ -22,7 +30,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moeflow.core.placement import Placement, broadcast_tree, copies_by_tree
+from moeflow.core.placement import Placement, copies_by_tree, copy_tree
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """Experts with one owner and one set of holders, moved as one message."""
+
+    owner: int
+    experts: tuple[int, ...]
+    """Global expert ids, ascending."""
+    holders: tuple[int, ...]
+    """Non-owner holders, ascending."""
+    everywhere: bool
+    """The holders are every rank but the owner."""
 
 
 @dataclass
@@ -31,60 +52,70 @@ class _Transfers:
 
     me: int
     """This rank's index in the group."""
-    sends: list[tuple[int, int]]
-    """(expert, holder) pairs this rank sends point-to-point, as owner of a partial replica set."""
-    recvs: list[tuple[int, int]]
-    """(expert, owner) pairs this rank receives point-to-point."""
-    everywhere: dict[int, list[int]]
-    """owner -> its experts held by *every* rank (FasterMoE shadowing), moved as one message."""
-    tree: list[list[tuple[int, int, int]]] | None
-    """Stages of (owner, src, dst) edges that involve this rank (`placement.broadcast_tree`, see
-    `copies_by_tree`); None: one broadcast / reduce per owner over the whole group."""
+    bundles: list[Bundle]
+    """The bundles this rank owns or holds (in the order every rank enumerates them)."""
+    stages: list[list[tuple[int, int, int]]]
+    """The two stages of (bundle index, src, dst) tree edges that involve this rank (`copy_tree`;
+    either may be empty)."""
+    collective: list[int]
+    """Bundles moved by one broadcast / reduce over the group (held everywhere, no tree)."""
     received: list[int]
     """Experts whose copies arrive here, in the row order of the received buffer."""
+    row_start: dict[int, int]
+    """Bundle index -> its first row in the received buffer (bundles this rank holds, not owns)."""
 
-    def rows(self, owner: int) -> slice:
-        """Rows of the received buffer that hold `owner`'s everywhere-experts (owner != this rank)."""
-        start = len(self.recvs)
-        for o, experts in self.everywhere.items():
-            if o == owner:
-                return slice(start, start + len(experts))
-            start += len(experts) if o != self.me else 0
-        raise KeyError(owner)
+    def rows(self, b: int) -> slice:
+        """Rows of the received buffer that hold bundle `b`'s experts (a bundle this rank holds)."""
+        start = self.row_start[b]
+        return slice(start, start + len(self.bundles[b].experts))
+
+    @property
+    def owned(self) -> list[int]:
+        """Bundles this rank owns (it sends them and sums their gradients)."""
+        return [b for b, bundle in enumerate(self.bundles) if bundle.owner == self.me]
+
+
+def bundles_of(placement: Placement) -> list[Bundle]:
+    """The placement's copies grouped by (owner, holders), in a fixed order: owner, then holders."""
+    extra_EW = placement.materialized_EW()
+    W = placement.world_size
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for e in np.flatnonzero(extra_EW.any(1)):
+        key = (int(placement.owner_E[e]), tuple(int(w) for w in np.flatnonzero(extra_EW[e])))
+        groups.setdefault(key, []).append(int(e))
+    return [
+        Bundle(owner, tuple(experts), holders, len(holders) == W - 1)
+        for (owner, holders), experts in sorted(groups.items())
+    ]
 
 
 def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, backend: str) -> _Transfers:
-    """Experts replicated on every rank go as one message per owner (FasterMoE Eq. 8: each link
-    carries the parameters once); partial replica sets (Pro-Prophet, Hecate) through batched
-    point-to-point, which works for arbitrary subsets without subgroups."""
-    extra_EW = placement.materialized_EW()
-    everywhere_E = placement.holders_EW.all(1) & extra_EW.any(1)
-    sends, recvs = [], []
-    for e, d in zip(*np.nonzero(extra_EW & ~everywhere_E[:, None])):
-        owner = int(placement.owner_E[e])
-        if owner == me:
-            sends.append((int(e), int(d)))
-        elif d == me:
-            recvs.append((int(e), owner))
-    everywhere: dict[int, list[int]] = {}
-    for e in np.flatnonzero(everywhere_E):
-        everywhere.setdefault(int(placement.owner_E[e]), []).append(int(e))
-    everywhere = dict(sorted(everywhere.items()))
-    tree = None
-    if copies_by_tree(node_of, backend) and everywhere:
-        tree = [[], []]
-        for owner in everywhere:
-            for stage, edges in zip(tree, broadcast_tree(owner, node_of)):
-                stage += [(owner, src, dst) for src, dst in edges if me in (src, dst)]
-    received = [e for e, _ in recvs] + [e for o, es in everywhere.items() if o != me for e in es]
-    return _Transfers(me, sends, recvs, everywhere, tree, received)
+    """This rank's part of the placement's copies (module docstring): the bundles it owns or holds,
+    their tree edges that involve it, and the bundles moved by a collective."""
+    everywhere_tree = copies_by_tree(node_of, backend)
+    mine = [b for b in bundles_of(placement) if b.owner == me or me in b.holders]
+    stages: list[list[tuple[int, int, int]]] = [[], []]
+    collective = []
+    for i, bundle in enumerate(mine):
+        if bundle.everywhere and not everywhere_tree:
+            collective.append(i)
+            continue
+        tree = copy_tree(bundle.owner, bundle.holders, node_of)
+        for stage, edges in zip(stages, tree):
+            stage += [(i, src, dst) for src, dst in edges if me in (src, dst)]
+    received, row_start = [], {}
+    for i, bundle in enumerate(mine):
+        if bundle.owner != me:
+            row_start[i] = len(received)
+            received += bundle.experts
+    return _Transfers(me, mine, stages, collective, received, row_start)
 
 
-def prefetch_transfers(placement: Placement, me: int) -> _Transfers:
+def prefetch_transfers(placement: Placement, me: int, node_of: Sequence[int] | None) -> _Transfers:
     """The copies of `placement` as `strategies.prefetch` launches them asynchronously: partial replica
-    sets point-to-point, experts held everywhere one broadcast / reduce per owner — never the
-    two-stage tree, whose second stage would have to wait for the first."""
-    return _transfers(placement, me, None, "nccl")
+    sets along their trees, experts held everywhere one asynchronous broadcast / reduce per bundle
+    (never through the trees, as on gloo across nodes in `materialize`)."""
+    return _transfers(placement, me, node_of, "nccl")
 
 
 def batched_p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]], group) -> None:
@@ -169,82 +200,64 @@ def _columns(widths: list[int]) -> list[slice]:
 
 
 class _Materialize(torch.autograd.Function):
-    """forward: owner → holders copies, returning the weights of the held experts; backward:
-    holders → owner gradient sums, written with the held experts' own gradients into one gradient
-    per parameter (no full-size zero gradient beside the owned experts', nothing flattened but the
-    experts that travel)."""
+    """forward: owner → holders copies along the trees, returning the weights of the held experts;
+    backward: holders → owner gradient sums along the same trees reversed, written with the held
+    experts' own gradients into one gradient per parameter (no full-size zero gradient beside the
+    owned experts', nothing flattened but the experts that travel)."""
 
     @staticmethod
     def forward(ctx, plan, group, layout, *local_params):
-        me, row_of = plan.me, layout.row_of
         ctx.plan, ctx.group, ctx.layout = plan, group, layout
         ctx.shapes = [p.shape for p in local_params]
-        sent_index = layout.sent_index
         flat_sent = layout.flat_sent(list(local_params))
         recv_MP = flat_sent.new_empty((len(plan.received), sum(layout.widths)))
-        batched_p2p(
-            [(peer, flat_sent[sent_index[row_of[e]]]) for e, peer in plan.sends],
-            [(peer, recv_MP[i]) for i, (_, peer) in enumerate(plan.recvs)],
-            group,
-        )
+        sent_index = layout.sent_index
 
-        def message(owner: int) -> torch.Tensor:
-            """`owner`'s everywhere-experts: the local rows on the owner, the received rows elsewhere."""
-            if owner == me:
-                return flat_sent[[sent_index[row_of[e]] for e in plan.everywhere[owner]]]
-            return recv_MP[plan.rows(owner)]
+        def message(b: int) -> torch.Tensor:
+            """Bundle b: the owner's rows on the owner, the received rows elsewhere."""
+            if plan.bundles[b].owner == plan.me:
+                return flat_sent[[sent_index[r] for r in layout.rows(plan.bundles[b].experts)]]
+            return recv_MP[plan.rows(b)]
 
-        if plan.tree is None:
-            for owner in plan.everywhere:
-                dist.broadcast(message(owner), src=dist.get_global_rank(group, owner), group=group)
-        else:
-            for stage in plan.tree:  # a leader forwards in stage 2 what it received in stage 1
-                batched_p2p(
-                    [(dst, message(owner)) for owner, src, dst in stage if src == me],
-                    [(src, recv_MP[plan.rows(owner)]) for owner, src, dst in stage if dst == me],
-                    group,
-                )
+        for stage in plan.stages:  # a relay forwards in stage 2 what it received in stage 1
+            batched_p2p(
+                [(dst, message(b)) for b, src, dst in stage if src == plan.me],
+                [(src, recv_MP[plan.rows(b)]) for b, src, dst in stage if dst == plan.me],
+                group,
+            )
+        for b in plan.collective:
+            dist.broadcast(message(b), src=dist.get_global_rank(group, plan.bundles[b].owner), group=group)
         return held_from_flat(layout, list(local_params), recv_MP)
 
     @staticmethod
     def backward(ctx, *grad_held):
-        plan, group, layout, me = ctx.plan, ctx.group, ctx.layout, ctx.plan.me
+        plan, group, layout = ctx.plan, ctx.group, ctx.layout
         grads, grad_MP = split_held_gradients(layout, ctx.shapes, grad_held)
-        width = grad_MP.shape[1]
-
-        def add_rows(rows: list[int], flat: torch.Tensor) -> None:
-            add_flat_rows(grads, layout, rows, flat)
-
-        # reduce_to_owner: every holder's gradient for a copy is summed into the owner's row.
-        incoming = grad_MP.new_empty((len(plan.sends), width))
-        batched_p2p(
-            [(peer, grad_MP[i]) for i, (_, peer) in enumerate(plan.recvs)],
-            [(peer, incoming[i]) for i, (_, peer) in enumerate(plan.sends)],
-            group,
-        )
-        if plan.sends:
-            add_rows(layout.rows(e for e, _ in plan.sends), incoming)
-        # Per owner of everywhere-experts: this rank's partial sum of their gradients.
-        partial = {
-            owner: grad_MP.new_zeros((len(rows), width)) if owner == me else grad_MP[plan.rows(owner)].clone()
-            for owner, rows in plan.everywhere.items()
-        }
-        if plan.tree is None:
-            for owner in plan.everywhere:
-                dist.reduce(partial[owner], dst=dist.get_global_rank(group, owner), op=dist.ReduceOp.SUM, group=group)
-        else:
-            for stage in reversed(plan.tree):  # a leader sums its node-mates' before sending on
-                inbox = [(owner, dst, torch.empty_like(partial[owner])) for owner, src, dst in stage if src == me]
-                batched_p2p(
-                    [(src, partial[owner]) for owner, src, dst in stage if dst == me],
-                    [(dst, buf) for _, dst, buf in inbox],
-                    group,
-                )
-                for owner, _, buf in inbox:
-                    partial[owner] += buf
-        if me in plan.everywhere:
-            add_rows(layout.rows(plan.everywhere[me]), partial[me])
+        partial = reduce_partials(plan, grad_MP, group)
+        for b in plan.owned:
+            add_flat_rows(grads, layout, layout.rows(plan.bundles[b].experts), partial[b])
         return (None, None, None, *grads)
+
+
+def reduce_partials(plan: _Transfers, grad_MP: torch.Tensor, group) -> dict[int, torch.Tensor]:
+    """reduce_to_owner along the trees reversed, then one reduce per collective bundle: per bundle
+    this rank owns or relays, the sum of its holders' gradients (`[len(experts), P]`; the owner's
+    own gradient excluded). Sums in a fixed order: own rows, then each sender's in edge order."""
+    me = plan.me
+    partial = {
+        b: grad_MP.new_zeros((len(bundle.experts), grad_MP.shape[1])) if bundle.owner == me else grad_MP[plan.rows(b)]
+        for b, bundle in enumerate(plan.bundles)
+    }
+    for stage in reversed(plan.stages):  # a relay sums its node-mates' before sending on
+        inbox = [(b, dst, torch.empty_like(partial[b])) for b, src, dst in stage if src == me]
+        batched_p2p([(src, partial[b]) for b, src, dst in stage if dst == me], [(d, buf) for _, d, buf in inbox], group)
+        for b, _, buf in inbox:
+            partial[b] = partial[b] + buf
+    for b in plan.collective:
+        buf = partial[b].clone()
+        dist.reduce(buf, dst=dist.get_global_rank(group, plan.bundles[b].owner), op=dist.ReduceOp.SUM, group=group)
+        partial[b] = buf
+    return partial
 
 
 def materialize(
@@ -260,10 +273,11 @@ def materialize(
     others arrive from their owners, and their gradients flow back to the owners (reduce_to_owner)
     in backward.
 
-    `node_of` (node of every rank; None: one node) routes copies of experts held everywhere through
-    a two-level tree when the ranks span nodes on gloo (`placement.copies_by_tree`). Every rank of
-    the group must call this, in the same order and with the same `node_of`, whenever the placement
-    has any copy.
+    `node_of` (node of every rank; None: one node) shapes the trees (`placement.copy_tree`): one
+    transfer into each node that holds a copy; experts held everywhere go through the tree too when
+    the ranks span nodes on gloo (`placement.copies_by_tree`), else by broadcast / reduce. Every rank
+    of the group must call this, in the same order and with the same `node_of`, whenever the
+    placement has any copy.
     """
     names = list(weights)
     local = [weights[n] for n in names]
@@ -287,7 +301,7 @@ def flat_layout(
     for j, e in enumerate(held):
         if e in received:
             recv_pos[received[e]] = j
-    sent_rows = sorted({row_of[e] for e, _ in plan.sends} | {row_of[e] for e in plan.everywhere.get(plan.me, [])})
+    sent_rows = sorted({row_of[e] for b in plan.owned for e in plan.bundles[b].experts})
     return _Layout(
         owned_pos=torch.tensor(owned, dtype=torch.long, device=device),
         owned_rows=torch.tensor([row_of[held[j]] for j in owned], dtype=torch.long, device=device),

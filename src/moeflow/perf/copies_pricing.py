@@ -1,7 +1,7 @@
 """Prices of expert copies: the sparse collectives that materialize experts on extra holders and
-reduce their gradients back (FasterMoE §4.1 shadowing, Hecate §3's sparse all-gather,
-Pro-Prophet's Trans). A part of `CostModel` (its base class), kept apart because planners of three
-systems price placements with it.
+reduce their gradients back (FasterMoE §4.1 shadowing, Hecate §3's sparse all-gather along §4.1's
+topology-aware copy trees, Pro-Prophet's Trans). A part of `CostModel` (its base class), kept apart
+because planners of three systems price placements with it.
 
 It reads from the cost model: `topology`, `backend`, `link_time`, `_latency`, `collective_time` and
 `_copies_eta` (the calibration on the profile's `copies` fit, set in `CostModel.__post_init__`).
@@ -13,28 +13,32 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeflow.core.placement import copies_by_tree, tree_flows
+from moeflow.core.placement import copies_by_tree, tree_edges, tree_flows, tree_stage_bytes
 
 
 class CopiesPricing:
     """`materialize_time` and `copies_time` of `moeflow.perf.costmodel.CostModel`."""
 
-    def materialize_time(self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray) -> np.ndarray:
-        """Sparse all-gather (Hecate §3) / Trans (Pro-Prophet) / shadow broadcast (FasterMoE §4.1):
-        every non-owner holder of expert e receives ``param_bytes`` from its owner, all at once.
-        ``holders_EW`` bool ``[..., E, W]`` -> ``[...]`` seconds. The reduce back is the same traffic
-        reversed, priced by ``materialize_time`` on the transposed flow (symmetric links here)."""
-        holders = np.asarray(holders_EW, dtype=bool)
-        owner = np.asarray(owner_E, dtype=np.int64)
-        W = self.topology.num_devices
-        onehot_EW = np.zeros((owner.size, W))
-        onehot_EW[np.arange(owner.size), owner] = 1.0
-        extra = holders & ~onehot_EW.astype(bool)
-        if not extra.any():  # no partial replica set: nothing travels point-to-point
-            return np.zeros(extra.shape[:-2])
-        flow_WW = np.einsum("eo,...ej->...oj", onehot_EW, extra.astype(np.float64)) * param_bytes
-        t = self.link_time(flow_WW) + self._latency(flow_WW)
-        return np.where(extra.any(axis=(-2, -1)), t, 0.0)
+    def materialize_time(
+        self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray, direct: bool = False
+    ) -> np.ndarray:
+        """Sparse all-gather (Hecate §3, §4.1) / Trans (Pro-Prophet) of partial replica sets along the
+        copy trees as `core.sparse_collectives` builds them (`placement.copy_tree`): stage 1 from
+        every owner to its node-mates and one relay per other node, stage 2 from the relays inside
+        their nodes, every expert at once; each stage costs its busiest link plus its slowest route's
+        latency. ``direct``: every copy straight from its owner in one stage (the block-wise prefetch).
+        ``holders_EW`` bool ``[..., E, W]`` -> ``[...]`` seconds. The reduce back runs the same edges
+        reversed: the same time on symmetric links."""
+        node_of = None if direct else self.topology.node_of
+        return self._stages_time(tree_stage_bytes(holders_EW, owner_E, node_of, param_bytes))
+
+    def _stages_time(self, bytes_SWW: np.ndarray) -> np.ndarray:
+        """Stages run one after the other: each its `_tree_stage_time` plus latency, 0 if empty."""
+        total = np.zeros(bytes_SWW.shape[:-3])
+        for s in range(bytes_SWW.shape[-3]):
+            f = bytes_SWW[..., s, :, :]
+            total = total + np.where(f.any(axis=(-2, -1)), self._tree_stage_time(f) + self._latency(f), 0.0)
+        return total
 
     def copies_time(
         self,
@@ -45,18 +49,18 @@ class CopiesPricing:
         tree: bool | None = None,
     ) -> float:
         """The sparse collectives as ``moeflow.core.sparse_collectives`` runs them, one direction
-        (``"materialize"``: forward copies, ``"reduce"``: gradients back). Experts held by *every*
-        device move as one message per owner: one broadcast / reduce per owner (FasterMoE Eq. 8: a
-        pipelined ring carries the parameters once per link), or, where ``placement.copies_by_tree``
-        says so (gloo across nodes), the two stages of ``broadcast_tree`` for all owners at once
-        (the reduce runs the same links in reverse: equal time on symmetric links), with η when
-        the profile has a ``copies`` fit: the link model calibrated on every owner copying at once,
-        as the all-to-all's is on the uniform exchange (concurrent messages on a CPU backend reach
-        less than the links' rates), applied to the bytes that cross others going the other way
-        (`_tree_stage_time`). Partial replica sets go point-to-point
-        (``materialize_time``; the gradients retrace the same routes reversed). ``tree=False``: one
-        broadcast / reduce per owner whatever the backend (the block-wise prefetch of
-        ``strategies.prefetch`` launches them asynchronously: a two-stage tree would block in between)."""
+        (``"materialize"``: forward copies, ``"reduce"``: gradients back). Partial replica sets go
+        along the copy trees (`materialize_time`; the gradients retrace them reversed). Experts held
+        by *every* device: one broadcast / reduce per owner (FasterMoE Eq. 8: a pipelined ring carries
+        the parameters once per link), or, where ``placement.copies_by_tree`` says so (gloo across
+        nodes), through the same two stages as the partial sets' trees, all at once (the reduce runs
+        the same links in reverse: equal time on symmetric links), with η when the profile has a
+        ``copies`` fit: the link model calibrated on every owner copying at once, as the
+        all-to-all's is on the uniform exchange (concurrent messages on a CPU backend reach less
+        than the links' rates), applied to the bytes that cross others going the other way
+        (`_tree_stage_time`). ``tree=False``: as the block-wise prefetch of ``strategies.prefetch``
+        sends them — partial sets along their trees, experts held everywhere one broadcast / reduce
+        per owner whatever the backend (launched asynchronously beside the trees)."""
         if direction not in ("materialize", "reduce"):
             raise ValueError(f"direction={direction!r}: expected 'materialize' or 'reduce'")
         holders = np.asarray(holders_EW, dtype=bool)
@@ -64,11 +68,27 @@ class CopiesPricing:
         W = holders.shape[1]
         owner_onehot_EW = np.eye(W, dtype=bool)[owner]
         everywhere_E = holders.all(axis=1) & (holders & ~owner_onehot_EW).any(axis=1)
-        per_owner = np.bincount(owner[everywhere_E], minlength=W)
-        tree = copies_by_tree(self.topology.node_of, self.backend) if tree is None else tree
-        t = float(self.everywhere_copies_time(param_bytes, per_owner, direction, tree))
-        partial_EW = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
-        return float(t + self.materialize_time(param_bytes, partial_EW, owner))
+        together = copies_by_tree(self.topology.node_of, self.backend) if tree is None else tree
+        t = 0.0
+        if not together:
+            per_owner = np.bincount(owner[everywhere_E], minlength=W)
+            t = float(self.everywhere_copies_time(param_bytes, per_owner, direction, False))
+            holders = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
+        return t + self._trees_time(param_bytes, holders, owner)
+
+    def _trees_time(self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray) -> float:
+        """`materialize_time` of one placement, from the trees' edges (no dense `[W, W]` flows)."""
+        topo = self.topology
+        _, src, dst, stage = tree_edges(holders_EW, owner_E, topo.node_of)
+        total = 0.0
+        for s in (0, 1):
+            m = stage == s
+            if m.any():
+                hops = topo.route_WWH[src[m], dst[m]].reshape(-1)  # link ids, padded with L
+                traffic_L = np.bincount(hops, minlength=len(topo.links) + 1)[:-1] * float(param_bytes)
+                latency = float(topo.path_latency_WW[src[m], dst[m]].max())
+                total += float(self.stage_time_from_traffic(traffic_L)) + latency
+        return total
 
     def everywhere_copies_time(
         self, param_bytes: float, per_owner_W: np.ndarray, direction: str, tree: bool
@@ -93,14 +113,21 @@ class CopiesPricing:
         owners_Rn = np.bincount(index, minlength=R * (top + 1)).reshape(R, top + 1)  # owners per count
         return (owners_Rn[:, 1:] @ price_n[1:]).reshape(per_owner.shape[:-1])
 
-    def _tree_stage_time(self, bytes_WW: np.ndarray) -> float:
-        """One stage of the gloo tree: the link model with η on the bytes that cross bytes going the
-        other way on the same link. η is calibrated on every owner copying at once, where every
-        link carries as much each way; on the 2 × 1 testbed one expert crossing one way arrived at
-        about the wire's speed (24–26 ms for 21 ms at 800 Mbit/s) and one crossing another going the
-        other way at η's (42–43 ms, η = 1.96): the links are shaped per direction, the two
-        directions' transfers share the hosts' cores (docs/performance.md)."""
-        traffic_L = self.topology.link_traffic(bytes_WW)
+    def _tree_stage_time(self, bytes_WW: np.ndarray) -> np.ndarray:
+        """One stage of a tree (flows ``[..., W, W]`` -> ``[...]`` seconds): the link model with η on
+        the bytes that cross bytes going the other way on the same link. η is calibrated on every
+        owner copying at once, where every link carries as much each way; on the 2 × 1 testbed one
+        expert crossing one way arrived at about the wire's speed (24–26 ms for 21 ms at 800 Mbit/s)
+        and one crossing another going the other way at η's (42–43 ms, η = 1.96): the links are
+        shaped per direction, the two directions' transfers share the hosts' cores
+        (docs/performance.md). Without a ``copies`` fit η = 1: the plain link model."""
+        return self.stage_time_from_traffic(self.topology.link_traffic(bytes_WW))
+
+    def stage_time_from_traffic(self, traffic_L: np.ndarray) -> np.ndarray:
+        """`_tree_stage_time` of the bytes on every link ``[..., L]`` -> ``[...]`` seconds."""
+        traffic_L = np.asarray(traffic_L, dtype=np.float64)
+        if self._copies_eta == 1.0:
+            return (traffic_L * self._inv_bw_L).max(axis=-1, initial=0.0)
         reverse_L = self.topology.reverse_L
-        crossing_L = np.where(reverse_L >= 0, np.minimum(traffic_L, traffic_L[reverse_L]), 0.0)
-        return float(((traffic_L + (self._copies_eta - 1.0) * crossing_L) * self._inv_bw_L).max())
+        crossing_L = np.where(reverse_L >= 0, np.minimum(traffic_L, traffic_L[..., reverse_L]), 0.0)
+        return ((traffic_L + (self._copies_eta - 1.0) * crossing_L) * self._inv_bw_L).max(axis=-1, initial=0.0)

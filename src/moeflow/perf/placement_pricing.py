@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner
+from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner, tree_edges
 
 
 @dataclass
@@ -221,29 +221,51 @@ class PlacementPricer:
 
     def _copies(self, experts, owner_J, new_JW, prev_JW, start):
         """Copies out and back per candidate `[J + 1]` (and as the prefetch sends them), and their
-        number: experts held everywhere by owner, the rest point-to-point owner -> extra holder."""
-        W, L, N, J = self.W, self.L, self.N, experts.size
-        cm, topo = self.cm, self.topology
+        number: the copy trees of the partial sets (`core.placement.tree_edges`) and the experts held
+        everywhere by owner — broadcasts / reduces, or on gloo across nodes (`self.tree`) in the
+        same trees; the prefetch sends those by broadcast / reduce beside the partial sets' trees."""
+        J, W = experts.size, self.W
         own_JW = np.zeros((J, W), dtype=bool)
         own_JW[np.arange(J), owner_J] = True
         extra_new, extra_prev = new_JW & ~own_JW, prev_JW & ~own_JW
         every_new = new_JW.all(1) & extra_new.any(1)
         every_prev = prev_JW.all(1) & extra_prev.any(1)
-        every_trans, every_agg, every_pf = self._everywhere(owner_J, every_new.astype(np.int64) - every_prev, start)
+        every_trans, every_agg = self._everywhere(owner_J, every_new.astype(np.int64) - every_prev, start)
         copies = _running((extra_new.sum(1) - extra_prev.sum(1))[:, None], np.zeros(1, np.int64), start)[:, 0]
-        part = np.concatenate([extra_new & ~every_new[:, None], extra_prev & ~every_prev[:, None]])
-        pk, holder = np.nonzero(part)
-        p2p = np.zeros(J + 1)
-        if pk.size:
-            pstep, psign = np.where(pk < J, pk, pk - J), np.where(pk < J, 1.0, -1.0)
-            powner = owner_J[pstep]
-            traffic = _running(self._on_links(J, pstep, powner, holder, psign * self.param_bytes), np.zeros(L), start)
-            active = _running(self._per_class(J, pstep, powner, holder, psign), np.zeros(N), start) > 0.5
-            latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
-            p2p = np.where(active.any(-1), cm.link_time_from_traffic(traffic) + latency, 0.0)
-        trans, agg = every_trans + p2p, every_agg + p2p
-        trans_pf, agg_pf = (every_pf[0] + p2p, every_pf[1] + p2p) if self.tree else (trans, agg)
-        return trans, agg, trans_pf, agg_pf, copies
+        owner_K = np.concatenate([owner_J, owner_J])
+        every_K = np.concatenate([every_new, every_prev])
+        partial_KW = np.where(every_K[:, None], np.concatenate([own_JW, own_JW]), np.concatenate([new_JW, prev_JW]))
+        trees = self._stages(J, partial_KW, owner_K, self.topology.node_of, start)
+        trans, agg = every_trans + trees, every_agg + trees  # as the prefetch sends them
+        if self.tree:  # as `materialize` sends them: everything through the trees, at once
+            every = self._stages(J, np.concatenate([new_JW, prev_JW]), owner_K, self.topology.node_of, start)
+            return every, every, trans, agg, copies
+        return trans, agg, trans, agg, copies
+
+    def _stages(self, J: int, rows_KW: np.ndarray, owner_K: np.ndarray, node_of, start: np.ndarray) -> np.ndarray:
+        """The copy trees of the states `rows_KW` (J after the steps, then J before) priced per
+        candidate `[J + 1]`: per stage its busiest link (`CostModel.stage_time_from_traffic`) and
+        slowest active route, the stages one after the other."""
+        k, src, dst, stage = tree_edges(rows_KW, owner_K, node_of)
+        step, sign = np.where(k < J, k, k - J), np.where(k < J, 1.0, -1.0)
+        L, N = self.L, self.N
+        if k.size == 0:
+            return np.zeros(J + 1)
+        # Both stages' link bytes and route-latency counts side by side: one running sum.
+        deltas = [np.zeros((J, L + N)), np.zeros((J, L + N))]
+        for s in (0, 1):
+            m = stage == s
+            if m.any():
+                deltas[s][:, :L] = self._on_links(J, step[m], src[m], dst[m], sign[m] * self.param_bytes)
+                deltas[s][:, L:] = self._per_class(J, step[m], src[m], dst[m], sign[m])
+        run = _running(np.concatenate(deltas, axis=1), np.zeros(2 * (L + N)), start)
+        total = np.zeros(J + 1)
+        for s in (0, 1):
+            part = run[:, s * (L + N) : (s + 1) * (L + N)]
+            active = part[:, L:] > 0.5
+            latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
+            total += np.where(active.any(-1), self.cm.stage_time_from_traffic(part[:, :L]) + latency, 0.0)
+        return total
 
     def copies_of_prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray) -> np.ndarray:
         """Copies out and back `[J + 1]` of every prefix of the steps (as `prefixes` prices them, the
@@ -257,19 +279,11 @@ class PlacementPricer:
         return trans + agg
 
     def _everywhere(self, owner_J: np.ndarray, d_every_J: np.ndarray, start: np.ndarray):
-        """The broadcasts / reduces of the experts held everywhere, per candidate `[J + 1]` each way
-        (and as the prefetch sends them, where that differs). A step changes one owner's count by
-        one: one broadcast's price changes, `f(n + 1) − f(n)`; the two-stage tree is priced whole."""
+        """The broadcasts / reduces of the experts held everywhere, per candidate `[J + 1]` each way.
+        A step changes one owner's count by one: one broadcast's price changes, `f(n + 1) − f(n)`."""
         cm, W, J = self.cm, self.W, owner_J.size
-        if self.tree:
-            d_every = np.zeros((J, W), dtype=np.int64)
-            d_every[np.arange(J), owner_J] = d_every_J
-            every = _running(d_every, np.zeros(W, dtype=np.int64), start)
-            tree = [cm.everywhere_copies_time(self.param_bytes, every, d, True) for d in DIRECTIONS]
-            flat = [cm.everywhere_copies_time(self.param_bytes, every, d, False) for d in DIRECTIONS]
-            return tree[0], tree[1], flat
         if J == 0:
-            return np.zeros(1), np.zeros(1), None
+            return np.zeros(1), np.zeros(1)
         # Each owner's count before and after every step (running per owner within its candidate).
         candidate = np.cumsum(start)
         key = candidate * W + owner_J
@@ -286,7 +300,7 @@ class PlacementPricer:
             top = int(max(after.max(initial=0), before.max(initial=0)))
             price = np.array([cm.collective_time(kind, n * self.param_bytes) if n else 0.0 for n in range(top + 1)])
             out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
-        return out[0], out[1], None
+        return out[0], out[1]
 
     def _spread(self, flow_WK: np.ndarray, rows_KW: np.ndarray) -> _Spread | None:
         """The sources that spread over every holder of a state (their node holds none of them),

@@ -22,9 +22,10 @@ layer takes its prefetched copies through the hook's `wrap_copies`.
 Mechanism: `BlockPrefetch` is a `MoEHook` (FSMoE §3.1) on every MoE layer; at the layer's start,
 after its dispatch, before its combine and at its end it returns the tensor through `core.hooks.Mark`, an
 identity whose forward and backward run the actions of that point. Partial replica sets travel
-point-to-point (`batch_isend_irecv`, one tag per layer, direction and part), experts held everywhere
-as one asynchronous broadcast (forward) / reduce (backward) per owner — a pipelined ring on NCCL,
-not the two-stage tree of `placement.broadcast_tree`, whose second stage would wait on the first;
+along their copy trees (`placement.copy_tree`; `batch_isend_irecv`, one tag per layer, direction,
+part and stage; a part's second stage — relays forwarding, or summing before they send on — is
+posted when waiting on the part finds its first arrived), experts held everywhere as one
+asynchronous broadcast (forward) / reduce (backward) per owner — a pipelined ring on NCCL;
 the received parameters enter autograd through `_Prefetched`, whose backward hands the copies'
 gradients to Agg and returns the owned experts' own gradients; the owners add the received sums
 into `.grad` when Agg completes. Numbers equal those of the unscheduled layer (tested).
@@ -61,24 +62,31 @@ TAG_BASE = 1 << 27
 
 
 class _TwoParts:
-    """Messages split in two column parts, each posted once, asynchronously — point-to-point for
-    partial replica sets, one collective per owner for experts held everywhere (a pipelined ring
-    on NCCL, FasterMoE Eq. 8); waiting on a part posts it first if it was not (so a rank never
-    waits on what it has not sent). Every rank posts in the same order: owners ascending."""
+    """Messages split in two column parts, each posted once, asynchronously — point-to-point along
+    the copy trees for partial replica sets (two stages: a relay forwards, or sums, what the first
+    brought), one collective per owner for experts held everywhere (a pipelined ring on NCCL,
+    FasterMoE Eq. 8); waiting on a part posts it first if it was not (so a rank never waits on what
+    it has not sent), then runs its second stage. Every rank posts in the same order."""
+
+    STAGES = 2
 
     def __init__(self, group, tag: int, width: int, split: float) -> None:
         self.group, self.tag = group, tag
         self.cut = int(round(split * width))
         self.widths = (self.cut, width - self.cut)
         self.works: list[list | None] = [None, None]
+        self.stage = [0, 0]
         self.exposed_s = 0.0  # time the compute thread waited on these messages
 
     def columns(self, part: int) -> slice:
         return slice(0, self.cut) if part == 0 else slice(self.cut, None)
 
-    def messages(self, part: int) -> tuple[list, list]:
-        """(sends, recvs) of `part`: lists of (peer, tensor)."""
+    def messages(self, part: int, stage: int) -> tuple[list, list]:
+        """(sends, recvs) of `part` at `stage`: lists of (peer, tensor)."""
         raise NotImplementedError
+
+    def between(self, part: int) -> None:
+        """After the first stage of `part` arrived, before the second is posted."""
 
     def collectives(self, part: int) -> list:
         """Asynchronous collectives of `part`: callables that launch one and return its work."""
@@ -88,23 +96,31 @@ class _TwoParts:
         if self.works[part] is not None:
             return
         if self.widths[part] == 0:  # nothing in this part (a split of 0 or 1): no empty messages
-            self.works[part] = []
+            self.works[part], self.stage[part] = [], self.STAGES
             return
-        sends, recvs = self.messages(part)
-        g = self.group
-        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(g, p), g, self.tag + part) for p, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(g, p), g, self.tag + part) for p, t in recvs]
-        self.works[part] = (dist.batch_isend_irecv(ops) if ops else []) + [
-            launch() for launch in self.collectives(part)
-        ]
+        self._post_stage(part, 0)
+
+    def _post_stage(self, part: int, stage: int) -> None:
+        sends, recvs = self.messages(part, stage)
+        g, tag = self.group, self.tag + part + 4 * stage
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(g, p), g, tag) for p, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(g, p), g, tag) for p, t in recvs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self.works[part] = works + ([launch() for launch in self.collectives(part)] if stage == 0 else [])
+        self.stage[part] = stage
 
     def wait(self, part: int) -> None:
         self.post(part)
         start = time.perf_counter()
-        for work in self.works[part]:
-            work.wait()
+        while True:
+            for work in self.works[part]:
+                work.wait()
+            if self.stage[part] + 1 >= self.STAGES:
+                break
+            self.between(part)
+            self._post_stage(part, self.stage[part] + 1)
         self.exposed_s += time.perf_counter() - start
-        self.works[part] = []
+        self.works[part], self.stage[part] = [], self.STAGES
 
     def wait_all(self) -> None:
         self.wait(0)
@@ -116,7 +132,7 @@ class _Trans(_TwoParts):
 
     def __init__(self, layer, placement: Placement, split: float, tag: int) -> None:
         self.layer, self.placement = layer, placement
-        self.plan = prefetch_transfers(placement, dist.get_rank(layer.group))
+        self.plan = prefetch_transfers(placement, dist.get_rank(layer.group), layer.node_of)
         weights = layer.experts.weights()
         held_J = np.flatnonzero(placement.holders_EW[:, self.plan.me])
         self.layout = flat_layout(weights, self.plan, layer.experts.expert_ids, held_J)
@@ -125,21 +141,27 @@ class _Trans(_TwoParts):
         self.sent_MP = self.layout.flat_sent(list(weights.values()))
         self.recv = [self.sent_MP.new_empty((len(self.plan.received), w)) for w in self.widths]
 
-    def messages(self, part: int) -> tuple[list, list]:
-        cols, index, row_of = self.columns(part), self.layout.sent_index, self.layout.row_of
-        sends = [(peer, self.sent_MP[index[row_of[e]], cols].contiguous()) for e, peer in self.plan.sends]
-        recvs = [(peer, self.recv[part][i]) for i, (_, peer) in enumerate(self.plan.recvs)]
+    def bundle(self, b: int, part: int) -> torch.Tensor:
+        """Columns of `part` of bundle b's rows `[len(experts), ·]`: the owner's, or as received."""
+        plan = self.plan
+        if plan.bundles[b].owner != plan.me:
+            return self.recv[part][plan.rows(b)]
+        index, layout = self.layout.sent_index, self.layout
+        return self.sent_MP[[index[r] for r in layout.rows(plan.bundles[b].experts)]][:, self.columns(part)]
+
+    def messages(self, part: int, stage: int) -> tuple[list, list]:
+        plan, me = self.plan, self.plan.me
+        edges = plan.stages[stage]  # stage 1: relays forward what stage 0 brought
+        sends = [(dst, self.bundle(b, part).contiguous()) for b, src, dst in edges if src == me]
+        recvs = [(src, self.recv[part][plan.rows(b)]) for b, src, dst in edges if dst == me]
         return sends, recvs
 
     def collectives(self, part: int) -> list:
-        plan, cols, index, row_of = self.plan, self.columns(part), self.layout.sent_index, self.layout.row_of
+        plan = self.plan
         launches = []
-        for owner, experts in plan.everywhere.items():
-            if owner == plan.me:
-                buf = self.sent_MP[[index[row_of[e]] for e in experts]][:, cols].contiguous()
-            else:
-                buf = self.recv[part][plan.rows(owner)]
-            src = dist.get_global_rank(self.group, owner)
+        for b in plan.collective:
+            buf = self.bundle(b, part).contiguous()
+            src = dist.get_global_rank(self.group, plan.bundles[b].owner)
             launches.append(lambda buf=buf, src=src: dist.broadcast(buf, src=src, group=self.group, async_op=True))
         return launches
 
@@ -169,32 +191,54 @@ class _Prefetched(torch.autograd.Function):
 
 
 class _Agg(_TwoParts):
-    """Gradient sums of one layer's copies back to their owners, in flight (backward)."""
+    """Gradient sums of one layer's copies back to their owners, in flight (backward): the trees'
+    stages reversed — holders to their relay, which sums (its own rows, then each holder's in edge
+    order), then relays and the owner's node-mates to the owner."""
 
     def __init__(self, trans: _Trans, grad_MP: torch.Tensor, split: float) -> None:
         super().__init__(trans.group, trans.tag + 2, grad_MP.shape[1], split)
         self.trans, self.grad_MP = trans, grad_MP
-        self.incoming = [grad_MP.new_empty((len(trans.plan.sends), w)) for w in self.widths]
-        plan = trans.plan
-        # Per owner of experts held everywhere: this rank's gradients of them, summed at the owner.
-        self.partial = {
-            owner: [
-                grad_MP.new_zeros((len(experts), w)) if owner == plan.me else grad_MP[plan.rows(owner), cols].clone()
-                for w, cols in zip(self.widths, (self.columns(0), self.columns(1)))
+        plan, me = trans.plan, trans.plan.me
+        cols = (self.columns(0), self.columns(1))
+
+        def buffers(edges):
+            return [
+                [(b, grad_MP.new_empty((len(plan.bundles[b].experts), w))) for b, src, dst in edges if src == me]
+                for w in self.widths
             ]
-            for owner, experts in plan.everywhere.items()
+
+        self.inbox = buffers(plan.stages[1])  # at a relay, from its node's holders
+        self.incoming = buffers(plan.stages[0])  # at the owner, from its node-mates and the relays
+        self.rows: list[dict[int, torch.Tensor]] = [
+            {b: grad_MP[plan.rows(b), c] for b in range(len(plan.bundles)) if plan.bundles[b].owner != me} for c in cols
+        ]
+        # Per bundle held everywhere: this rank's gradients of it, summed at the owner.
+        self.partial = {
+            b: [
+                grad_MP.new_zeros((len(plan.bundles[b].experts), w))
+                if plan.bundles[b].owner == plan.me
+                else grad_MP[plan.rows(b), c].clone()
+                for w, c in zip(self.widths, cols)
+            ]
+            for b in plan.collective
         }
 
-    def messages(self, part: int) -> tuple[list, list]:
-        cols, plan = self.columns(part), self.trans.plan
-        sends = [(peer, self.grad_MP[i, cols].contiguous()) for i, (_, peer) in enumerate(plan.recvs)]
-        recvs = [(peer, self.incoming[part][i]) for i, (_, peer) in enumerate(plan.sends)]
+    def messages(self, part: int, stage: int) -> tuple[list, list]:
+        plan, me = self.trans.plan, self.trans.plan.me
+        edges = plan.stages[1 - stage]  # the trees' stages reversed
+        boxes = self.inbox if stage == 0 else self.incoming
+        sends = [(src, self.rows[part][b].contiguous()) for b, src, dst in edges if dst == me]
+        recvs = [(dst, buf) for (b, src, dst), (_, buf) in zip([e for e in edges if e[1] == me], boxes[part])]
         return sends, recvs
+
+    def between(self, part: int) -> None:
+        for b, buf in self.inbox[part]:  # a relay adds its node's holders' gradients to its own
+            self.rows[part][b] = self.rows[part][b] + buf
 
     def collectives(self, part: int) -> list:
         launches = []
-        for owner, bufs in self.partial.items():
-            dst = dist.get_global_rank(self.group, owner)
+        for b, bufs in self.partial.items():
+            dst = dist.get_global_rank(self.group, self.trans.plan.bundles[b].owner)
             launches.append(
                 lambda buf=bufs[part], dst=dst: dist.reduce(
                     buf, dst=dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True
@@ -203,21 +247,24 @@ class _Agg(_TwoParts):
         return launches
 
     def finish(self) -> None:
-        """Wait for both parts and add the received sums into the owners' `.grad`."""
+        """Wait for both parts and add the received sums into the owners' `.grad` (each owned
+        bundle's node-mates and relays in edge order, then its reduce)."""
         self.wait_all()
         plan, layout = self.trans.plan, self.trans.layout
-        mine = plan.everywhere.get(plan.me, [])
-        if not plan.sends and not mine:
+        owned = plan.owned
+        if not owned:
             return
         params = list(self.trans.layer.experts.weights().values())
         for p in params:
             if p.grad is None:  # only copies' gradients reached this parameter (no owned tokens)
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params]
-        if plan.sends:
-            add_flat_rows(grads, layout, layout.rows(e for e, _ in plan.sends), torch.cat(self.incoming, dim=1))
-        if mine:
-            add_flat_rows(grads, layout, layout.rows(mine), torch.cat(self.partial[plan.me], dim=1))
+        for (b, first), (_, second) in zip(*self.incoming):
+            add_flat_rows(grads, layout, layout.rows(plan.bundles[b].experts), torch.cat([first, second], dim=1))
+        for b in owned:
+            if b in self.partial:
+                rows = layout.rows(plan.bundles[b].experts)
+                add_flat_rows(grads, layout, rows, torch.cat(self.partial[b], dim=1))
 
 
 class BlockPrefetch(MoEHook):

@@ -80,8 +80,8 @@ class ProphetOptions:
     min_gain: float = 0.05
     """Take a placement only if predicted at least this fraction faster than plain EP."""
     overlap: bool = False
-    """Price copies as Eq. 8 (hidden by the block-wise scheduler, sent point-to-point as it sends
-    them). `moe.prefetch` turns it on, with the two values below measured."""
+    """Price copies as Eq. 8 (hidden by the block-wise scheduler, sent along the copy trees as it
+    sends them). `moe.prefetch` turns it on, with the two values below measured."""
     nonmoe_forward_s: float = 0.0
     """T_FNEC of Eq. 8: forward time of the dense part of a block (backward: twice)."""
     hidden_share: float = 1.0

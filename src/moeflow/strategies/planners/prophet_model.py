@@ -38,7 +38,7 @@ class Pricing:
     """How a placement's copies are priced (`price_placement`)."""
 
     overlap: bool = False
-    """Copies hidden by the block-wise prefetch (Eq. 8), sent point-to-point as it sends them."""
+    """Copies hidden by the block-wise prefetch (Eq. 8), sent as it sends them (`copies_time(tree=False)`)."""
     nonmoe_forward_s: float = 0.0
     """T_FNEC of Eq. 8: forward time of the dense part of a block (backward: twice)."""
     hidden_share: float = 1.0
