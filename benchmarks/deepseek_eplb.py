@@ -17,7 +17,8 @@ physical slot, slot s on GPU s // (num_replicas / num_gpus)), `log2phy [layers, 
 owner and prices its copies), this is the inference-time layout as published: every slot is a
 permanent replica, experts move freely between GPUs, nothing is priced.
 
-Shape suffixes: X rows (layers, or layers × nodes), N items, P packs, E logical experts, R replicas.
+Shape suffixes: X rows (layers, or layers × nodes), E logical experts, L layers; `item_weight`
+`[rows, items]` (items: experts or groups of them), packs and replicas have no letter.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from __future__ import annotations
 import torch
 
 
-def balanced_packing(weight_XN: torch.Tensor, packs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's N items into `packs` packs of N / packs items each, heaviest item first into the
+def balanced_packing(item_weight: torch.Tensor, packs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's items into `packs` packs of items / packs items each, heaviest item first into the
     lightest pack with room (ties: the lower pack) → (pack of each item, its place in the pack)."""
-    rows, items = weight_XN.shape
+    rows, items = item_weight.shape
     if items % packs:
         raise ValueError(f"{items} items do not fill {packs} packs equally")
     per_pack = items // packs
@@ -37,14 +38,14 @@ def balanced_packing(weight_XN: torch.Tensor, packs: int) -> tuple[torch.Tensor,
         return index, torch.zeros(rows, items, dtype=torch.int64)
     pack_of = torch.full((rows, items), -1, dtype=torch.int64)
     place = torch.full((rows, items), -1, dtype=torch.int64)
-    order = weight_XN.float().argsort(dim=-1, descending=True, stable=True)
+    order = item_weight.float().argsort(dim=-1, descending=True, stable=True)
     for x in range(rows):
         load = [0.0] * packs
         count = [0] * packs
         for item in order[x].tolist():
             pack = min((p for p in range(packs) if count[p] < per_pack), key=lambda p: (load[p], p))
             pack_of[x, item], place[x, item] = pack, count[pack]
-            load[pack] += float(weight_XN[x, item])
+            load[pack] += float(item_weight[x, item])
             count[pack] += 1
     return pack_of, place
 

@@ -8,7 +8,7 @@ two-block model with copies planned ahead equals plain EP). The tree's results e
 point-to-point ones exactly in forward and within float tolerance in backward (the sums run in
 another order), and repeat bit for bit.
 
-Shape suffixes: E experts, W ranks, J experts held by this rank, A, B parameter dims."""
+Shape suffixes: E experts, W ranks, J experts held by this rank, X the per-expert dims of a parameter (`SHAPES`)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from .equivalence import TOL
 from .multirank_prophet import TwoBlocks, _batch
 
 SHAPES = {"w": (3, 4), "b": (5,)}
-"""Per-expert parameter shapes (A, B dims)."""
+"""Per-expert parameter shapes (the X dims)."""
 
 
 def _cases(world: int) -> list[Placement]:

@@ -7,7 +7,7 @@ Algorithms 1-2, FSSDP's and EPLB's plans, `auto`'s `layer_terms`. Only the impor
 functions call each other here) and the shadow planner's three methods sit in `ShadowReference`;
 the cost model is the current one (its formulas are shared by both sides).
 
-Shape suffixes: W ranks, E experts, S source ranks, P candidate shadow sets, L layers, N nodes.
+Shape suffixes: W ranks, E experts, S source ranks, Z candidate shadow sets, L layers, N nodes.
 """
 
 from __future__ import annotations
@@ -126,21 +126,21 @@ class ShadowReference:
         self.options = options
         self._copies_memo: dict[tuple, float] = {}
 
-    def cost(self, flow_WE, owner_E, shadowed_PE, cost_model) -> np.ndarray:
+    def cost(self, flow_WE, owner_E, shadowed_ZE, cost_model) -> np.ndarray:
         """T(S) for boolean shadow masks `[..., E]` -> `[...]` seconds (module docstring)."""
-        shadowed_PE = np.asarray(shadowed_PE, dtype=bool)
+        shadowed_ZE = np.asarray(shadowed_ZE, dtype=bool)
         world = flow_WE.shape[0]
         owner_onehot_EW = np.eye(world)[owner_E]
         # Tokens for a shadowed expert stay on their source; the rest go to the owner.
-        to_owner_PWE = np.where(shadowed_PE[..., None, :], 0.0, flow_WE)
-        local_PWE = np.where(shadowed_PE[..., None, :], flow_WE, 0.0)
-        computed_PWE = owner_onehot_EW.T * to_owner_PWE.sum(-2)[..., None, :] + local_PWE
-        sent_PWW = to_owner_PWE @ owner_onehot_EW
-        compute, a2a = cost_model.sync_step_times(sent_PWW, computed_PWE, self.shape)
+        to_owner_ZWE = np.where(shadowed_ZE[..., None, :], 0.0, flow_WE)
+        local_ZWE = np.where(shadowed_ZE[..., None, :], flow_WE, 0.0)
+        computed_ZWE = owner_onehot_EW.T * to_owner_ZWE.sum(-2)[..., None, :] + local_ZWE
+        sent_ZWW = to_owner_ZWE @ owner_onehot_EW
+        compute, a2a = cost_model.sync_step_times(sent_ZWW, computed_ZWE, self.shape)
         param_bytes = self.shape.param_bytes(cost_model.bytes_per_element)
-        flat_PE = shadowed_PE.reshape(-1, shadowed_PE.shape[-1])
-        copies = np.array([self._copies(owner_E, m, param_bytes, cost_model) for m in flat_PE])
-        return compute + a2a + copies.reshape(shadowed_PE.shape[:-1])
+        flat_ZE = shadowed_ZE.reshape(-1, shadowed_ZE.shape[-1])
+        copies = np.array([self._copies(owner_E, m, param_bytes, cost_model) for m in flat_ZE])
+        return compute + a2a + copies.reshape(shadowed_ZE.shape[:-1])
 
     def _copies(self, owner_E, shadowed_E, param_bytes, cost_model) -> float:
         """Parameters out in forward, gradients back in backward, as the sparse collectives run
@@ -164,11 +164,11 @@ class ShadowReference:
         received_E = flow_WE.sum(0)  # column sums: tokens each expert receives from all senders
         order = [int(e) for e in np.argsort(-received_E, kind="stable") if received_E[e] > 0]
         candidates = order[: self.options.max_shadowed]
-        # prefixes_PE[i]: the first i candidates shadowed (row 0: plain EP).
-        prefixes_PE = np.zeros((len(candidates) + 1, flow_WE.shape[1]), dtype=bool)
+        # prefixes_ZE[i]: the first i candidates shadowed (row 0: plain EP).
+        prefixes_ZE = np.zeros((len(candidates) + 1, flow_WE.shape[1]), dtype=bool)
         for i, e in enumerate(candidates):
-            prefixes_PE[i + 1 :, e] = True
-        predicted = self.cost(flow_WE, owner_E, prefixes_PE, cost_model)
+            prefixes_ZE[i + 1 :, e] = True
+        predicted = self.cost(flow_WE, owner_E, prefixes_ZE, cost_model)
         if self.options.search == "prefix":
             chosen = int(np.argmin(predicted))  # the first of equal minima: fewest copies
         else:

@@ -165,10 +165,10 @@ def test_clamped_swiglu_is_gpt_oss_expert_and_shared_experts_are_dense():
 def test_sequence_balance_is_deepseek_v3s_per_sequence_loss():
     torch.manual_seed(3)
     layer = MoELayer(8, 16, 4, top_k=2, gate="sigmoid", balance="sequence", balance_weight=0.5)
-    x_BSD = torch.randn(3, 5, 8, generator=GEN)
-    layer(x_BSD)
-    routing = layer.gate(x_BSD.reshape(-1, 8))
-    s_TE = torch.sigmoid(x_BSD.reshape(-1, 8) @ layer.gate.weight.t())
+    x_BTD = torch.randn(3, 5, 8, generator=GEN)
+    layer(x_BTD)
+    routing = layer.gate(x_BTD.reshape(-1, 8))
+    s_TE = torch.sigmoid(x_BTD.reshape(-1, 8) @ layer.gate.weight.t())
     want = 0.0
     for b in range(3):
         rows = slice(5 * b, 5 * b + 5)
@@ -179,7 +179,7 @@ def test_sequence_balance_is_deepseek_v3s_per_sequence_loss():
     assert float(layer.aux_loss.detach()) == pytest.approx(0.5 * want, rel=1e-6)
     # A [T, D] input is one sequence: GShard's loss of the whole batch (both are 1 when balanced);
     # tokens that are not whole sequences are refused.
-    r = layer.gate(x_BSD.reshape(-1, 8))
+    r = layer.gate(x_BTD.reshape(-1, 8))
     torch.testing.assert_close(SequenceBalance(4).loss(r), GShardBalance(4).loss(r))
     r.sequence_length = 4
     with pytest.raises(ValueError, match="15 tokens are not whole sequences of length 4"):

@@ -1,5 +1,5 @@
-"""Expert sharding (ESP, FSMoE §3): the `S` ranks of an ESP group (consecutive ranks, the devices
-of a node) hold the SAME experts, each a slice `H/S` of their hidden dimension, and compute
+"""Expert sharding (ESP, FSMoE §3): the `esp_size` ranks of an ESP group (consecutive ranks, the devices
+of a node) hold the SAME experts, each a slice `H/esp_size` of their hidden dimension, and compute
 together on the rows all of them received:
 
     AllGather(rows of the ESP group) → Expert(hidden slice) → ReduceScatter(partial outputs)
@@ -20,11 +20,13 @@ gradient is the all-gathered output gradient, the same on every member): the sum
 Autograd: `_GatherRows` (all-gather; backward: reduce-scatter) and `_ScatterSumRows`
 (reduce-scatter; backward: all-gather). gloo has no `reduce_scatter` and `all_gather_into_tensor`
 only for some dtypes and equal sizes, so both use `dist.all_gather` (list form) and `dist.all_reduce`
-of zero-padded `[S, R_max, D]` blocks followed by a slice: correct on every backend; the padding
-costs `S · R_max` rows of traffic where a backend-native reduce-scatter would move `Σ R_m`.
+of zero-padded `[S, R_max, D]` blocks (one per member) followed by a slice: correct on every
+backend; the padding costs `esp_size · R_max` rows of traffic where a backend-native
+reduce-scatter would move `Σ R_m`.
 
-Shape suffixes: R rows this member received (grouped by expert), M rows of the whole ESP group,
-D d_model, J experts held, S ESP group size.
+Shape suffixes: R rows this member received (grouped by expert), D d_model, J experts held,
+S source ranks (the members of the ESP group the rows came from); `x_group`, `y_group`,
+`grad_group`: the rows of the whole ESP group (no letter).
 """
 
 from __future__ import annotations
@@ -53,10 +55,10 @@ def _all_gather_rows(x_RD: torch.Tensor, sizes_S: list[int], group) -> torch.Ten
     return torch.cat([p[:n] for p, n in zip(parts, sizes_S)])
 
 
-def _reduce_scatter_rows(y_MD: torch.Tensor, sizes_S: list[int], me: int, group) -> torch.Tensor:
-    """The sum over members of `y_MD`'s block of member `me` (gloo: all_reduce + slice)."""
+def _reduce_scatter_rows(y_group: torch.Tensor, sizes_S: list[int], me: int, group) -> torch.Tensor:
+    """The sum over members of `y_group`'s block of member `me` (gloo: all_reduce + slice)."""
     r_max = max(sizes_S)
-    blocks = list(torch.split(y_MD, sizes_S))
+    blocks = list(torch.split(y_group, sizes_S))
     flat_SRD = torch.stack([_padded(b, r_max) for b in blocks])
     dist.all_reduce(flat_SRD, group=group)
     return flat_SRD[me, : sizes_S[me]]
@@ -72,8 +74,8 @@ class _GatherRows(torch.autograd.Function):
         return _all_gather_rows(x_RD, sizes_S, group)
 
     @staticmethod
-    def backward(ctx, grad_MD):
-        return _reduce_scatter_rows(grad_MD.contiguous(), ctx.sizes, ctx.me, ctx.group), None, None, None
+    def backward(ctx, grad_group):
+        return _reduce_scatter_rows(grad_group.contiguous(), ctx.sizes, ctx.me, ctx.group), None, None, None
 
 
 class _ScatterSumRows(torch.autograd.Function):
@@ -81,9 +83,9 @@ class _ScatterSumRows(torch.autograd.Function):
     Backward: all-gather of the gradient (every member's partial fed every member's rows)."""
 
     @staticmethod
-    def forward(ctx, y_MD, sizes_S, me, group):
+    def forward(ctx, y_group, sizes_S, me, group):
         ctx.sizes, ctx.group = sizes_S, group
-        return _reduce_scatter_rows(y_MD.contiguous(), sizes_S, me, group)
+        return _reduce_scatter_rows(y_group.contiguous(), sizes_S, me, group)
 
     @staticmethod
     def backward(ctx, grad_RD):
@@ -103,9 +105,9 @@ class ForwardOnMemberZero(torch.autograd.Function):
 
 
 def shard_hidden_(experts, esp_rank: int, esp_size: int) -> None:
-    """Keep this member's slice `[r·H/S, (r+1)·H/S)` of every expert's hidden dimension (w1 columns,
-    both halves of w13, their biases, w2 rows); b2 stays whole. Build the layer with the same seed on
-    every rank first."""
+    """Keep this member's slice `[r·H/esp_size, (r+1)·H/esp_size)` of every expert's hidden dimension
+    (w1 columns, both halves of w13, their biases, w2 rows); b2 stays whole. Build the layer with the
+    same seed on every rank first."""
     from torch import nn
 
     if esp_size == 1:
@@ -150,9 +152,11 @@ def sharded_compute(experts, x_RD: torch.Tensor, counts_J: list[int], group, wei
     dist.all_gather(gathered, counts_t, group=group)
     counts_SJ = torch.stack(gathered).numpy()
     sizes_S = [int(n) for n in counts_SJ.sum(1)]
-    x_MD = _GatherRows.apply(x_RD, sizes_S, me, group)
-    y_MD = dispatch.run_expert_major(lambda x_grouped, counts_J: experts(x_grouped, counts_J, weights), x_MD, counts_SJ)
-    return _ScatterSumRows.apply(y_MD, sizes_S, me, group)
+    x_group = _GatherRows.apply(x_RD, sizes_S, me, group)
+    y_group = dispatch.run_expert_major(
+        lambda x_grouped, counts_J: experts(x_grouped, counts_J, weights), x_group, counts_SJ
+    )
+    return _ScatterSumRows.apply(y_group, sizes_S, me, group)
 
 
 def to_expert_sharding(layer, group) -> None:

@@ -5,8 +5,8 @@ computed as grouped matmuls over variable-size groups of tokens (never a loop ov
 `expert="swiglu"`: [g | u] = x·w13[e],  y = (silu(g) * u)·w2[e]  (Mixtral; no biases)
 `expert="clamped_swiglu"`: [g | u] = x·w13[e] + b13[e], g = min(g, l), u = clamp(u, −l, l),
                    y = ((u + 1) · g·σ(α·g))·w2[e] + b2[e]        (GPT-OSS; α, l: `expert_options`)
-The gated kinds keep the gate and up projections in one `[L, D, 2, H]` tensor `w13` (`[..., 0, :]`
-the gate, `[..., 1, :]` the up; bias `b13 [L, 2, H]`): one grouped GEMM on its `[L, D, 2H]` view
+The gated kinds keep the gate and up projections in one `[O, D, 2, H]` tensor `w13` (`[..., 0, :]`
+the gate, `[..., 1, :]` the up; bias `b13 [O, 2, H]`): one grouped GEMM on its `[O, D, 2H]` view
 computes both, as transformers' fused `gate_up_proj` does — two would double the per-expert GEMMs,
 and on a CPU each is a parallel region, the cost that dominates fine-grained experts — and a slice
 of the last axis is a slice of hidden units with both halves (expert sharding, checkpoints of any
@@ -15,7 +15,8 @@ of the last axis is a slice of hidden units with both halves (expert sharding, c
 same formula as one dense MLP on every token (DeepSeek-MoE's shared experts): its parameters are
 dense parameters, never planned, copied or dispatched.
 
-Shape suffixes: N rows (tokens × choices) sorted by expert, D d_model, H d_hidden, L local experts.
+Shape suffixes: R rows (tokens × choices) received, grouped by expert, D d_model, H d_hidden, J experts
+held (computed) by this rank, O experts this rank owns (its parameters), X any width.
 """
 
 from __future__ import annotations
@@ -45,16 +46,16 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _use_grouped_mm_kernel(x_ND: torch.Tensor, w_LDH: torch.Tensor) -> bool:
+def _use_grouped_mm_kernel(x_RD: torch.Tensor, w_JDH: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` is the fastest path here (measured, torch 2.13, see
     docs/performance.md): on CPU it matches `bmm` for fp32 but is ~10x slower than per-expert `mm`
     for bf16 (no AMX path); on CUDA it is the bf16 kernel. It needs 16-byte aligned rows."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    wanted = torch.float32 if x_ND.device.type == "cpu" else torch.bfloat16
-    item = x_ND.element_size()
-    aligned = (w_LDH.shape[1] * item) % 16 == 0 and (w_LDH.shape[2] * item) % 16 == 0
-    return x_ND.dtype == wanted and aligned
+    wanted = torch.float32 if x_RD.device.type == "cpu" else torch.bfloat16
+    item = x_RD.element_size()
+    aligned = (w_JDH.shape[1] * item) % 16 == 0 and (w_JDH.shape[2] * item) % 16 == 0
+    return x_RD.dtype == wanted and aligned
 
 
 class _PerExpertMM(torch.autograd.Function):
@@ -75,86 +76,86 @@ class _PerExpertMM(torch.autograd.Function):
     rows per group, 0.95 at 32, 0.81 at 64, 0.67 at 256."""
 
     @staticmethod
-    def forward(ctx, x_ND, w_LDH, counts_L, gemm_dtype=None):
-        ctx.save_for_backward(x_ND, w_LDH)
-        ctx.counts, ctx.gemm_dtype = counts_L, gemm_dtype or x_ND.dtype
-        widen = ctx.gemm_dtype != x_ND.dtype
-        out_NH = x_ND.new_empty((x_ND.shape[0], w_LDH.shape[2]))
+    def forward(ctx, x_RD, w_JDH, counts_J, gemm_dtype=None):
+        ctx.save_for_backward(x_RD, w_JDH)
+        ctx.counts, ctx.gemm_dtype = counts_J, gemm_dtype or x_RD.dtype
+        widen = ctx.gemm_dtype != x_RD.dtype
+        out_RH = x_RD.new_empty((x_RD.shape[0], w_JDH.shape[2]))
         start = 0
-        with torch.autocast(x_ND.device.type, enabled=False):  # autocast would narrow the copies again
-            for i, n in enumerate(counts_L):
+        with torch.autocast(x_RD.device.type, enabled=False):  # autocast would narrow the copies again
+            for i, n in enumerate(counts_J):
                 if n:
                     rows = slice(start, start + n)
                     if widen and n >= _PerExpertMM.min_wide_rows:
-                        out_NH[rows] = torch.mm(x_ND[rows].to(ctx.gemm_dtype), w_LDH[i].to(ctx.gemm_dtype))
+                        out_RH[rows] = torch.mm(x_RD[rows].to(ctx.gemm_dtype), w_JDH[i].to(ctx.gemm_dtype))
                     else:
-                        torch.mm(x_ND[rows], w_LDH[i], out=out_NH[rows])
+                        torch.mm(x_RD[rows], w_JDH[i], out=out_RH[rows])
                 start += n
-        return out_NH
+        return out_RH
 
     @staticmethod
-    def backward(ctx, grad_NH):
-        x_ND, w_LDH = ctx.saved_tensors
-        grad_NH = grad_NH.contiguous()
-        grad_x = torch.empty_like(x_ND) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(w_LDH) if ctx.needs_input_grad[1] else None  # experts without rows: 0
-        widen = ctx.gemm_dtype != x_ND.dtype
+    def backward(ctx, grad_RH):
+        x_RD, w_JDH = ctx.saved_tensors
+        grad_RH = grad_RH.contiguous()
+        grad_x = torch.empty_like(x_RD) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(w_JDH) if ctx.needs_input_grad[1] else None  # experts without rows: 0
+        widen = ctx.gemm_dtype != x_RD.dtype
         start = 0
-        with torch.autocast(x_ND.device.type, enabled=False):
+        with torch.autocast(x_RD.device.type, enabled=False):
             for i, n in enumerate(ctx.counts):
                 if n:
                     rows = slice(start, start + n)
                     if widen and n >= _PerExpertMM.min_wide_rows:
-                        g_nH, w_DH = grad_NH[rows].to(ctx.gemm_dtype), w_LDH[i].to(ctx.gemm_dtype)
+                        g_nH, w_DH = grad_RH[rows].to(ctx.gemm_dtype), w_JDH[i].to(ctx.gemm_dtype)
                         if grad_x is not None:
                             grad_x[rows] = torch.mm(g_nH, w_DH.t())
                         if grad_w is not None:
-                            grad_w[i] = torch.mm(x_ND[rows].to(ctx.gemm_dtype).t(), g_nH)
+                            grad_w[i] = torch.mm(x_RD[rows].to(ctx.gemm_dtype).t(), g_nH)
                     else:
                         if grad_x is not None:
-                            torch.mm(grad_NH[rows], w_LDH[i].t(), out=grad_x[rows])
+                            torch.mm(grad_RH[rows], w_JDH[i].t(), out=grad_x[rows])
                         if grad_w is not None:
-                            torch.mm(x_ND[rows].t(), grad_NH[rows], out=grad_w[i])
+                            torch.mm(x_RD[rows].t(), grad_RH[rows], out=grad_w[i])
                 start += n
         return grad_x, grad_w, None, None
 
 
 class _GroupBias(torch.autograd.Function):
     """`x[rows of group l] + b[l]` (Tutel's per-expert bias) with a backward that is a segment sum
-    over each group's contiguous rows, as one GEMM `onehot_LN @ grad_NH` (few experts) or one sum
-    per group (many): no accumulating `index_put` over all N rows, the backward of
+    over each group's contiguous rows, as one GEMM `onehot_JR @ grad_RH` (few experts) or one sum
+    per group (many): no accumulating `index_put` over all R rows, the backward of
     `x + b[row_expert]` that took 15-20% of an ffn step. Forward: the same broadcast add as before
     (bit-identical). Few large ops rather than one per group, because each op is a parallel region
     and on a busy machine every region can wait a time slice for its second thread."""
 
     onehot_max_local = 64
-    """Up to this many local experts the bias gradient is one GEMM (its `2·L·N·H` flops are
-    `L / D` of one expert GEMM's): with more, one sum per group."""
+    """Up to this many local experts the bias gradient is one GEMM (its `2·J·R·H` flops are
+    `J / D` of one expert GEMM's): with more, one sum per group."""
 
     @staticmethod
-    def forward(ctx, x_NH, b_LH, counts_L):
-        counts_t = torch.tensor(counts_L, device=x_NH.device)
+    def forward(ctx, x_RH, b_JH, counts_J):
+        counts_t = torch.tensor(counts_J, device=x_RH.device)
         ctx.save_for_backward(counts_t)
-        ctx.counts = counts_L
-        return x_NH + b_LH.repeat_interleave(counts_t, dim=0, output_size=x_NH.shape[0])
+        ctx.counts = counts_J
+        return x_RH + b_JH.repeat_interleave(counts_t, dim=0, output_size=x_RH.shape[0])
 
     @staticmethod
-    def backward(ctx, grad_NH):
+    def backward(ctx, grad_RH):
         if not ctx.needs_input_grad[1]:
-            return grad_NH, None, None
+            return grad_RH, None, None
         (counts_t,) = ctx.saved_tensors
         num_local = counts_t.numel()
         if num_local <= _GroupBias.onehot_max_local:
-            eye_LL = torch.eye(num_local, dtype=grad_NH.dtype, device=grad_NH.device)
-            onehot_LN = eye_LL.repeat_interleave(counts_t, dim=1, output_size=grad_NH.shape[0])
-            return grad_NH, onehot_LN @ grad_NH, None
-        grad_b = grad_NH.new_zeros((num_local, grad_NH.shape[1]))
+            eye_JJ = torch.eye(num_local, dtype=grad_RH.dtype, device=grad_RH.device)
+            onehot_JR = eye_JJ.repeat_interleave(counts_t, dim=1, output_size=grad_RH.shape[0])
+            return grad_RH, onehot_JR @ grad_RH, None
+        grad_b = grad_RH.new_zeros((num_local, grad_RH.shape[1]))
         start = 0
         for i, n in enumerate(ctx.counts):
             if n:
-                torch.sum(grad_NH[start : start + n], 0, out=grad_b[i])
+                torch.sum(grad_RH[start : start + n], 0, out=grad_b[i])
             start += n
-        return grad_NH, grad_b, None
+        return grad_RH, grad_b, None
 
 
 @cache
@@ -162,34 +163,34 @@ def _cpu_has_amx_bf16() -> bool:
     return bool(torch.cpu.get_capabilities().get("amx_bf16", False))
 
 
-def _gemm_dtype(x_ND: torch.Tensor) -> torch.dtype:
+def _gemm_dtype(x_RD: torch.Tensor) -> torch.dtype:
     """The dtype the expert GEMMs run in, chosen per machine (measured, docs/performance.md, "Layer
     speed"): bf16 on a CPU without AMX runs oneDNN's AVX-512-BF16 kernels at about half the fp32
     speed (a [1024, 512] x [512, 1024] mm: 12.8 ms bf16, 6.6 ms fp32, 7.2 ms fp32 with both casts),
     so there the GEMMs take fp32 copies of their bf16 operands and round the result to bf16 (what
     a bf16 kernel with fp32 accumulation returns, up to the order of the sums); with AMX (2.5x the
     fp32 speed) and on CUDA they stay bf16."""
-    if x_ND.dtype == torch.bfloat16 and x_ND.device.type == "cpu" and not _cpu_has_amx_bf16():
+    if x_RD.dtype == torch.bfloat16 and x_RD.device.type == "cpu" and not _cpu_has_amx_bf16():
         return torch.float32
-    return x_ND.dtype
+    return x_RD.dtype
 
 
 def grouped_mm(
-    x_ND: torch.Tensor, w_LDH: torch.Tensor, counts_L: list[int], b_LH: torch.Tensor | None = None
+    x_RD: torch.Tensor, w_JDH: torch.Tensor, counts_J: list[int], b_JH: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`out[rows of group l] = x[rows of group l] @ w[l] (+ b[l])` for consecutive groups of
-    `counts_L` rows, in `x_ND`'s dtype (weights and bias cast to it). The bias is added per group
+    `counts_J` rows, in `x_RD`'s dtype (weights and bias cast to it). The bias is added per group
     after the GEMM's result is rounded to that dtype, as `mm` then `+ b[row_expert]` did."""
-    dtype = x_ND.dtype
-    w_LDH = w_LDH.to(dtype)
-    counts_L = [int(n) for n in counts_L]
-    gemm = _gemm_dtype(x_ND)
-    if gemm == dtype and _use_grouped_mm_kernel(x_ND, w_LDH):
-        offs_L = torch.tensor(counts_L, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_ND.device)
-        out_NH = _ContiguousGrad.apply(torch._grouped_mm(x_ND.contiguous(), w_LDH.contiguous(), offs=offs_L))
+    dtype = x_RD.dtype
+    w_JDH = w_JDH.to(dtype)
+    counts_J = [int(n) for n in counts_J]
+    gemm = _gemm_dtype(x_RD)
+    if gemm == dtype and _use_grouped_mm_kernel(x_RD, w_JDH):
+        offs_J = torch.tensor(counts_J, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_RD.device)
+        out_RH = _ContiguousGrad.apply(torch._grouped_mm(x_RD.contiguous(), w_JDH.contiguous(), offs=offs_J))
     else:
-        out_NH = _PerExpertMM.apply(x_ND.contiguous(), w_LDH.contiguous(), counts_L, gemm)
-    return out_NH if b_LH is None else _GroupBias.apply(out_NH, b_LH.to(dtype), counts_L)
+        out_RH = _PerExpertMM.apply(x_RD.contiguous(), w_JDH.contiguous(), counts_J, gemm)
+    return out_RH if b_JH is None else _GroupBias.apply(out_RH, b_JH.to(dtype), counts_J)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -198,18 +199,18 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def activate(kind: str, options, h_NX: torch.Tensor) -> torch.Tensor:
-    """The hidden activation `[N, H]` of expert `kind` from its first projection (biases added):
-    ffn's `[N, H]`, or the gated kinds' interleaved gate and up `[N, 2H]`."""
+def activate(kind: str, options, h_RX: torch.Tensor) -> torch.Tensor:
+    """The hidden activation `[R, H]` of expert `kind` from its first projection (biases added):
+    ffn's `[R, H]`, or the gated kinds' interleaved gate and up `[R, 2H]`."""
     if kind == "ffn":
-        return F.gelu(h_NX)  # exact erf GELU, as GPT's
-    h1_NH, h3_NH = h_NX.unflatten(-1, (2, -1)).unbind(-2)  # gate, up (backward: one stack)
+        return F.gelu(h_RX)  # exact erf GELU, as GPT's
+    h1_RH, h3_RH = h_RX.unflatten(-1, (2, -1)).unbind(-2)  # gate, up (backward: one stack)
     if kind == "swiglu":
-        return F.silu(h1_NH) * h3_NH
+        return F.silu(h1_RH) * h3_RH
     # GPT-OSS (transformers' GptOssExperts._apply_gate, the same operations in the same order).
-    gate_NH = h1_NH.clamp(min=None, max=options.limit)
-    up_NH = h3_NH.clamp(min=-options.limit, max=options.limit)
-    return (up_NH + 1) * (gate_NH * torch.sigmoid(gate_NH * options.alpha))
+    gate_RH = h1_RH.clamp(min=None, max=options.limit)
+    up_RH = h3_RH.clamp(min=-options.limit, max=options.limit)
+    return (up_RH + 1) * (gate_RH * torch.sigmoid(gate_RH * options.alpha))
 
 
 def expert_options(kind: str, options, where: str = "expert_options") -> object:
@@ -275,27 +276,27 @@ class GroupedExperts(nn.Module):
         return self.d_hidden * self.esp_size
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The `[L, ...]` tensors by name; sparse collectives and sharding work on this dict."""
+        """The `[O, ...]` tensors by name; sparse collectives and sharding work on this dict."""
         return dict(self.named_parameters())
 
-    def forward(self, x_ND: torch.Tensor, counts_L: list[int], weights: dict | None = None) -> torch.Tensor:
-        """Rows of `x_ND` are grouped by expert, `counts_L[l]` rows for expert l of `weights`
+    def forward(self, x_RD: torch.Tensor, counts_J: list[int], weights: dict | None = None) -> torch.Tensor:
+        """Rows of `x_RD` are grouped by expert, `counts_J[l]` rows for expert l of `weights`
         (default: this module's own parameters; a planner may pass materialized copies)."""
         w = self.weights() if weights is None else weights
-        dtype = _compute_dtype(x_ND)
-        x_ND = x_ND.to(dtype)
+        dtype = _compute_dtype(x_RD)
+        x_RD = x_RD.to(dtype)
         # Biases are broadcast over each group's rows, never gathered per row (Tutel's way): their
         # backward is a sum over contiguous rows, not a scatter over all of them.
         spec = EXPERT_KINDS[self.kind]
         bias = w.get(spec.first_bias)
-        h_NX = grouped_mm(
-            x_ND, w[spec.first_projection].flatten(2), counts_L, None if bias is None else bias.flatten(1)
+        h_RX = grouped_mm(
+            x_RD, w[spec.first_projection].flatten(2), counts_J, None if bias is None else bias.flatten(1)
         )
-        hidden_NH = activate(self.kind, self.options, h_NX)
+        hidden_RH = activate(self.kind, self.options, h_RX)
         b2 = w.get("b2")
         if b2 is not None and self.esp_rank is not None:
             b2 = ForwardOnMemberZero.apply(b2, self.esp_rank == 0)
-        return grouped_mm(hidden_NH, w["w2"], counts_L, b2)
+        return grouped_mm(hidden_RH, w["w2"], counts_J, b2)
 
     def row_of(self, expert: int) -> int:
         """Local row of global expert `expert` (KeyError when this rank does not own it)."""

@@ -11,7 +11,7 @@ planners and the simulator use those entries or their sums (`dispatch_loads`), t
 plan of its few ranks.
 
 Shape suffixes: W ranks in the expert-parallel group (in a plan `[S, E, W]`: the destination), E experts,
-S source rank.
+S source rank, X any leading dims.
     owner_E     home rank of each expert (holds its optimizer state)
     holders_EW  True where expert e is materialized on rank w this iteration (owner included)
     flow_WE     assignments rank w sends to expert e (global, after the count exchange)

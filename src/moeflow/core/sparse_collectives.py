@@ -17,8 +17,8 @@ without subgroups), then the broadcasts / reduces. Sums run in a fixed order (a 
 gradient, then its node-mates' by rank; at the owner the same over its node and the relays), so the
 result is deterministic. A relay forwards a bundle whole once it has arrived (no chunk pipeline).
 
-Shape suffixes: L experts owned by this rank, J experts held (computed) by this rank, P flattened
-parameters of one expert, M messages (copies received by this rank).
+Shape suffixes: O experts owned by this rank, J experts held (computed) by this rank, P flattened
+parameters of one expert, Y copies received by this rank (one message each).
 """
 
 from __future__ import annotations
@@ -161,30 +161,30 @@ class _Layout:
         )
 
 
-def held_from_flat(layout: _Layout, local_params: list[torch.Tensor], recv_MP: torch.Tensor) -> tuple:
+def held_from_flat(layout: _Layout, local_params: list[torch.Tensor], recv_YP: torch.Tensor) -> tuple:
     """The held experts' weights: owned rows from `local_params`, copies from the received rows."""
     held = []
     for p, col in zip(local_params, _columns(layout.widths)):
         out = p.new_empty((len(layout.owned_pos) + len(layout.recv_pos), *p.shape[1:]))
         out.index_copy_(0, layout.owned_pos, p.detach().index_select(0, layout.owned_rows))
-        out.index_copy_(0, layout.recv_pos, recv_MP[:, col].reshape(-1, *p.shape[1:]))
+        out.index_copy_(0, layout.recv_pos, recv_YP[:, col].reshape(-1, *p.shape[1:]))
         held.append(out)
     return tuple(held)
 
 
 def split_held_gradients(layout: _Layout, shapes: list, grad_held: tuple) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Backward of the held weights: the owned experts' gradients in the local parameters' shapes,
-    and the copies' gradients as flat message rows `[M, P]` (to be summed into their owners)."""
+    and the copies' gradients as flat message rows `[Y, P]` (to be summed into their owners)."""
     grads = []
     for shape, g in zip(shapes, grad_held):
         grad = g.new_zeros(shape)
         grad.index_add_(0, layout.owned_rows, g.index_select(0, layout.owned_pos))
         grads.append(grad)
     n_recv = len(layout.recv_pos)
-    grad_MP = torch.cat(
+    grad_YP = torch.cat(
         [g.index_select(0, layout.recv_pos).reshape(n_recv, w) for g, w in zip(grad_held, layout.widths)], 1
     )
-    return grads, grad_MP
+    return grads, grad_YP
 
 
 def add_flat_rows(grads: list[torch.Tensor], layout: _Layout, rows: list[int], flat: torch.Tensor) -> None:
@@ -210,42 +210,42 @@ class _Materialize(torch.autograd.Function):
         ctx.plan, ctx.group, ctx.layout = plan, group, layout
         ctx.shapes = [p.shape for p in local_params]
         flat_sent = layout.flat_sent(list(local_params))
-        recv_MP = flat_sent.new_empty((len(plan.received), sum(layout.widths)))
+        recv_YP = flat_sent.new_empty((len(plan.received), sum(layout.widths)))
         sent_index = layout.sent_index
 
         def message(b: int) -> torch.Tensor:
             """Bundle b: the owner's rows on the owner, the received rows elsewhere."""
             if plan.bundles[b].owner == plan.me:
                 return flat_sent[[sent_index[r] for r in layout.rows(plan.bundles[b].experts)]]
-            return recv_MP[plan.rows(b)]
+            return recv_YP[plan.rows(b)]
 
         for stage in plan.stages:  # a relay forwards in stage 2 what it received in stage 1
             batched_p2p(
                 [(dst, message(b)) for b, src, dst in stage if src == plan.me],
-                [(src, recv_MP[plan.rows(b)]) for b, src, dst in stage if dst == plan.me],
+                [(src, recv_YP[plan.rows(b)]) for b, src, dst in stage if dst == plan.me],
                 group,
             )
         for b in plan.collective:
             dist.broadcast(message(b), src=dist.get_global_rank(group, plan.bundles[b].owner), group=group)
-        return held_from_flat(layout, list(local_params), recv_MP)
+        return held_from_flat(layout, list(local_params), recv_YP)
 
     @staticmethod
     def backward(ctx, *grad_held):
         plan, group, layout = ctx.plan, ctx.group, ctx.layout
-        grads, grad_MP = split_held_gradients(layout, ctx.shapes, grad_held)
-        partial = reduce_partials(plan, grad_MP, group)
+        grads, grad_YP = split_held_gradients(layout, ctx.shapes, grad_held)
+        partial = reduce_partials(plan, grad_YP, group)
         for b in plan.owned:
             add_flat_rows(grads, layout, layout.rows(plan.bundles[b].experts), partial[b])
         return (None, None, None, *grads)
 
 
-def reduce_partials(plan: _Transfers, grad_MP: torch.Tensor, group) -> dict[int, torch.Tensor]:
+def reduce_partials(plan: _Transfers, grad_YP: torch.Tensor, group) -> dict[int, torch.Tensor]:
     """reduce_to_owner along the trees reversed, then one reduce per collective bundle: per bundle
     this rank owns or relays, the sum of its holders' gradients (`[len(experts), P]`; the owner's
     own gradient excluded). Sums in a fixed order: own rows, then each sender's in edge order."""
     me = plan.me
     partial = {
-        b: grad_MP.new_zeros((len(bundle.experts), grad_MP.shape[1])) if bundle.owner == me else grad_MP[plan.rows(b)]
+        b: grad_YP.new_zeros((len(bundle.experts), grad_YP.shape[1])) if bundle.owner == me else grad_YP[plan.rows(b)]
         for b, bundle in enumerate(plan.bundles)
     }
     for stage in reversed(plan.stages):  # a relay sums its node-mates' before sending on

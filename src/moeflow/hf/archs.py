@@ -8,7 +8,8 @@ top-k), and an experts module `experts` with fused 3-D weights in one of the lay
 per-expert `nn.Linear` lists; both are refused with the version named. Blocks are recognised by
 class name, so the core never imports `transformers`.
 
-Shape suffixes: T tokens, D hidden size, E experts, K experts per token, I expert intermediate size.
+Shape suffixes: T tokens, D d_model (HF's hidden size), E experts, K experts per token, H d_hidden (HF's
+expert intermediate size).
 """
 
 from __future__ import annotations

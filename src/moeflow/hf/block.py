@@ -1,9 +1,9 @@
 """`MoEBlock`: what replaces a Hugging Face sparse-MoE block — a `MoELayer` whose gate is the
 block's own router and whose shared experts are the block's own shared MLP (plus, for Qwen2-MoE,
-its sigmoid gate: `GatedSharedExpert`). Its forward is the block's: `[B, S, D] → [B, S, D]` (and
+its sigmoid gate: `GatedSharedExpert`). Its forward is the block's: `[B, T, D] → [B, T, D]` (and
 the router output GPT-OSS and Llama 4 return beside it), same numbers.
 
-Shape suffixes: B batch, S sequence, T = B·S tokens, D hidden size.
+Shape suffixes: B batch, T tokens of a sequence (B·T tokens once flattened), D d_model (HF's hidden size).
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ class MoEBlock(nn.Module):
         if self.training and self.jitter_noise > 0:  # Mixtral's router jitter, drawn as the block draws it
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
             hidden_states = hidden_states * noise
-        y = self.moe(hidden_states)  # [B, S, D]: the layer sees the sequences (balance="sequence")
+        y = self.moe(hidden_states)  # [B, T, D]: the layer sees the sequences (balance="sequence")
         if self.spec.returns is None:
             return y
-        # GPT-OSS returns its router's scores, `(logits, scores, experts)[1]`, beside `[B, S, D]`;
+        # GPT-OSS returns its router's scores, `(logits, scores, experts)[1]`, beside `[B, T, D]`;
         # Llama 4 its router's logits, `(scores, logits)[1]`, beside `[T, D]`.
         if self.spec.returns == "logits":
             y = y.reshape(-1, y.shape[-1])

@@ -3,7 +3,8 @@ same weights, same numbers; with `group=`, each rank keeps its own experts.
 
 Every block is checked before any is replaced, so an error leaves the model as it was.
 
-Shape suffixes: E experts, L experts held by this rank, D hidden size, I expert intermediate size.
+Shape suffixes: E experts, O experts this rank owns (holds in its module), D d_model (HF's hidden size),
+H d_hidden (HF's expert intermediate size), X any trailing dims.
 """
 
 from __future__ import annotations
@@ -99,12 +100,12 @@ def _build(name: str, block: nn.Module, spec: BlockSpec, group, layer_kwargs: di
     if group is not None:
         layer.to_expert_parallel(group)  # before the copy: each rank copies only its own experts
     device = tensors["gate_up_proj"].device
-    rows_L = torch.tensor(layer.experts.expert_ids, device=device)
+    rows_O = torch.tensor(layer.experts.expert_ids, device=device)
     full = layout.to_moeflow({n: t.detach() for n, t in tensors.items()})
     for w_name in layer.experts.weights():
-        own_LX = full[w_name].index_select(0, rows_L).contiguous()
+        own_OX = full[w_name].index_select(0, rows_O).contiguous()
         trained = tensors[layout.source_of(w_name)].requires_grad  # frozen experts stay frozen
-        setattr(layer.experts, w_name, nn.Parameter(own_LX, requires_grad=trained))
+        setattr(layer.experts, w_name, nn.Parameter(own_OX, requires_grad=trained))
     layer.experts.to(device=device)
     for tensor_name in layout.tensors:  # the source keeps no second copy; export puts them back
         delattr(experts, tensor_name)

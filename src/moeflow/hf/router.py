@@ -10,7 +10,7 @@ the choice and never the weights, as moeflow's own gates do — and with moeflow
 machinery (`routing.group_limited`, `stable_topk`). `check_semantics` proves on a probe batch, at
 conversion, that the semantics equal the router's.
 
-Shape suffixes: T tokens, D hidden size, E experts, K experts per token.
+Shape suffixes: T tokens, D d_model (HF's hidden size), E experts, K experts per token.
 """
 
 from __future__ import annotations

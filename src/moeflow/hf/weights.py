@@ -1,19 +1,20 @@
 """Expert weights between the `transformers` layouts and `MoELayer`'s experts, and the gather of
 every expert from its owner under expert parallelism.
 
-moeflow (`core.experts`): gate and up in one `w13 [E, D, 2, I]` (`[..., 0, :]` the gate), `w2`
-(down) `[E, I, D]`, applied as `x·W`; biases `b13 [E, 2, I]` and `b2 [E, D]` where the kind has
+moeflow (`core.experts`): gate and up in one `w13 [E, D, 2, H]` (`[..., 0, :]` the gate), `w2`
+(down) `[E, H, D]`, applied as `x·W`; biases `b13 [E, 2, H]` and `b2 [E, D]` where the kind has
 them. `transformers` stores them three ways (`ExpertLayout`), each a view of moeflow's:
 
-- `fused` (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE): `gate_up_proj [E, 2I, D]` (gate
-  rows, then up rows) and `down_proj [E, D, I]`, applied as `F.linear`, i.e. `x·Wᵀ`; SiLU gate.
-- `interleaved` (GPT-OSS): `gate_up_proj [E, D, 2I]` with gate and up in alternating columns
-  (gate at even ones), `gate_up_proj_bias [E, 2I]` likewise, `down_proj [E, I, D]`,
+- `fused` (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE): `gate_up_proj [E, 2H, D]` (gate
+  rows, then up rows) and `down_proj [E, D, H]`, applied as `F.linear`, i.e. `x·Wᵀ`; SiLU gate.
+- `interleaved` (GPT-OSS): `gate_up_proj [E, D, 2H]` with gate and up in alternating columns
+  (gate at even ones), `gate_up_proj_bias [E, 2H]` likewise, `down_proj [E, H, D]`,
   `down_proj_bias [E, D]`, applied as `x·W + b`; the clamped SwiGLU.
-- `stacked` (Llama 4): `gate_up_proj [E, D, 2I]` (gate columns, then up columns) and
-  `down_proj [E, I, D]`, applied as `x·W` (a `bmm`); SiLU gate.
+- `stacked` (Llama 4): `gate_up_proj [E, D, 2H]` (gate columns, then up columns) and
+  `down_proj [E, H, D]`, applied as `x·W` (a `bmm`); SiLU gate.
 
-Shape suffixes: E experts, L experts held by this rank, D hidden size, I expert intermediate size.
+Shape suffixes: E experts, O experts this rank owns (holds in its module), D d_model (HF's hidden size),
+H d_hidden (HF's expert intermediate size), X any trailing dims.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ class ExpertLayout:
         """moeflow's `[E, ...]` weights as views of the `transformers` tensors."""
         gate_up = hf["gate_up_proj"]
         num, first, second = gate_up.shape
-        if self.name == "fused":  # [E, 2I, D] → [E, D, 2, I]
+        if self.name == "fused":  # [E, 2H, D] → [E, D, 2, H]
             return {"w13": gate_up.view(num, 2, first // 2, second).permute(0, 3, 1, 2), "w2": hf["down_proj"].mT}
-        if self.name == "stacked":  # [E, D, 2I], gate columns then up columns
+        if self.name == "stacked":  # [E, D, 2H], gate columns then up columns
             return {"w13": gate_up.view(num, first, 2, second // 2), "w2": hf["down_proj"]}
-        bias = hf["gate_up_proj_bias"]  # interleaved columns: [E, D, I, 2] → [E, D, 2, I]
+        bias = hf["gate_up_proj_bias"]  # interleaved columns: [E, D, H, 2] → [E, D, 2, H]
         return {
             "w13": gate_up.view(num, first, second // 2, 2).transpose(2, 3),
             "b13": bias.view(num, -1, 2).transpose(1, 2),
@@ -77,7 +78,7 @@ class ExpertLayout:
         }
 
     def shapes(self, hf: dict[str, torch.Tensor]) -> tuple[int, int, int]:
-        """(E, D, I) of the experts."""
+        """(E, D, H) of the experts."""
         gate_up = hf["gate_up_proj"]
         if self.name == "fused":
             return gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2
@@ -107,10 +108,10 @@ def gather_experts(layer: MoELayer) -> dict[str, torch.Tensor]:
     whatever the ownership.
     """
     out = {}
-    for name, param_LX in layer.experts.weights().items():
-        full_EX = param_LX.new_zeros((layer.num_experts, *param_LX.shape[1:]))
+    for name, param_OX in layer.experts.weights().items():
+        full_EX = param_OX.new_zeros((layer.num_experts, *param_OX.shape[1:]))
         if layer.experts.expert_ids:
-            full_EX[torch.tensor(layer.experts.expert_ids, device=param_LX.device)] = param_LX.detach()
+            full_EX[torch.tensor(layer.experts.expert_ids, device=param_OX.device)] = param_OX.detach()
         if layer.group is not None:
             dist.all_reduce(full_EX, group=layer.group)
         out[name] = full_EX

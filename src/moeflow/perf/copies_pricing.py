@@ -6,7 +6,8 @@ because planners of three systems price placements with it.
 It reads from the cost model: `topology`, `backend`, `link_time`, `_latency`, `collective_time` and
 `_copies_eta` (the calibration on the profile's `copies` fit, set in `CostModel.__post_init__`).
 
-Shape suffixes: E experts, W devices; ``...`` = any leading batch dims.
+Shape suffixes: E experts, W devices, L directed links (as `Topology` names them); ``...`` = any
+leading batch dims.
 """
 
 from __future__ import annotations

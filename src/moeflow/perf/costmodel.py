@@ -17,7 +17,8 @@ calibrated on the fitted uniform all-to-all: ``t(flow) = α_a2a + η·max_l T_l(
 ``η = β_a2a / (max_l T_l(uniform 1 byte)/W_l)``. A uniform exchange then reproduces the fit
 exactly, and a skewed one is priced by its busiest link (the FasterMoE argument).
 
-Shape suffixes: W devices, E experts, L directed links; ``...`` = any leading batch dims
+Shape suffixes: W devices, E experts, L directed links and P ordered device pairs (as `Topology` names
+them: public names); ``...`` = any leading batch dims
 (iterations, layers), every method is vectorised over them.
 """
 

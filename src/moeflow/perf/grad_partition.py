@@ -36,6 +36,8 @@ Deviations, recorded:
   t_gar of some layers, no degree on the grid of tests/test_fsmoe_tool_agreement.py.
 * Only dense gradients are partitioned (as the published tool): expert gradients are reduced over
   their own expert-data-parallel groups.
+
+Shape suffixes: L MoE layers, Z candidates (trial partitions of one differential-evolution step).
 """
 
 from __future__ import annotations
@@ -145,15 +147,15 @@ def step1(
     return dense, moe, caps, carried + layer_grad_elements[-1]
 
 
-def _extra_from_u(u_NS: np.ndarray, caps_N: np.ndarray) -> np.ndarray:
+def _extra_from_u(u_LZ: np.ndarray, caps_L: np.ndarray) -> np.ndarray:
     """x_k = u_k·(cap_k − Σ_{j<k} x_j) for every MoE layer k (backward order) and trial s:
-    feasible for every u in [0, 1]^N."""
-    x_NS = np.zeros_like(u_NS)
-    taken_S = np.zeros(u_NS.shape[1:])
-    for k in range(u_NS.shape[0]):
-        x_NS[k] = u_NS[k] * np.maximum(caps_N[k] - taken_S, 0.0)
-        taken_S += x_NS[k]
-    return x_NS
+    feasible for every u in [0, 1]^L."""
+    x_LZ = np.zeros_like(u_LZ)
+    taken_Z = np.zeros(u_LZ.shape[1:])
+    for k in range(u_LZ.shape[0]):
+        x_LZ[k] = u_LZ[k] * np.maximum(caps_L[k] - taken_Z, 0.0)
+        taken_Z += x_LZ[k]
+    return x_LZ
 
 
 def partition_gradients(
@@ -176,13 +178,13 @@ def partition_gradients(
     caps = np.asarray(caps_k, dtype=np.float64)
     first = np.asarray(moe_k, dtype=np.float64)
 
-    def cost(x_NS: np.ndarray) -> np.ndarray:
-        """Step-2 objective ``[S]`` of trial partitions ``x_NS`` (elements added per MoE layer)."""
-        layers_S = best_candidate_time_ms(backward, fits.ar_time_ms(first[:, None] + x_NS), candidates).sum(0)
-        return layers_S + fits.ar_time_ms(leftover - x_NS.sum(0))
+    def cost(x_LZ: np.ndarray) -> np.ndarray:
+        """Step-2 objective ``[Z]`` of trial partitions ``x_LZ`` (elements added per MoE layer)."""
+        layers_Z = best_candidate_time_ms(backward, fits.ar_time_ms(first[:, None] + x_LZ), candidates).sum(0)
+        return layers_Z + fits.ar_time_ms(leftover - x_LZ.sum(0))
 
-    def cost_of_u(u_NS: np.ndarray) -> np.ndarray:
-        return cost(_extra_from_u(u_NS, caps))
+    def cost_of_u(u_LZ: np.ndarray) -> np.ndarray:
+        return cost(_extra_from_u(u_LZ, caps))
 
     u = np.zeros(n)
     if leftover > 0:
@@ -193,9 +195,9 @@ def partition_gradients(
         # share at 0 and 1 in turn and keep what helps (deterministic, 2N evaluations).
         u = np.asarray(res.x, dtype=np.float64)
         for k in range(n):
-            trials_NS = np.repeat(u[:, None], 3, axis=1)
-            trials_NS[k, 1:] = (0.0, 1.0)
-            u = trials_NS[:, int(np.argmin(cost_of_u(trials_NS)))]
+            trials_LZ = np.repeat(u[:, None], 3, axis=1)
+            trials_LZ[k, 1:] = (0.0, 1.0)
+            u = trials_LZ[:, int(np.argmin(cost_of_u(trials_LZ)))]
     extra = _extra_from_u(u[:, None], caps)[:, 0]
     # Integers: floor the cumulative sums (still within the caps), so the partition is exact.
     cum = np.minimum(np.floor(np.cumsum(extra) + 1e-6), caps).astype(np.int64)

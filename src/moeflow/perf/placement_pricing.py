@@ -22,8 +22,9 @@ cancel); where every node hangs from the root, the sources that spread over ever
 expert are summed per holder instead of expanded per (source, holder); and a prefix search stops
 where every later prefix's copies alone cost more than the best priced one (`cheapest_prefixes`).
 
-Shape suffixes: W ranks, E experts, L links, J steps (an expert and its new holders), K dispatched
-states (a step's new and previous holders), C candidates, N route-latency classes, X any.
+Shape suffixes: W ranks, E experts, L links (as `Topology` names them), Q steps (an expert and its
+new holders), F dispatched states (each step's new holders, then its previous ones: 2·Q), Z
+candidates, N nodes, X any; route-latency classes have no letter (`PlacementPricer.N` counts them).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_own
 
 @dataclass
 class PlacementTerms:
-    """The terms of every candidate ``[C]`` (seconds unless said), as `CostModel` prices a plan."""
+    """The terms of every candidate ``[Z]`` (seconds unless said), as `CostModel` prices a plan."""
 
     compute_s: np.ndarray
     """One forward expert compute of the slowest device (`CostModel.compute_time`)."""
@@ -52,22 +53,22 @@ class PlacementTerms:
     trans_prefetched_s: np.ndarray
     """Copies out as the block-wise prefetch sends them (`copies_time(tree=False)`)."""
     agg_prefetched_s: np.ndarray
-    tokens_CW: np.ndarray
+    tokens_ZW: np.ndarray
     """Tokens each device computes."""
-    local_CW: np.ndarray | None
+    local_ZW: np.ndarray | None
     """Of which its own tokens (with `detail=True`; Pro-Prophet's Eq. 1 as printed needs them)."""
-    copies_C: np.ndarray
+    copies_Z: np.ndarray
     """Copies beyond the owners."""
 
 
-def _running(delta_JX: np.ndarray, base_X: Any, start_J: np.ndarray) -> np.ndarray:
+def _running(delta_QX: np.ndarray, base_X: Any, start_Q: np.ndarray) -> np.ndarray:
     """Row 0: `base_X`; row j + 1: `base_X` plus the deltas of its candidate's steps up to j (the
-    running sum restarts where `start_J` is True: a new candidate's first step)."""
-    total = np.cumsum(delta_JX, axis=0)
-    first = np.flatnonzero(start_J)
+    running sum restarts where `start_Q` is True: a new candidate's first step)."""
+    total = np.cumsum(delta_QX, axis=0)
+    first = np.flatnonzero(start_Q)
     if first.size > 1:
         before = np.concatenate([np.zeros((1, *total.shape[1:]), total.dtype), total[:-1]])
-        total = total - before[np.repeat(first, np.diff(np.append(first, len(start_J))))]
+        total = total - before[np.repeat(first, np.diff(np.append(first, len(start_Q))))]
     out = np.empty((total.shape[0] + 1, *total.shape[1:]), dtype=np.result_type(total, np.asarray(base_X)))
     out[0] = base_X
     np.add(total, base_X, out=out[1:])
@@ -117,21 +118,21 @@ class PlacementPricer:
         self._node_start = np.searchsorted(self._node_W[self._by_node], np.arange(self._N))
 
     # ---- candidates ------------------------------------------------------------------------------
-    def prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray, detail: bool = False) -> PlacementTerms:
-        """Candidate c = the owners with the first c steps applied (c = 0..J): step j gives expert
-        `experts_J[j]` the holders `holders_JW[j]` (its owner included; a later step of the same
+    def prefixes(self, experts_Q: np.ndarray, holders_QW: np.ndarray, detail: bool = False) -> PlacementTerms:
+        """Candidate c = the owners with the first c steps applied (c = 0..Q): step j gives expert
+        `experts_Q[j]` the holders `holders_QW[j]` (its owner included; a later step of the same
         expert replaces an earlier one)."""
-        experts = np.asarray(experts_J, dtype=np.int64)
+        experts = np.asarray(experts_Q, dtype=np.int64)
         start = np.zeros(experts.size, dtype=bool)
         start[:1] = True
-        return self._terms(experts, np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W), start, detail)
+        return self._terms(experts, np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W), start, detail)
 
-    def placements(self, holders_CEW: list[np.ndarray], detail: bool = False) -> PlacementTerms:
-        """Candidate c = the placement with holders `holders_CEW[c]` (same owners)."""
+    def placements(self, holders_ZEW: list[np.ndarray], detail: bool = False) -> PlacementTerms:
+        """Candidate c = the placement with holders `holders_ZEW[c]` (same owners)."""
         base_EW = np.zeros((self.E, self.W), dtype=bool)
         base_EW[np.arange(self.E), self.owner] = True
         experts, rows, start, steps = [], [], [], []
-        for holders in holders_CEW:
+        for holders in holders_ZEW:
             holders = np.asarray(holders, dtype=bool)
             changed = np.flatnonzero((holders != base_EW).any(1))
             experts.append(changed)
@@ -149,14 +150,14 @@ class PlacementPricer:
         fields = {f: getattr(terms, f) for f in PlacementTerms.__dataclass_fields__}
         return PlacementTerms(**{f: None if v is None else v[pick] for f, v in fields.items()})
 
-    def cheapest_prefixes(self, experts_J, holders_JW, price, detail: bool = False, bounded: bool = True) -> np.ndarray:
-        """`price(terms) -> [C]` of the prefixes of the steps, up to the last that can be the
+    def cheapest_prefixes(self, experts_Q, holders_QW, price, detail: bool = False, bounded: bool = True) -> np.ndarray:
+        """`price(terms) -> [Z]` of the prefixes of the steps, up to the last that can be the
         cheapest: a prefix costs at least its copies (`bounded`: when its price is a sum of
         non-negative terms with the copies in full), so past the first prefix after which every
         prefix's copies alone cost more than the best priced one, none is priced. The first
         `PRICED_FIRST` are priced, then as many more as the bound leaves (the list is that long)."""
-        experts = np.asarray(experts_J, dtype=np.int64)
-        rows = np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W)
+        experts = np.asarray(experts_Q, dtype=np.int64)
+        rows = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
         if not bounded or experts.size <= PRICED_FIRST:
             return price(self.prefixes(experts, rows, detail))
         floor = np.minimum.accumulate(self.copies_of_prefixes(experts, rows)[::-1])[::-1]  # from each prefix on
@@ -170,96 +171,96 @@ class PlacementPricer:
             priced = last
 
     # ---- the work ------------------------------------------------------------------------------------
-    def _terms(self, experts: np.ndarray, new_JW: np.ndarray, start: np.ndarray, detail: bool) -> PlacementTerms:
-        W, J = self.W, experts.size
+    def _terms(self, experts: np.ndarray, new_QW: np.ndarray, start: np.ndarray, detail: bool) -> PlacementTerms:
+        W, Q = self.W, experts.size
         topo, cm, shape = self.topology, self.cm, self.shape
-        owner_J = self.owner[experts]
-        prev_JW = self._previous(experts, owner_J, new_JW, start)
-        # The dispatch of every step's expert after (state j) and before (state J + j) the step, of
+        owner_Q = self.owner[experts]
+        prev_QW = self._previous(experts, owner_Q, new_QW, start)
+        # The dispatch of every step's expert after (state j) and before (state Q + j) the step, of
         # the sources whose candidates it changes (the others' entries would cancel out) — unless
         # the experts each device computes are counted (a fitted GEMM launch): then of all.
-        flow_WJ = self.flow[:, experts]
+        flow_WQ = self.flow[:, experts]
         if not cm.prices_gemm_calls:
-            flow_WJ = np.where(self._affected(new_JW, prev_JW).T, flow_WJ, 0)
-        flow_WK, rows_KW = np.concatenate([flow_WJ, flow_WJ], axis=1), np.concatenate([new_JW, prev_JW])
-        spread = self._spread(flow_WK, rows_KW) if topo.nodes_under_root else None
+            flow_WQ = np.where(self._affected(new_QW, prev_QW).T, flow_WQ, 0)
+        flow_WF, rows_FW = np.concatenate([flow_WQ, flow_WQ], axis=1), np.concatenate([new_QW, prev_QW])
+        spread = self._spread(flow_WF, rows_FW) if topo.nodes_under_root else None
         if spread is not None:
-            flow_WK = np.where(spread.alone_WK, 0, flow_WK)
-        k, src, dst, count = dispatch_entries(flow_WK, rows_KW, self.node_of)
-        computed_KW = np.bincount(k * W + dst, weights=count, minlength=2 * J * W).reshape(2 * J, W)
+            flow_WF = np.where(spread.alone_WF, 0, flow_WF)
+        k, src, dst, count = dispatch_entries(flow_WF, rows_FW, self.node_of)
+        computed_FW = np.bincount(k * W + dst, weights=count, minlength=2 * Q * W).reshape(2 * Q, W)
         if spread is not None:
-            computed_KW += np.bincount(
-                spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * J * W
-            ).reshape(2 * J, W)
+            computed_FW += np.bincount(
+                spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * Q * W
+            ).reshape(2 * Q, W)
         local = src == dst
-        tokens = _running(computed_KW[:J] - computed_KW[J:], self.tokens0, start)
+        tokens = _running(computed_FW[:Q] - computed_FW[Q:], self.tokens0, start)
         calls = None  # experts with tokens per device: priced only with a fitted GEMM launch
         if cm.prices_gemm_calls:
-            calls = _running((computed_KW[:J] > 0).astype(np.int64) - (computed_KW[J:] > 0), self.calls0, start)
-        local_C = None
+            calls = _running((computed_FW[:Q] > 0).astype(np.int64) - (computed_FW[Q:] > 0), self.calls0, start)
+        local_Z = None
         if detail:
-            local_KW = np.bincount(k[local] * W + dst[local], weights=count[local], minlength=2 * J * W)
-            local_C = _running(local_KW[: J * W].reshape(J, W) - local_KW[J * W :].reshape(J, W), self.local0, start)
+            local_FW = np.bincount(k[local] * W + dst[local], weights=count[local], minlength=2 * Q * W)
+            local_Z = _running(local_FW[: Q * W].reshape(Q, W) - local_FW[Q * W :].reshape(Q, W), self.local0, start)
         # The exchange: the remote entries' bytes on every link, and their count per route latency.
         remote = ~local
         k, src, dst, count = k[remote], src[remote], dst[remote], count[remote]
-        step, sign = np.where(k < J, k, k - J), np.where(k < J, 1.0, -1.0)
-        d_traffic = self._on_links(J, step, src, dst, sign * count * self.tok_bytes)
-        d_classes = self._per_class(J, step, src, dst, sign)
+        step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
+        d_traffic = self._on_links(Q, step, src, dst, sign * count * self.tok_bytes)
+        d_classes = self._per_class(Q, step, src, dst, sign)
         if spread is not None:
-            d_traffic += spread.traffic(J, self.tok_bytes)
-            d_classes += spread.classes(J)
+            d_traffic += spread.traffic(Q, self.tok_bytes)
+            d_classes += spread.classes(Q)
         traffic = _running(d_traffic, self.traffic0, start)
         classes = _running(d_classes, self.classes0, start)
-        trans, agg, trans_pf, agg_pf, copies = self._copies(experts, owner_J, new_JW, prev_JW, start)
+        trans, agg, trans_pf, agg_pf, copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
         gemm_calls = None if calls is None else calls * shape.gemms
         compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
         active = classes > 0.5  # positive entries per latency class (integer counts)
         latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
         a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
-        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_C, copies)
+        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_Z, copies)
 
-    def _copies(self, experts, owner_J, new_JW, prev_JW, start):
-        """Copies out and back per candidate `[J + 1]` (and as the prefetch sends them), and their
+    def _copies(self, experts, owner_Q, new_QW, prev_QW, start):
+        """Copies out and back per candidate `[Q + 1]` (and as the prefetch sends them), and their
         number: the copy trees of the partial sets (`core.placement.tree_edges`) and the experts held
         everywhere by owner — broadcasts / reduces, or on gloo across nodes (`self.tree`) in the
         same trees; the prefetch sends those by broadcast / reduce beside the partial sets' trees."""
-        J, W = experts.size, self.W
-        own_JW = np.zeros((J, W), dtype=bool)
-        own_JW[np.arange(J), owner_J] = True
-        extra_new, extra_prev = new_JW & ~own_JW, prev_JW & ~own_JW
-        every_new = new_JW.all(1) & extra_new.any(1)
-        every_prev = prev_JW.all(1) & extra_prev.any(1)
-        every_trans, every_agg = self._everywhere(owner_J, every_new.astype(np.int64) - every_prev, start)
+        Q, W = experts.size, self.W
+        own_QW = np.zeros((Q, W), dtype=bool)
+        own_QW[np.arange(Q), owner_Q] = True
+        extra_new, extra_prev = new_QW & ~own_QW, prev_QW & ~own_QW
+        every_new = new_QW.all(1) & extra_new.any(1)
+        every_prev = prev_QW.all(1) & extra_prev.any(1)
+        every_trans, every_agg = self._everywhere(owner_Q, every_new.astype(np.int64) - every_prev, start)
         copies = _running((extra_new.sum(1) - extra_prev.sum(1))[:, None], np.zeros(1, np.int64), start)[:, 0]
-        owner_K = np.concatenate([owner_J, owner_J])
-        every_K = np.concatenate([every_new, every_prev])
-        partial_KW = np.where(every_K[:, None], np.concatenate([own_JW, own_JW]), np.concatenate([new_JW, prev_JW]))
-        trees = self._stages(J, partial_KW, owner_K, self.topology.node_of, start)
+        owner_F = np.concatenate([owner_Q, owner_Q])
+        every_F = np.concatenate([every_new, every_prev])
+        partial_FW = np.where(every_F[:, None], np.concatenate([own_QW, own_QW]), np.concatenate([new_QW, prev_QW]))
+        trees = self._stages(Q, partial_FW, owner_F, self.topology.node_of, start)
         trans, agg = every_trans + trees, every_agg + trees  # as the prefetch sends them
         if self.tree:  # as `materialize` sends them: everything through the trees, at once
-            every = self._stages(J, np.concatenate([new_JW, prev_JW]), owner_K, self.topology.node_of, start)
+            every = self._stages(Q, np.concatenate([new_QW, prev_QW]), owner_F, self.topology.node_of, start)
             return every, every, trans, agg, copies
         return trans, agg, trans, agg, copies
 
-    def _stages(self, J: int, rows_KW: np.ndarray, owner_K: np.ndarray, node_of, start: np.ndarray) -> np.ndarray:
-        """The copy trees of the states `rows_KW` (J after the steps, then J before) priced per
-        candidate `[J + 1]`: per stage its busiest link (`CostModel.stage_time_from_traffic`) and
+    def _stages(self, Q: int, rows_FW: np.ndarray, owner_F: np.ndarray, node_of, start: np.ndarray) -> np.ndarray:
+        """The copy trees of the states `rows_FW` (Q after the steps, then Q before) priced per
+        candidate `[Q + 1]`: per stage its busiest link (`CostModel.stage_time_from_traffic`) and
         slowest active route, the stages one after the other."""
-        k, src, dst, stage = tree_edges(rows_KW, owner_K, node_of)
-        step, sign = np.where(k < J, k, k - J), np.where(k < J, 1.0, -1.0)
+        k, src, dst, stage = tree_edges(rows_FW, owner_F, node_of)
+        step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
         L, N = self.L, self.N
         if k.size == 0:
-            return np.zeros(J + 1)
+            return np.zeros(Q + 1)
         # Both stages' link bytes and route-latency counts side by side: one running sum.
-        deltas = [np.zeros((J, L + N)), np.zeros((J, L + N))]
+        deltas = [np.zeros((Q, L + N)), np.zeros((Q, L + N))]
         for s in (0, 1):
             m = stage == s
             if m.any():
-                deltas[s][:, :L] = self._on_links(J, step[m], src[m], dst[m], sign[m] * self.param_bytes)
-                deltas[s][:, L:] = self._per_class(J, step[m], src[m], dst[m], sign[m])
+                deltas[s][:, :L] = self._on_links(Q, step[m], src[m], dst[m], sign[m] * self.param_bytes)
+                deltas[s][:, L:] = self._per_class(Q, step[m], src[m], dst[m], sign[m])
         run = _running(np.concatenate(deltas, axis=1), np.zeros(2 * (L + N)), start)
-        total = np.zeros(J + 1)
+        total = np.zeros(Q + 1)
         for s in (0, 1):
             part = run[:, s * (L + N) : (s + 1) * (L + N)]
             active = part[:, L:] > 0.5
@@ -267,33 +268,33 @@ class PlacementPricer:
             total += np.where(active.any(-1), self.cm.stage_time_from_traffic(part[:, :L]) + latency, 0.0)
         return total
 
-    def copies_of_prefixes(self, experts_J: np.ndarray, holders_JW: np.ndarray) -> np.ndarray:
-        """Copies out and back `[J + 1]` of every prefix of the steps (as `prefixes` prices them, the
+    def copies_of_prefixes(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> np.ndarray:
+        """Copies out and back `[Q + 1]` of every prefix of the steps (as `prefixes` prices them, the
         rest left out): a lower bound of each prefix's price."""
-        experts = np.asarray(experts_J, dtype=np.int64)
+        experts = np.asarray(experts_Q, dtype=np.int64)
         start = np.zeros(experts.size, dtype=bool)
         start[:1] = True
-        new_JW = np.asarray(holders_JW, dtype=bool).reshape(experts.size, self.W)
-        owner_J = self.owner[experts]
-        trans, agg, *_ = self._copies(experts, owner_J, new_JW, self._previous(experts, owner_J, new_JW, start), start)
+        new_QW = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
+        owner_Q = self.owner[experts]
+        trans, agg, *_ = self._copies(experts, owner_Q, new_QW, self._previous(experts, owner_Q, new_QW, start), start)
         return trans + agg
 
-    def _everywhere(self, owner_J: np.ndarray, d_every_J: np.ndarray, start: np.ndarray):
-        """The broadcasts / reduces of the experts held everywhere, per candidate `[J + 1]` each way.
+    def _everywhere(self, owner_Q: np.ndarray, d_every_Q: np.ndarray, start: np.ndarray):
+        """The broadcasts / reduces of the experts held everywhere, per candidate `[Q + 1]` each way.
         A step changes one owner's count by one: one broadcast's price changes, `f(n + 1) − f(n)`."""
-        cm, W, J = self.cm, self.W, owner_J.size
-        if J == 0:
+        cm, W, Q = self.cm, self.W, owner_Q.size
+        if Q == 0:
             return np.zeros(1), np.zeros(1)
         # Each owner's count before and after every step (running per owner within its candidate).
         candidate = np.cumsum(start)
-        key = candidate * W + owner_J
-        order = np.lexsort((np.arange(J), key))
-        run = np.cumsum(d_every_J[order])
+        key = candidate * W + owner_Q
+        order = np.lexsort((np.arange(Q), key))
+        run = np.cumsum(d_every_Q[order])
         first = np.r_[True, key[order][1:] != key[order][:-1]]
-        run -= np.repeat((run - d_every_J[order])[first], np.diff(np.r_[np.flatnonzero(first), J]))
-        after = np.empty(J, dtype=np.int64)
+        run -= np.repeat((run - d_every_Q[order])[first], np.diff(np.r_[np.flatnonzero(first), Q]))
+        after = np.empty(Q, dtype=np.int64)
         after[order] = run
-        before = after - d_every_J
+        before = after - d_every_Q
         out = []
         for direction in DIRECTIONS:
             kind = "broadcast" if direction == "materialize" else "reduce"
@@ -302,54 +303,54 @@ class PlacementPricer:
             out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
         return out[0], out[1]
 
-    def _spread(self, flow_WK: np.ndarray, rows_KW: np.ndarray) -> _Spread | None:
+    def _spread(self, flow_WF: np.ndarray, rows_FW: np.ndarray) -> _Spread | None:
         """The sources that spread over every holder of a state (their node holds none of them),
         summed instead of expanded (`_Spread`); None when there are none."""
-        held_KN = self._per_node(rows_KW)
-        several_K = rows_KW.sum(1) > 1  # one holder takes the tokens whole: `dispatch_entries` is as cheap
-        alone_WK = ~held_KN[:, self._node_W].T & (flow_WK > 0) & several_K
-        if not alone_WK.any():
+        held_FN = self._per_node(rows_FW)
+        several_F = rows_FW.sum(1) > 1  # one holder takes the tokens whole: `dispatch_entries` is as cheap
+        alone_WF = ~held_FN[:, self._node_W].T & (flow_WF > 0) & several_F
+        if not alone_WF.any():
             return None
-        return _Spread(self, flow_WK, rows_KW, alone_WK)
+        return _Spread(self, flow_WF, rows_FW, alone_WF)
 
-    def _affected(self, new_JW: np.ndarray, prev_JW: np.ndarray) -> np.ndarray:
-        """`[J, W]`: the sources whose dispatch candidates a step changes — those on a node whose
+    def _affected(self, new_QW: np.ndarray, prev_QW: np.ndarray) -> np.ndarray:
+        """`[Q, W]`: the sources whose dispatch candidates a step changes — those on a node whose
         holders it changes, or on a node with none before and after (they spread over every
         holder); a source on a node whose holders stay the same keeps its own or its node's."""
         if self._N == 1:
-            return np.broadcast_to((new_JW != prev_JW).any(1)[:, None], new_JW.shape)
-        changed_JN = self._per_node(new_JW != prev_JW)
-        held_JN = self._per_node(new_JW | prev_JW)
-        return (changed_JN | ~held_JN)[:, self._node_W]
+            return np.broadcast_to((new_QW != prev_QW).any(1)[:, None], new_QW.shape)
+        changed_QN = self._per_node(new_QW != prev_QW)
+        held_QN = self._per_node(new_QW | prev_QW)
+        return (changed_QN | ~held_QN)[:, self._node_W]
 
     def _per_node(self, rows_XW: np.ndarray) -> np.ndarray:
         """`[X, N]`: whether any rank of each node is set in each row."""
         return np.logical_or.reduceat(rows_XW[:, self._by_node], self._node_start, axis=1)
 
-    def _previous(self, experts: np.ndarray, owner_J: np.ndarray, new_JW: np.ndarray, start: np.ndarray) -> np.ndarray:
+    def _previous(self, experts: np.ndarray, owner_Q: np.ndarray, new_QW: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Each step's expert's holders before it: its last earlier step's in the same candidate, or its owner."""
-        J = experts.size
-        prev = np.zeros((J, self.W), dtype=bool)
-        prev[np.arange(J), owner_J] = True
+        Q = experts.size
+        prev = np.zeros((Q, self.W), dtype=bool)
+        prev[np.arange(Q), owner_Q] = True
         candidate = np.cumsum(start)
         key = candidate * self.E + experts
-        if np.unique(key).size < J:  # an expert changed twice in one candidate
-            order = np.lexsort((np.arange(J), key))
+        if np.unique(key).size < Q:  # an expert changed twice in one candidate
+            order = np.lexsort((np.arange(Q), key))
             again = np.flatnonzero(key[order][1:] == key[order][:-1])
-            prev[order[again + 1]] = new_JW[order[again]]
+            prev[order[again + 1]] = new_QW[order[again]]
         return prev
 
-    def _on_links(self, J: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, value: np.ndarray) -> np.ndarray:
-        """Bytes `value` from `src` to `dst` at each `step`, summed on every link: `[J, L]`."""
+    def _on_links(self, Q: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, value: np.ndarray) -> np.ndarray:
+        """Bytes `value` from `src` to `dst` at each `step`, summed on every link: `[Q, L]`."""
         hops = self.topology.route_WWH[src, dst]  # [n, H], padded with L
         index = step[:, None] * (self.L + 1) + hops
-        sums = np.bincount(index.reshape(-1), weights=np.repeat(value, hops.shape[-1]), minlength=J * (self.L + 1))
-        return sums.reshape(J, self.L + 1)[:, : self.L]
+        sums = np.bincount(index.reshape(-1), weights=np.repeat(value, hops.shape[-1]), minlength=Q * (self.L + 1))
+        return sums.reshape(Q, self.L + 1)[:, : self.L]
 
-    def _per_class(self, J: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, sign: np.ndarray) -> np.ndarray:
-        """The change in the number of positive entries on routes of each latency: `[J, N]`."""
+    def _per_class(self, Q: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, sign: np.ndarray) -> np.ndarray:
+        """The change in the number of positive entries on routes of each latency: `[Q, classes]`."""
         index = step * self.N + self.topology.latency_class_WW[src, dst]
-        return np.bincount(index, weights=sign, minlength=J * self.N).reshape(J, self.N)
+        return np.bincount(index, weights=sign, minlength=Q * self.N).reshape(Q, self.N)
 
 
 DIRECTIONS = ("materialize", "reduce")
@@ -365,49 +366,49 @@ class _Spread:
     own; a holder's share is the same quotient from every source plus one from each source whose
     remainder reaches it in ring order — a cyclic window of the holder list, added as differences."""
 
-    def __init__(self, pricer: PlacementPricer, flow_WK: np.ndarray, rows_KW: np.ndarray, alone_WK: np.ndarray):
-        J2, W = rows_KW.shape
-        src, k = np.nonzero(alone_WK)
-        f = flow_WK[src, k].astype(np.int64)  # whole assignments (a split needs them)
-        self.alone_WK = alone_WK
-        hold_k, hold_w = np.nonzero(rows_KW)  # every state's holders by rank, state after state
-        n_K = np.bincount(hold_k, minlength=J2)
-        offset_K = np.cumsum(n_K) - n_K
-        n = n_K[k]
-        first = np.searchsorted(hold_k * W + hold_w, k * W + src) - offset_K[k]  # holders below the source
+    def __init__(self, pricer: PlacementPricer, flow_WF: np.ndarray, rows_FW: np.ndarray, alone_WF: np.ndarray):
+        Q2, W = rows_FW.shape
+        src, k = np.nonzero(alone_WF)
+        f = flow_WF[src, k].astype(np.int64)  # whole assignments (a split needs them)
+        self.alone_WF = alone_WF
+        hold_k, hold_w = np.nonzero(rows_FW)  # every state's holders by rank, state after state
+        n_F = np.bincount(hold_k, minlength=Q2)
+        offset_F = np.cumsum(n_F) - n_F
+        n = n_F[k]
+        first = np.searchsorted(hold_k * W + hold_w, k * W + src) - offset_F[k]  # holders below the source
         base, rem = f // n, f % n
         # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders.
         stop = first + rem
         wrap = stop > n
-        at = offset_K[k]
+        at = offset_F[k]
         index = np.concatenate([at + first, at + np.where(wrap, n, stop), at[wrap], at[wrap] + (stop - n)[wrap]])
         step = np.concatenate([np.ones(k.size), -np.ones(k.size), np.ones(wrap.sum()), -np.ones(wrap.sum())])
         diff = np.bincount(index, weights=step, minlength=hold_k.size + 1)
-        self.received = np.bincount(k, weights=base, minlength=J2)[hold_k] + np.cumsum(diff)[:-1]
+        self.received = np.bincount(k, weights=base, minlength=Q2)[hold_k] + np.cumsum(diff)[:-1]
         self.hold_k, self.hold_w = hold_k, hold_w
         self.src, self.k, self.f = src, k, f
         self.positive = np.minimum(n, f)  # holders that get anything from the source
         topo = pricer.topology
         self.up, self.down = topo.leave_W2[src], topo.enter_W2[hold_w]  # the four links between two nodes
         self.cls = topo.cross_class
-        self.L, self.N, self.J = len(topo.links), pricer.N, J2 // 2
+        self.L, self.N, self.Q = len(topo.links), pricer.N, Q2 // 2
 
     def _step_sign(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.where(k < self.J, k, k - self.J), np.where(k < self.J, 1.0, -1.0)
+        return np.where(k < self.Q, k, k - self.Q), np.where(k < self.Q, 1.0, -1.0)
 
-    def traffic(self, J: int, tok_bytes: float) -> np.ndarray:
-        """Their bytes on every link `[J, L]` (after the step minus before)."""
+    def traffic(self, Q: int, tok_bytes: float) -> np.ndarray:
+        """Their bytes on every link `[Q, L]` (after the step minus before)."""
         step, sign = self._step_sign(self.k)
         hstep, hsign = self._step_sign(self.hold_k)
         index = np.concatenate(
             [(step[:, None] * (self.L + 1) + self.up).ravel(), (hstep[:, None] * (self.L + 1) + self.down).ravel()]
         )
         value = np.concatenate([np.repeat(sign * self.f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
-        return np.bincount(index, weights=value, minlength=J * (self.L + 1)).reshape(J, self.L + 1)[:, : self.L]
+        return np.bincount(index, weights=value, minlength=Q * (self.L + 1)).reshape(Q, self.L + 1)[:, : self.L]
 
-    def classes(self, J: int) -> np.ndarray:
-        """The change in positive (source, holder) counts per route latency `[J, N]`."""
+    def classes(self, Q: int) -> np.ndarray:
+        """The change in positive (source, holder) counts per route latency `[Q, classes]`."""
         step, sign = self._step_sign(self.k)
-        return np.bincount(step * self.N + self.cls, weights=sign * self.positive, minlength=J * self.N).reshape(
-            J, self.N
+        return np.bincount(step * self.N + self.cls, weights=sign * self.positive, minlength=Q * self.N).reshape(
+            Q, self.N
         )

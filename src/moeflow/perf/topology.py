@@ -13,7 +13,9 @@ The lowest-level groups ("nodes") may instead be *rings* (NVLink rings, FasterMo
 traffic between members of the same ring travels along the ring edges (shortest direction),
 traffic leaving the node goes through the node's switch as in a tree.
 
-Shape suffixes: W devices, L directed links, P = W·W ordered device pairs.
+Shape suffixes: W devices, L directed links, P = W·W ordered device pairs, H hops of a route. `L`,
+`P` and `H` keep these meanings here only because they are in public names (`bandwidth_L`,
+`routes_PL`, `route_WWH`, `pair_traffic(bytes_P, pairs_P)`); docs/architecture.md, "Shape letters".
 
     topo = Topology.from_spec([[0, 1], [2, 3]], level_bandwidth_bytes_per_s=[12.5e9, 16e9])
     topo.path(0, 3)          # [d0->n0, n0->root, root->n1, n1->d3]

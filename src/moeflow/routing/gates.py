@@ -6,7 +6,8 @@ Routing math runs in fp32 whatever the input dtype or autocast state (small logi
 top-k). Selection may add a bias (aux-free balancing, TA-MoE steering) that never touches the
 combine weights. Ties go to the lower expert id.
 
-Shape suffixes: T tokens on this rank, D d_model, E experts, K top-k, R a low-rank projection.
+Shape suffixes: T tokens on this rank, D d_model, E experts, K top-k; `tokens_low_rank` and
+`experts_low_rank`: their projections to a low rank (no letter).
 """
 
 from __future__ import annotations
@@ -277,8 +278,8 @@ class XMoEOptions:
 
 
 class XMoEGate(TokenChoiceGate):
-    """`gate="xmoe"` (X-MoE, Chi et al. 2022; FSMoE §2.1): tokens are projected to a low dimension R
-    (`W_proj`, [R, D]) and compared with learned expert embeddings (`weight`, [E, R]) by cosine
+    """`gate="xmoe"` (X-MoE, Chi et al. 2022; FSMoE §2.1): tokens are projected to a low dimension r
+    (`W_proj`, [r, D]) and compared with learned expert embeddings (`weight`, [E, r]) by cosine
     similarity over a learned temperature, `s_e = cos(W_proj·x, w_e) / τ` with τ clamped to
     [min, max]; then softmax, the k largest, weights renormalised. The projection separates the
     token's hidden state from the routing space (X-MoE's fix for representation collapse)."""
@@ -304,6 +305,6 @@ class XMoEGate(TokenChoiceGate):
         return self.log_temperature.float().exp().clamp(self.min_temperature, self.max_temperature)
 
     def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
-        z_TR = F.normalize(x_TD.float() @ self.proj.float().t(), dim=-1)
-        w_ER = F.normalize(self.weight.float(), dim=-1)
-        return (z_TR @ w_ER.t()) / self.temperature
+        tokens_low_rank = F.normalize(x_TD.float() @ self.proj.float().t(), dim=-1)
+        experts_low_rank = F.normalize(self.weight.float(), dim=-1)
+        return (tokens_low_rank @ experts_low_rank.t()) / self.temperature

@@ -16,7 +16,7 @@ top-k. Two kinds of group:
 Group selection breaks ties to the lower group id; only the selection scores (bias included) are
 seen, never the combine weights.
 
-Shape suffixes: T tokens, E experts, G groups, N experts of a group.
+Shape suffixes: T tokens, E experts, G groups of experts.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ rank's own batch. Token choice routes each token alone; expert choice picks each
 among the rank's tokens; SoftMoE mixes the rank's tokens into its slots. Expert parallelism over
 W ranks then equals the single-process layer applied to each rank's tokens separately.
 
-Shape suffixes: T tokens on this rank, D d_model, E experts, K top-k, A rows (assignments or
-slots), S slots (A = S for slot-based routing).
+Shape suffixes: T tokens on this rank, D d_model, E experts, K top-k, A rows (assignments, or
+the slots of slot-based routing).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class Routing:
     """Each row is its token scaled by the row's weight and the outputs are summed unweighted
     (Llama 4), instead of weighting the outputs."""
     sequence_length: int | None = None
-    """S: the rank's tokens are consecutive sequences of S tokens (the layer sets it from its
-    input's shape `[..., S, D]`; sequence-wise balance terms use it); None: one sequence."""
+    """The rank's tokens are consecutive sequences of `sequence_length` tokens (the layer sets it
+    from its input's shape `[..., T, D]`; sequence-wise balance terms use it); None: one sequence."""
 
     def __post_init__(self) -> None:
         if self.kind not in ROUTING_KINDS:

@@ -1,6 +1,6 @@
 """`gate="soft"` (SoftMoE, Puigcerver et al. 2023; FSMoE §2.1): no discrete routing, nothing dropped.
 
-Every expert has `slots_per_expert` slots. With logits `L = x·Φ` ([T, S], S = E·slots, fp32):
+Every expert has `slots_per_expert` slots. With logits `L = x·Φ` ([T, A], A = E·slots, fp32):
 a slot's input is a mix of this rank's tokens, `x̃_s = Σ_t D[t, s] · x_t` with `D = softmax(L)`
 over the tokens (each column sums to 1); a token's output is a mix of the slots' outputs,
 `y_t = Σ_s C[t, s] · f_e(s)(x̃_s)` with `C = softmax(L)` over the slots (each row sums to 1).
@@ -8,7 +8,7 @@ Under expert parallelism each rank sends its E·slots slot rows — fixed counts
 owners; mixing is over the rank's own batch (docs/architecture.md, "The invariant").
 A rank without tokens sends empty (all-zero) slots. No balance term applies (`balance="none"`).
 
-Shape suffixes: T tokens on this rank, D d_model, E experts, S slots (= rows A).
+Shape suffixes: T tokens on this rank, D d_model, E experts, A rows (the slots, E·slots_per_expert).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class SoftOptions:
 
 
 class SoftGate(nn.Module):
-    """See the module docstring. `weight` is Φᵀ, `[S, D]` (one row per slot, expert-major)."""
+    """See the module docstring. `weight` is Φᵀ, `[A, D]` (one row per slot, expert-major)."""
 
     routing_kind = "soft"
 
@@ -55,18 +55,18 @@ class SoftGate(nn.Module):
     ) -> Routing:
         del selection_bias_E, layout  # nothing is selected
         with torch.autocast(x_TD.device.type, enabled=False):
-            logits_TS = x_TD.float() @ self.weight.float().t()
-            dispatch_TS = torch.softmax(logits_TS, dim=0)
-            combine_TS = torch.softmax(logits_TS, dim=1)
-            S = logits_TS.shape[1]
-            expert_S = torch.arange(self.num_experts, device=x_TD.device).repeat_interleave(self.slots_per_expert)
+            logits_TA = x_TD.float() @ self.weight.float().t()
+            dispatch_TA = torch.softmax(logits_TA, dim=0)
+            combine_TA = torch.softmax(logits_TA, dim=1)
+            A = logits_TA.shape[1]
+            expert_A = torch.arange(self.num_experts, device=x_TD.device).repeat_interleave(self.slots_per_expert)
             return Routing(
-                expert_A=expert_S,
-                weight_A=torch.ones(S, device=x_TD.device),
+                expert_A=expert_A,
+                weight_A=torch.ones(A, device=x_TD.device),
                 # A token's output share from each expert: its combine weights summed over the slots.
-                probs_TE=combine_TS.view(-1, self.num_experts, self.slots_per_expert).sum(-1),
-                logits_TE=logits_TS,
+                probs_TE=combine_TA.view(-1, self.num_experts, self.slots_per_expert).sum(-1),
+                logits_TE=logits_TA,
                 num_tokens=x_TD.shape[0],
-                slots=SlotMixing(dispatch_TS, combine_TS),
+                slots=SlotMixing(dispatch_TA, combine_TA),
                 kind="soft",
             )

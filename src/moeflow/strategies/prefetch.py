@@ -33,7 +33,7 @@ into `.grad` when Agg completes. Numbers equal those of the unscheduled layer (t
 Call `finish()` after backward (`all_reduce_gradients` does) so that every Agg has landed before
 gradients are reduced or the optimizer steps.
 
-Shape suffixes: J experts held by this rank, M copies received, P flattened parameters of one expert.
+Shape suffixes: J experts held by this rank, Y copies received, P flattened parameters of one expert.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ class _Trans(_TwoParts):
         self.layout = flat_layout(weights, self.plan, layer.experts.expert_ids, held_J)
         width = sum(self.layout.widths)
         super().__init__(layer.group, tag, width, split)
-        self.sent_MP = self.layout.flat_sent(list(weights.values()))
-        self.recv = [self.sent_MP.new_empty((len(self.plan.received), w)) for w in self.widths]
+        self.sent_YP = self.layout.flat_sent(list(weights.values()))
+        self.recv = [self.sent_YP.new_empty((len(self.plan.received), w)) for w in self.widths]
 
     def bundle(self, b: int, part: int) -> torch.Tensor:
         """Columns of `part` of bundle b's rows `[len(experts), ·]`: the owner's, or as received."""
@@ -147,7 +147,7 @@ class _Trans(_TwoParts):
         if plan.bundles[b].owner != plan.me:
             return self.recv[part][plan.rows(b)]
         index, layout = self.layout.sent_index, self.layout
-        return self.sent_MP[[index[r] for r in layout.rows(plan.bundles[b].experts)]][:, self.columns(part)]
+        return self.sent_YP[[index[r] for r in layout.rows(plan.bundles[b].experts)]][:, self.columns(part)]
 
     def messages(self, part: int, stage: int) -> tuple[list, list]:
         plan, me = self.plan, self.plan.me
@@ -178,15 +178,15 @@ class _Prefetched(torch.autograd.Function):
     the owned rows' gradients now, the copies' gradients handed to Agg (`BlockPrefetch`)."""
 
     @staticmethod
-    def forward(ctx, trans, recv_MP, prefetch, index, *local_params):
+    def forward(ctx, trans, recv_YP, prefetch, index, *local_params):
         ctx.trans, ctx.prefetch, ctx.index = trans, prefetch, index
         ctx.shapes = [p.shape for p in local_params]
-        return held_from_flat(trans.layout, list(local_params), recv_MP)
+        return held_from_flat(trans.layout, list(local_params), recv_YP)
 
     @staticmethod
     def backward(ctx, *grad_held):
-        grads, grad_MP = split_held_gradients(ctx.trans.layout, ctx.shapes, grad_held)
-        ctx.prefetch.start_agg(ctx.index, ctx.trans, grad_MP)
+        grads, grad_YP = split_held_gradients(ctx.trans.layout, ctx.shapes, grad_held)
+        ctx.prefetch.start_agg(ctx.index, ctx.trans, grad_YP)
         return (None, None, None, None, *grads)
 
 
@@ -195,29 +195,29 @@ class _Agg(_TwoParts):
     stages reversed — holders to their relay, which sums (its own rows, then each holder's in edge
     order), then relays and the owner's node-mates to the owner."""
 
-    def __init__(self, trans: _Trans, grad_MP: torch.Tensor, split: float) -> None:
-        super().__init__(trans.group, trans.tag + 2, grad_MP.shape[1], split)
-        self.trans, self.grad_MP = trans, grad_MP
+    def __init__(self, trans: _Trans, grad_YP: torch.Tensor, split: float) -> None:
+        super().__init__(trans.group, trans.tag + 2, grad_YP.shape[1], split)
+        self.trans, self.grad_YP = trans, grad_YP
         plan, me = trans.plan, trans.plan.me
         cols = (self.columns(0), self.columns(1))
 
         def buffers(edges):
             return [
-                [(b, grad_MP.new_empty((len(plan.bundles[b].experts), w))) for b, src, dst in edges if src == me]
+                [(b, grad_YP.new_empty((len(plan.bundles[b].experts), w))) for b, src, dst in edges if src == me]
                 for w in self.widths
             ]
 
         self.inbox = buffers(plan.stages[1])  # at a relay, from its node's holders
         self.incoming = buffers(plan.stages[0])  # at the owner, from its node-mates and the relays
         self.rows: list[dict[int, torch.Tensor]] = [
-            {b: grad_MP[plan.rows(b), c] for b in range(len(plan.bundles)) if plan.bundles[b].owner != me} for c in cols
+            {b: grad_YP[plan.rows(b), c] for b in range(len(plan.bundles)) if plan.bundles[b].owner != me} for c in cols
         ]
         # Per bundle held everywhere: this rank's gradients of it, summed at the owner.
         self.partial = {
             b: [
-                grad_MP.new_zeros((len(plan.bundles[b].experts), w))
+                grad_YP.new_zeros((len(plan.bundles[b].experts), w))
                 if plan.bundles[b].owner == plan.me
-                else grad_MP[plan.rows(b), c].clone()
+                else grad_YP[plan.rows(b), c].clone()
                 for w, c in zip(self.widths, cols)
             ]
             for b in plan.collective
@@ -386,8 +386,8 @@ class BlockPrefetch(MoEHook):
         agg.finish()
         self.exposed_s[index] += agg.exposed_s
 
-    def start_agg(self, index: int, trans: _Trans, grad_MP: torch.Tensor) -> None:
-        self._agg[index] = _Agg(trans, grad_MP, self.split_backward[index - 1])
+    def start_agg(self, index: int, trans: _Trans, grad_YP: torch.Tensor) -> None:
+        self._agg[index] = _Agg(trans, grad_YP, self.split_backward[index - 1])
 
     # ---- once per step -----------------------------------------------------------------------------
     def finish(self) -> None:

@@ -10,8 +10,6 @@ Every `AGREE_EVERY` forwards, at the start of the next, one all-reduce (max) ove
 gives every rank the slowest rank's times of each of those forwards, handed to the observers in
 order: every rank then corrects, and decides, identically. On CUDA the spans are CUDA events, read
 when agreed (long done by then).
-
-Shape suffixes: N forwards agreed at once.
 """
 
 from __future__ import annotations

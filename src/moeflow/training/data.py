@@ -12,7 +12,8 @@ global batch does not depend on the number of processes (rank r takes rows
 [r*B, (r+1)*B) of it, B = global_batch_size / world_size) — so runs with different process
 counts train on the same data.
 
-Shape suffixes: B batch rows on this rank, T sequence length, N number of tokens.
+Shape suffixes: B batch rows on this rank, T sequence length, U tokens of the corpus
+(`BatchSampler`'s public `tokens_N` argument and attribute keep their older N).
 """
 
 from __future__ import annotations
@@ -120,20 +121,20 @@ def load_corpus(cfg: DataConfig, min_tokens: int = 2, tokenizer=None) -> Corpus:
     """Read the configured text, tokenize it (`training.tokenizer`; None: bytes) and split it;
     `min_tokens` is the shortest usable split (seq_len + 1)."""
     text, source, used = read_text(cfg)
-    tokens_N = np.frombuffer(text, dtype=np.uint8) if tokenizer is None else tokenizer.encode(text)
-    n_val = int(len(tokens_N) * cfg.val_fraction)
-    train_N, val_N = tokens_N[: len(tokens_N) - n_val], tokens_N[len(tokens_N) - n_val :]
-    if min(len(train_N), len(val_N)) < min_tokens:
+    tokens_U = np.frombuffer(text, dtype=np.uint8) if tokenizer is None else tokenizer.encode(text)
+    n_val = int(len(tokens_U) * cfg.val_fraction)
+    train_U, val_U = tokens_U[: len(tokens_U) - n_val], tokens_U[len(tokens_U) - n_val :]
+    if min(len(train_U), len(val_U)) < min_tokens:
         raise ValueError(
-            f"data path {source!r} has {len(tokens_N)} tokens: too little for a training and a validation "
+            f"data path {source!r} has {len(tokens_U)} tokens: too little for a training and a validation "
             f"split of at least {min_tokens} tokens each with data.val_fraction={cfg.val_fraction}"
         )
-    return Corpus(train=train_N, val=val_N, source=source, num_files=used)
+    return Corpus(train=train_U, val=val_U, source=source, num_files=used)
 
 
-def _windows(tokens_N: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(tokens_U: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
-    rows = torch.from_numpy(tokens_N[idx].astype(np.int64))
+    rows = torch.from_numpy(tokens_U[idx].astype(np.int64))
     return rows[:, :-1], rows[:, 1:]
 
 

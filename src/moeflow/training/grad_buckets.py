@@ -15,8 +15,6 @@ Deviations, recorded:
   backward order), not from a hook inside the MoE layer's pipelined backward.
 * The partition's ``others_ms`` (dense backward time of a generalized layer) is taken as 0: the
   dense part hides nothing, every element is placed by the MoE layers' overlappable time.
-
-Legend: N = elements of a flat bucket.
 """
 
 from __future__ import annotations
@@ -144,10 +142,10 @@ class GradBuckets:
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for group in by_dtype.values():
-            flat_N = _flatten_dense_tensors(group)
-            bucket.flats.append(flat_N)
+            flat = _flatten_dense_tensors(group)
+            bucket.flats.append(flat)
             bucket.groups.append(group)
-            bucket.handles.append(dist.all_reduce(flat_N, async_op=True) if self.layout.world_size > 1 else None)
+            bucket.handles.append(dist.all_reduce(flat, async_op=True) if self.layout.world_size > 1 else None)
         bucket.ready = -1  # launched
 
     def arm(self) -> None:
@@ -169,9 +167,9 @@ class GradBuckets:
                     h.wait()
         self.waited_s = time.perf_counter() - t0
         for b in self.buckets:
-            for flat_N, group in zip(b.flats, b.groups):
-                flat_N.div_(self.layout.world_size)
-                for g, synced in zip(group, _unflatten_dense_tensors(flat_N, group)):
+            for flat, group in zip(b.flats, b.groups):
+                flat.div_(self.layout.world_size)
+                for g, synced in zip(group, _unflatten_dense_tensors(flat, group)):
                     g.copy_(synced)
             b.flats, b.groups, b.handles = [], [], []
         all_reduce_gradients(self.model, self.layout, dense=False)

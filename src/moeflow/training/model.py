@@ -17,7 +17,8 @@ and averaged by `moeflow.model_step.all_reduce_gradients`, or sharded by FSDP2 p
 (`dense="fsdp"`); expert parameters live on their owner (and its data-parallel replicas, whole or
 FSDP-sharded). Activation checkpointing is a per-block mode (`set_recompute`).
 
-Shape suffixes: B batch, T time (sequence), D d_model, H heads, K head dim, V vocabulary (256).
+Shape suffixes: B batch, T time (sequence), D d_model, V vocabulary (256); `q_heads`, `k_heads`, `v_heads`,
+`y_heads` are `[B, heads, T, head dim]` (no letters).
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ class CausalSelfAttention(nn.Module):
         B, T, D = x_BTD.shape
         q_BTD, k_BTD, v_BTD = self.qkv(x_BTD).split(D, dim=-1)
         # (B, T, D) -> (B, H, T, K): the layout scaled_dot_product_attention expects.
-        q_BHTK, k_BHTK, v_BHTK = (
+        q_heads, k_heads, v_heads = (
             t.view(B, T, self.n_heads, D // self.n_heads).transpose(1, 2) for t in (q_BTD, k_BTD, v_BTD)
         )
-        y_BHTK = F.scaled_dot_product_attention(q_BHTK, k_BHTK, v_BHTK, is_causal=True)
-        return self.proj(y_BHTK.transpose(1, 2).reshape(B, T, D))
+        y_heads = F.scaled_dot_product_attention(q_heads, k_heads, v_heads, is_causal=True)
+        return self.proj(y_heads.transpose(1, 2).reshape(B, T, D))
 
 
 class DenseFFN(nn.Module):

@@ -12,7 +12,7 @@ as `tokenizer.json`; a resumed run and `moeflow generate` read it from there. `m
 follows the tokenizer (256 for bytes).
 
     tokenizer = load_tokenizer(cfg.data, run_dir)
-    ids_N = tokenizer.encode(text_bytes); tokenizer.decode(ids) -> str
+    ids_U = tokenizer.encode(text_bytes); tokenizer.decode(ids) -> str     (U: tokens of a corpus)
 """
 
 from __future__ import annotations

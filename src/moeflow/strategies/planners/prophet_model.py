@@ -16,7 +16,7 @@ Two forms of one model, both priced by the shared `CostModel`:
 Trans hides behind the forward expert and non-MoE compute of the block before, Agg behind their
 backward (2×); the simulator prices a planner that plans ahead with the same function.
 
-Shape suffixes: W devices, E experts, C candidate placements; ``...`` = any leading batch dims.
+Shape suffixes: W devices, E experts, Z candidate placements; ``...`` = any leading batch dims.
 """
 
 from __future__ import annotations
@@ -107,13 +107,13 @@ def prophet_layer_times(
 
 
 def price_terms(terms: PlacementTerms, cost_model: Any, shape: ExpertShape, pricing: Pricing) -> np.ndarray:
-    """The predicted time (seconds, forward + backward) of every candidate `[C]` of
+    """The predicted time (seconds, forward + backward) of every candidate `[Z]` of
     `perf.placement_pricing`: Eq. 6 (four exchanges, three expert computes, Trans and Agg as the
     sparse collectives run them), Eq. 8 with `pricing.overlap` (copies as the prefetch sends them,
     hidden by the measured window), or Eq. 1-8 as printed with `pricing.model="paper"`."""
     if pricing.model == "paper":
-        recv_CW = terms.tokens_CW - terms.local_CW  # tokens from other devices
-        t = prophet_layer_times(cost_model, recv_CW, terms.tokens_CW, terms.copies_C, shape, pricing.nonmoe_forward_s)
+        recv_ZW = terms.tokens_ZW - terms.local_ZW  # tokens from other devices
+        t = prophet_layer_times(cost_model, recv_ZW, terms.tokens_ZW, terms.copies_Z, shape, pricing.nonmoe_forward_s)
         return t["overlapped" if pricing.overlap else "total"]
     if pricing.overlap:
         copies = overlapped_copies(

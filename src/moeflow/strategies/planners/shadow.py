@@ -38,7 +38,7 @@ than plain EP: the model's error is of that order (`benchmarks/perf_model_accura
 wrong "yes" costs more than a wrong "no" (on the 2 × 2 testbed under uniform routing, a predicted
 2% gain from shadowing every expert ran at 0.70x the speed of EP).
 
-Shape suffixes: W ranks, E experts, P candidate shadow sets (prefixes).
+Shape suffixes: W ranks, E experts, Z candidates (shadow sets: prefixes of the heaviest experts).
 """
 
 from __future__ import annotations
@@ -125,15 +125,15 @@ class ShadowPlanner(Planner):
         extra[self.last.shadowed] = True
         return Placement.owners_only(placement.owner_E, placement.world_size).with_holders(extra)
 
-    def cost(self, flow_WE, owner_E, shadowed_PE, cost_model) -> np.ndarray:
+    def cost(self, flow_WE, owner_E, shadowed_ZE, cost_model) -> np.ndarray:
         """T(S) for boolean shadow masks `[..., E]` -> `[...]` seconds (module docstring)."""
-        shadowed_PE = np.asarray(shadowed_PE, dtype=bool)
-        flat_PE = shadowed_PE.reshape(-1, shadowed_PE.shape[-1])
+        shadowed_ZE = np.asarray(shadowed_ZE, dtype=bool)
+        flat_ZE = shadowed_ZE.reshape(-1, shadowed_ZE.shape[-1])
         world = cost_model.topology.num_devices
         owners_EW = np.eye(world, dtype=bool)[np.asarray(owner_E)]
         pricer = PlacementPricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
-        terms = pricer.placements([owners_EW | mask[:, None] for mask in flat_PE])
-        return _shadow_time(terms).reshape(shadowed_PE.shape[:-1])
+        terms = pricer.placements([owners_EW | mask[:, None] for mask in flat_ZE])
+        return _shadow_time(terms).reshape(shadowed_ZE.shape[:-1])
 
     def decide(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> ShadowDecision:
         owner_E = placement.owner_E

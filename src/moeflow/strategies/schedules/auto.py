@@ -10,7 +10,7 @@ measured — and from then on the cheapest runs; a candidate replaces one listed
 `sync`, `pairwise`, then `pipeline`) only when priced `min_gain` below it. Factors change only when
 the ranks agree their times, so every rank runs the same schedule.
 
-Shape suffixes: S source ranks, E experts, W (destination) ranks, C candidates.
+Shape suffixes: S source ranks, E experts, W (destination) ranks, Z candidates.
 """
 
 from __future__ import annotations
@@ -56,15 +56,15 @@ class AutoScheduleOptions:
         return [n.strip() for n in self.candidates.split(",") if n.strip()]
 
 
-def preferred(prices_C: np.ndarray, min_gain: float) -> np.ndarray:
-    """Index of the candidate to run, over leading axis C: in the candidates' order each replaces
+def preferred(prices_Z: np.ndarray, min_gain: float) -> np.ndarray:
+    """Index of the candidate to run, over leading axis Z: in the candidates' order each replaces
     the choice so far only when priced at least `min_gain` below it (`min_gain=0`: the cheapest,
     ties to the first)."""
-    prices_C = np.asarray(prices_C, dtype=np.float64)
-    best = np.zeros(prices_C.shape[1:], dtype=np.int64)
-    for c in range(1, prices_C.shape[0]):
-        current = np.take_along_axis(prices_C, best[None], axis=0)[0]
-        best = np.where(prices_C[c] < (1.0 - min_gain) * current, c, best)
+    prices_Z = np.asarray(prices_Z, dtype=np.float64)
+    best = np.zeros(prices_Z.shape[1:], dtype=np.int64)
+    for c in range(1, prices_Z.shape[0]):
+        current = np.take_along_axis(prices_Z, best[None], axis=0)[0]
+        best = np.where(prices_Z[c] < (1.0 - min_gain) * current, c, best)
     return best
 
 

@@ -31,7 +31,7 @@ is). Double backward is not supported.
 
 Shape suffixes: A rows this rank sends (ordered by destination, then expert), R rows received
 (by source, then expert), D d_model, S source ranks, J experts held by this rank, W ranks,
-C chunks, E experts; ``...`` = batch dims of a simulation.
+E experts; ``...`` = batch dims of a simulation. Chunks have no letter (`counts_by_chunk`, `chunk_edges`).
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ def chunk_counts(counts_SJ: np.ndarray, degree: int) -> np.ndarray:
     counts_SJ = np.asarray(counts_SJ, dtype=np.int64)
     start_SJ = np.cumsum(counts_SJ, axis=1) - counts_SJ
     end_SJ = start_SJ + counts_SJ
-    bounds_SC = chunk_bounds(counts_SJ.sum(1), degree)
-    lo = bounds_SC[:, :-1].T[:, :, None]  # [C, S, 1]
-    hi = bounds_SC[:, 1:].T[:, :, None]
+    chunk_edges = chunk_bounds(counts_SJ.sum(1), degree)
+    lo = chunk_edges[:, :-1].T[:, :, None]  # [chunk, S, 1]
+    hi = chunk_edges[:, 1:].T[:, :, None]
     return np.clip(np.minimum(hi, end_SJ[None]) - np.maximum(lo, start_SJ[None]), 0, None)
 
 
@@ -153,9 +153,9 @@ def _boundary(y: torch.Tensor, first_seq: int, skip) -> dict[tuple[int, int], Gr
     return edges
 
 
-def _covered(done_PC: np.ndarray, need_PC: np.ndarray, done: int, need: int) -> bool:
+def _covered(done_edges: np.ndarray, need_edges: np.ndarray, done: int, need: int) -> bool:
     """Whether `done` parts of one chunking cover `need` parts of another on every pair."""
-    return bool(np.all(done_PC[:, done] >= need_PC[:, need]))
+    return bool(np.all(done_edges[:, done] >= need_edges[:, need]))
 
 
 # ---- execution -----------------------------------------------------------------------------------
@@ -167,7 +167,7 @@ class _Plan:
         send, recv = block.send_splits, block.recv_splits
         self.send_f, self.recv_f = _positions(send, r_f), _positions(recv, r_f)
         self.send_b, self.recv_b = _positions(send, r_b), _positions(recv, r_b)
-        self.counts_CSJ = chunk_counts(block.counts_SJ, r_f)
+        self.counts_by_chunk = chunk_counts(block.counts_SJ, r_f)
         pairs = np.asarray(block.send_WW, dtype=np.int64).reshape(-1)
         self.bounds_f, self.bounds_b = chunk_bounds(pairs, r_f), chunk_bounds(pairs, r_b)
         self.rows_A, self.rows_R = int(sum(send)), int(sum(recv))
@@ -222,7 +222,7 @@ class _Plan:
             with torch.enable_grad() if keep_graph else torch.no_grad():
                 x_c = x_c.detach().requires_grad_(keep_graph)
                 first = x_c.view_as(x_c).grad_fn if keep_graph else None  # nodes from here on: the chunk's
-                y_c = block.compute(x_c, self.counts_CSJ[c])
+                y_c = block.compute(x_c, self.counts_by_chunk[c])
             if keep_graph:
                 edges = _boundary(y_c, first._sequence_nr(), get_gradient_edge(x_c).node) if y_c.requires_grad else []
                 self.graphs.append((x_c, y_c, edges))

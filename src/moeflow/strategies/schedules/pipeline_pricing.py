@@ -3,7 +3,7 @@ per-chunk coefficients of a block from the shared cost model and the dispatcher'
 (`pass_models`, what Algorithm 1 and the schedule's `predict` run on), and the agreement of an
 expert-sharding group on the degrees it chose (`agree_over_esp`).
 
-Shape suffixes: W ranks, E experts, M members of the ESP group; ``...`` = batch dims of a simulation.
+Shape suffixes: W ranks, E experts; ``...`` = batch dims of a simulation.
 """
 
 from __future__ import annotations
