@@ -153,6 +153,13 @@ def summarize(speedups: dict[str, dict[str, float]], labels: list[str]) -> dict:
     }
 
 
+def _spread(times_s: list[float]) -> float:
+    """Mean absolute deviation of the times from their median, over the median."""
+    t = np.asarray(times_s, dtype=np.float64)
+    median = float(np.median(t))
+    return float(np.mean(np.abs(t - median)) / median) if median > 0 else 0.0
+
+
 def auto_vs_best_interval(rows: list[dict], label, summary: dict) -> dict[str, list[float]]:
     """Per workload, a 90% interval of `auto`'s speedup over the best single strategy (median over
     median, `schedule=auto`): the timed iterations resampled together (they ran interleaved, so an
@@ -191,7 +198,13 @@ def testbed_part(args) -> dict:
     bench += ["--d-hidden", "1024", "--experts", "2", "--iterations", str(args.testbed_iterations)]
     bench += ["--warmup", str(args.testbed_warmup), "--drift", str(args.testbed_drift), "--out", str(raw)]
     on_testbed(bench, 2, rpn, args.bandwidth_mbit, timeout_s=3600)
-    rows = json.loads(raw.read_text())["rows"]
+    return testbed_summary(json.loads(raw.read_text())["rows"], args, profile)
+
+
+def testbed_summary(rows: list[dict], args, profile) -> dict:
+    """The testbed part's JSON from `moeflow bench --suite`'s rows (speedups, the per-workload
+    summary, `auto`'s interval and choices, the plot)."""
+    rpn = args.testbed_ranks_per_node
 
     def label(r: dict) -> str:
         if r.get("ceiling"):
@@ -202,7 +215,7 @@ def testbed_part(args) -> dict:
     speedups = {w: {label(r): r["speedup_vs_ep"] for r in rows if r["routing"] == w} for w in workloads_}
     labels = list(dict.fromkeys(label(r) for r in rows if not r.get("ceiling")))
     errors = [r["auto_model_error"] for r in rows if "auto_model_error" in r]
-    spreads = [r["layer_spread"] for r in rows if r["routing"].startswith("zipf") and r["strategy"] != "auto"]
+    spreads = [_spread(r["times_s"]) for r in rows if r["routing"].startswith("zipf") and r["strategy"] != "auto"]
     result = {
         "bandwidth_mbit": args.bandwidth_mbit,
         "nodes_x_ranks": [2, rpn],
@@ -213,9 +226,9 @@ def testbed_part(args) -> dict:
             {w: {k: v for k, v in row.items() if k != "ceiling"} for w, row in speedups.items()}, labels
         ),
         "auto_model_mape": float(np.mean(errors)) if errors else None,
-        # The MAPE's noise floor: the single strategies' layers around their own median on the
-        # stationary (Zipf) loads, where a layer's time changes with noise only.
-        "layer_spread_single_zipf": float(np.mean(spreads)) if spreads else None,
+        # The MAPE's noise floor: the single strategies' iterations around their own median on the
+        # stationary (Zipf) loads, where an iteration's time changes with noise only.
+        "iteration_spread_single_zipf": float(np.mean(spreads)) if spreads else None,
         "chosen": {
             f"{r['routing']} {label(r)}": [r["chosen"], r["chosen_schedule"]] for r in rows if r["strategy"] == "auto"
         },
@@ -273,7 +286,8 @@ def main() -> int:
             {k: round(v, 2) for k, v in result["testbed"]["summary"]["geomean_speedup_over_ep"].items()},
         )
         print("testbed auto model MAPE:", result["testbed"]["auto_model_mape"])
-        print("testbed layers' spread (single strategies, Zipf):", result["testbed"]["layer_spread_single_zipf"])
+        spread = result["testbed"]["iteration_spread_single_zipf"]
+        print("testbed iterations' spread (single strategies, Zipf):", spread)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
