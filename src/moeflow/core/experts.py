@@ -48,7 +48,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def _use_grouped_mm_kernel(x_RD: torch.Tensor, w_JDH: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` is the fastest path here (measured, torch 2.13, see
-    docs/performance.md): on CPU it matches `bmm` for fp32 but is ~10x slower than per-expert `mm`
+    docs/speed.md): on CPU it matches `bmm` for fp32 but is ~10x slower than per-expert `mm`
     for bf16 (no AMX path); on CUDA it is the bf16 kernel. It needs 16-byte aligned rows."""
     if not hasattr(torch, "_grouped_mm"):
         return False
@@ -164,7 +164,7 @@ def _cpu_has_amx_bf16() -> bool:
 
 
 def _gemm_dtype(x_RD: torch.Tensor) -> torch.dtype:
-    """The dtype the expert GEMMs run in, chosen per machine (measured, docs/performance.md, "Layer
+    """The dtype the expert GEMMs run in, chosen per machine (measured, docs/speed.md, "Layer
     speed"): bf16 on a CPU without AMX runs oneDNN's AVX-512-BF16 kernels at about half the fp32
     speed (a [1024, 512] x [512, 1024] mm: 12.8 ms bf16, 6.6 ms fp32, 7.2 ms fp32 with both casts),
     so there the GEMMs take fp32 copies of their bf16 operands and round the result to bf16 (what
