@@ -19,7 +19,6 @@ one mechanism for every component, errors naming the key.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,42 +27,13 @@ from moeflow.core.experts import expert_options
 from moeflow.core.hooks import WIRE_DTYPES
 from moeflow.layer import AXES
 from moeflow.routing import check_balance_fits_gate, default_balance, routing_kind
+from moeflow.training.config_checks import check_choice, check_int_at_least, check_positive, toml_value
 from moeflow.training.tokenizer import parse_tokenizer
+from moeflow.training.train_config import OptimConfig, TrainConfig
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on Python 3.10
-    import tomli as tomllib
+__all__ = ["DataConfig", "ModelConfig", "MoEConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig"]
 
-PRECISIONS = ("fp32", "bf16")
-NONFINITE_POLICIES = ("stop", "skip")
-GRAD_SYNC_MODES = ("after_backward", "ddp", "fsmoe")
-DEVICES = ("auto", "cpu", "cuda")
 PARALLEL_MODES = ("replicate", "fsdp")
-CHECKPOINTING = ("none", "selective", "full")
-
-
-def _positive(section: str, **values: float) -> None:
-    for name, value in values.items():
-        if value <= 0:
-            raise ValueError(f"{section}.{name} must be > 0, got {value!r}")
-
-
-def _toml_value(value: Any) -> Any:
-    """A text value as the TOML value it spells (`64`, `1e-5`, `true`, `[0, 1]`), else unchanged."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        return value
-
-
-def _choice(section: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(
-            f"{section}.{name} must be one of {', '.join(allowed)}; got {value!r}{did_you_mean(value, allowed)}"
-        )
 
 
 @dataclass
@@ -98,7 +68,7 @@ class ModelConfig:
     """Train a Hugging Face model from a local `save_pretrained` directory (nothing is downloaded)."""
 
     def __post_init__(self) -> None:
-        _positive(
+        check_positive(
             "model",
             n_layers=self.n_layers,
             d_model=self.d_model,
@@ -124,7 +94,7 @@ class ModelConfig:
                 f"set one (a random model of an architecture, or a saved one)"
             )
         # `--set model.hf_config.KEY=VALUE` gives text: read it as a TOML value (64, 1e-5, true, [1, 2]).
-        self.hf_config = {key: _toml_value(value) for key, value in self.hf_config.items()}
+        self.hf_config = {key: toml_value(value) for key, value in self.hf_config.items()}
         if self.hf_config and self.hf_architecture is None:
             raise ValueError(
                 "model.hf_config needs model.hf_architecture (a hf_pretrained directory has its own config)"
@@ -203,11 +173,11 @@ class MoEConfig:
     where its device count equals the EP size, ignored with a notice elsewhere (sampling, another process count)."""
 
     def __post_init__(self) -> None:
-        _positive("moe", num_experts=self.num_experts, top_k=self.top_k, d_hidden=self.d_hidden)
+        check_positive("moe", num_experts=self.num_experts, top_k=self.top_k, d_hidden=self.d_hidden)
         if self.top_k > self.num_experts:
             raise ValueError(f"moe.top_k={self.top_k} exceeds moe.num_experts={self.num_experts}")
         if self.capacity_factor is not None:
-            _positive("moe", capacity_factor=self.capacity_factor)
+            check_positive("moe", capacity_factor=self.capacity_factor)
         if self.balance_weight < 0 or self.z_loss_weight < 0:
             raise ValueError(
                 f"moe.balance_weight={self.balance_weight!r} and moe.z_loss_weight={self.z_loss_weight!r} must be >= 0"
@@ -229,7 +199,7 @@ class MoEConfig:
         if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
             raise ValueError(f"moe.num_shared_experts must be an int >= 0, got {shared!r}")
         if self.shared_d_hidden is not None:
-            _positive("moe", shared_d_hidden=self.shared_d_hidden)
+            check_positive("moe", shared_d_hidden=self.shared_d_hidden)
             if not shared:
                 raise ValueError(f"moe.shared_d_hidden={self.shared_d_hidden} needs moe.num_shared_experts >= 1")
         if self.dispatch_dtype is not None and self.dispatch_dtype not in WIRE_DTYPES:
@@ -240,11 +210,6 @@ class MoEConfig:
     def layer_options(self) -> dict[str, dict[str, Any]]:
         """`MoELayer`'s `*_options` keyword arguments."""
         return {f"{axis}_options": dict(getattr(self, f"{axis}_options")) for axis in AXES}
-
-
-def _int_at_least(where: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where} must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass
@@ -272,10 +237,10 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.ep_size is not None:
-            _int_at_least("parallel.ep_size", self.ep_size)
-        _int_at_least("parallel.esp_size", self.esp_size)
-        _choice("parallel", "dense", self.dense, PARALLEL_MODES)
-        _choice("parallel", "experts", self.experts, PARALLEL_MODES)
+            check_int_at_least("parallel.ep_size", self.ep_size)
+        check_int_at_least("parallel.esp_size", self.esp_size)
+        check_choice("parallel", "dense", self.dense, PARALLEL_MODES)
+        check_choice("parallel", "experts", self.experts, PARALLEL_MODES)
 
     def layout_sizes(self, world_size: int) -> tuple[int, int, int]:
         """(dp, ep, esp) for `world_size` processes; raises naming the sizes when they do not fit."""
@@ -306,131 +271,10 @@ class DataConfig:
     run folder; `training.tokenizer`)."""
 
     def __post_init__(self) -> None:
-        _positive("data", max_bytes=self.max_bytes)
+        check_positive("data", max_bytes=self.max_bytes)
         parse_tokenizer(self.tokenizer)
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction!r}")
-
-
-@dataclass
-class OptimConfig:
-    """AdamW with linear warmup and cosine decay, global-norm gradient clipping."""
-
-    lr: float = 3e-3
-    """Peak learning rate, reached at the end of warmup."""
-    min_lr: float = 3e-4
-    """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 20
-    """Steps of linear warmup from 0 to `lr`."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay, applied to matrices only (not to biases, norms)."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.95
-    """AdamW beta2."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value; 0 = no clipping."""
-
-    def __post_init__(self) -> None:
-        _positive("optim", lr=self.lr, eps=self.eps)
-        if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optim.min_lr={self.min_lr!r} must be in [0, optim.lr={self.lr!r}]")
-        for name in ("warmup_steps", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"optim.{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)!r}")
-
-
-@dataclass
-class TrainConfig:
-    """The training run: length, batch, logging, evaluation, checkpoints, numerics."""
-
-    steps: int = 200
-    """Optimizer steps in total (a resumed run continues up to this step)."""
-    global_batch_size: int = 16
-    """Sequences per step summed over all ranks; each rank takes global_batch_size / world_size."""
-    seed: int = 0
-    """Seeds model initialisation (same on every rank) and the data order."""
-    log_every: int = 1
-    """Write a metrics.jsonl record every this many steps."""
-    eval_every: int = 50
-    """Compute the validation loss every this many steps (and at the last step); 0 = never."""
-    eval_batches: int = 4
-    """Global batches of held-out data per validation."""
-    checkpoint_every: int = 50
-    """Save a checkpoint every this many steps (and at the last step); 0 = only at the end."""
-    keep_checkpoints: int = 2
-    """Keep the newest this many complete checkpoints."""
-    precision: str = "fp32"
-    """`fp32`, or `bf16` for bfloat16 autocast of the forward pass."""
-    on_nonfinite: str = "stop"
-    """Non-finite loss or gradient norm (the same value on every rank): `stop` the run naming the
-    step, or `skip` that step's update on all ranks together (counted in metrics.jsonl)."""
-    device: str = "auto"
-    """`auto` (CUDA when available, else CPU), `cpu` or `cuda`."""
-    deterministic: bool = True
-    """Use torch's deterministic kernels so that a resumed run repeats the uninterrupted one bit
-    for bit (some multi-threaded CPU kernels otherwise sum in a thread-dependent order)."""
-    record_routing: bool = False
-    """Write every step's routing flow matrices to routing.npz (docs/traces.md)."""
-    max_restarts: int = 0
-    """When a worker dies (or a collective times out), restart the group with torch's elastic agent up
-    to this many times, also for one process; each restart resumes from the newest complete
-    checkpoint (`moeflow train --max-restarts N`). Under an outer torchrun: torchrun's own flag."""
-    grad_sync: str = "after_backward"
-    """Dense gradient all-reduce: `after_backward` (one flat bucket per dtype), `ddp` (buckets of
-    grad_bucket_mb launched as their gradients are ready) or `fsmoe` (FSMoE §5 partition, needs
-    moe.cost_model); docs/training.md."""
-    grad_bucket_mb: float = 25.0
-    """Bucket size of grad_sync=ddp, in MB (PyTorch DDP's default)."""
-    micro_batch_size: int | None = None
-    """Gradient accumulation: sequences per rank per micro-step (forward + backward); the optimizer steps
-    once per `global_batch_size / world / micro_batch_size` micro-steps, on the gradient of the whole
-    batch. None: the whole local batch in one micro-step. Must divide the local batch. Balance state,
-    planners and statistics see each micro-step as a forward (docs/parallel.md)."""
-    activation_checkpointing: str = "none"
-    """Recompute activations in backward instead of keeping them, per block: `none`; `selective`
-    (attention and the experts' FFN; the exchanged rows, routing and plan are kept); `full` (the whole
-    block; its MoE layers replay their routing and plan and exchange again). docs/parallel.md."""
-    tensorboard: bool = False
-    """Also write the metrics as TensorBoard scalars to DIR/tensorboard/ (needs `pip install
-    'moeflow[tensorboard]'`; `training.tensorboard_log`)."""
-    collective_timeout_s: float = 300.0
-    """A collective that waits longer than this fails the run with an error naming the operation, the
-    rank it timed out on and the ranks that did not answer (a stalled or dead peer), instead of
-    hanging for torch's 30-minute default (`init_process_group(timeout=...)`)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise ValueError(f"train.max_restarts must be an integer >= 0, got {self.max_restarts!r}")
-        timeout = self.collective_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
-            raise ValueError(f"train.collective_timeout_s must be a finite number of seconds > 0, got {timeout!r}")
-        _positive(
-            "train",
-            steps=self.steps,
-            global_batch_size=self.global_batch_size,
-            log_every=self.log_every,
-            eval_batches=self.eval_batches,
-            keep_checkpoints=self.keep_checkpoints,
-        )
-        for name in ("eval_every", "checkpoint_every", "seed"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)!r}")
-        _choice("train", "precision", self.precision, PRECISIONS)
-        _choice("train", "on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
-        _choice("train", "grad_sync", self.grad_sync, GRAD_SYNC_MODES)
-        mb = self.grad_bucket_mb
-        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0 < mb < 1e9:
-            raise ValueError(f"train.grad_bucket_mb must be a finite number of MB > 0, got {mb!r}")
-        _choice("train", "device", self.device, DEVICES)
-        if self.micro_batch_size is not None:
-            _int_at_least("train.micro_batch_size", self.micro_batch_size)
-        _choice("train", "activation_checkpointing", self.activation_checkpointing, CHECKPOINTING)
 
 
 @dataclass
