@@ -305,16 +305,23 @@ class CostModel(CopiesPricing):
         (FasterMoE Eq. 2): ring all-reduce puts ``2·(n−1)/n·S`` on every ring hop, all-gather and
         reduce-scatter ``(n−1)/n·S``, pipelined broadcast/reduce ``S``.
         """
-        if kind not in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"):
-            raise ValueError(f"kind={kind!r}: expected all_reduce, all_gather, reduce_scatter, broadcast or reduce")
         if nbytes < 0:
             raise ValueError(f"nbytes={nbytes!r}: must be >= 0")
+        return float(self.collective_times(kind, np.asarray([nbytes], dtype=np.float64), ranks)[0])
+
+    def collective_times(self, kind: str, nbytes_X: Any, ranks: Sequence[int] | None = None) -> np.ndarray:
+        """`collective_time` of every buffer size in ``nbytes_X`` at once (the same arithmetic)."""
+        if kind not in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"):
+            raise ValueError(f"kind={kind!r}: expected all_reduce, all_gather, reduce_scatter, broadcast or reduce")
+        nbytes_X = np.asarray(nbytes_X, dtype=np.float64)
+        if (nbytes_X < 0).any():
+            raise ValueError(f"nbytes_X={nbytes_X!r}: must be >= 0")
         ranks = self._ranks(ranks)
         n = len(ranks)
-        if n == 1 or nbytes == 0:
-            return 0.0
+        if n == 1:
+            return np.zeros_like(nbytes_X)
         if kind in self.fits and n == self.topology.num_devices:
-            return float(self.fits[kind](nbytes))
+            return np.where(nbytes_X == 0, 0.0, self.fits[kind](nbytes_X))
         share = {
             "all_reduce": 2 * (n - 1) / n,
             "all_gather": (n - 1) / n,
@@ -329,7 +336,7 @@ class CostModel(CopiesPricing):
             steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(kind, n - 1)
             self._ring_memo[key] = (float(steps * self._latency(unit)), float(self.link_time(unit)))
         latency_s, per_byte_s = self._ring_memo[key]
-        return latency_s + per_byte_s * nbytes
+        return np.where(nbytes_X == 0, 0.0, latency_s + per_byte_s * nbytes_X)
 
     def p2p_time(self, nbytes: Any, src: int, dst: int) -> np.ndarray:
         """Point-to-point: fit of the matching kind (intra/inter node) or latency + S / bottleneck bw."""
