@@ -24,8 +24,8 @@ Per planner and load, medians over `--calls` calls after `--warmup`:
   count; `measured_wait_ms` is the wall time the call and the prefetch's question took, with that
   load in it.
 - `search_ms`: a planner that plans ahead: its search (`PlanAheadPlanner.search`) run inline on
-  the same estimate, CPU time; `auto`: `queued_searches_ms`, its three candidates' searches that
-  queue on the planning thread.
+  the same estimate, CPU time; `auto`: `queued_searches_ms`, the search it started that call (one
+  candidate's, in turn: `AutoPlanner.replanned`).
 - `dispatch_ms`: the dispatch plan of the placement chosen (`core.placement.dispatch_loads`: the
   layer's sends and per-device tokens), process CPU time.
 - `reference_*_ms` (`--reference`, sizes up to 64 x 256): the loop versions
@@ -114,10 +114,11 @@ def measure_planner(name: str, flows: np.ndarray, cm: CostModel, warmup: int, ga
     ctx = LayerContext(experts, 2, SHAPE, cm)
     owners = Placement.expert_parallel(experts, world)
     planner = _build(name, ctx)
-    wall, call, placements = [], [], []
+    wall, call, placements, turns = [], [], [], []
     for flow in flows:
         start, cpu = time.perf_counter(), time.thread_time()
         placements.append(planner(flow, owners, cm))
+        turns.append(planner.replanned if isinstance(planner, AutoPlanner) else None)
         if isinstance(planner, AutoPlanner):  # the prefetch asks for the placement to send ahead (after
             time.sleep(gap_s)  # the layer's exchanges and experts), then the block before the next call
             planner.next_placement()
@@ -130,11 +131,13 @@ def measure_planner(name: str, flows: np.ndarray, cm: CostModel, warmup: int, ga
     inner = planner.planners.values() if isinstance(planner, AutoPlanner) else [planner]
     searchers = [_build(p.name, ctx) for p in inner if isinstance(p, PlanAheadPlanner)]
     search, dispatch = [], []
-    for flow, placement in zip(flows, placements):
+    for flow, placement, turn in zip(flows, placements, turns):
         dispatch.append(_cpu(lambda p=placement, f=flow: dispatch_loads(np.rint(f), p, cm.topology.node_of))[0])
         queued = 0.0
         for searcher in searchers:
             searcher.observe(flow)
+            if turn is not None and searcher.name != turn:
+                continue  # `auto` starts one candidate's search per call, in turn
             fn, inputs = searcher.search(searcher.estimate(), owners, cm)
             queued += _cpu(lambda fn=fn, inputs=inputs: fn(*inputs))[0]
         search.append(queued)

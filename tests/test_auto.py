@@ -133,3 +133,32 @@ def test_options_name_the_bad_value():
     assert list(auto.planners) == ["ep", "shadow"]  # plain EP, the guard's reference, always
     with pytest.raises(ValueError, match="needs cost_model"):
         auto(_skewed(), OWNERS)
+
+
+def test_one_candidate_searches_per_call_in_turn_and_the_others_plans_stand():
+    """The planning thread gets one search per call (`AutoPlanner.replanned`, in turn); a candidate
+    out of turn runs its standing plan, records the flow and starts nothing (`Planner.hold`)."""
+    auto, cm = _auto(1e12, candidates="ep,shadow,prophet,eplb,fssdp")
+    assert auto.searching == ["prophet", "eplb", "fssdp"]  # shadowing decides on the current flow
+    turns, plans = [], []
+    for call in range(7):
+        auto(_skewed() + call, OWNERS, cm)
+        turns.append(auto.replanned)
+        plans.append({n: auto.planners[n].next_placement() for n in auto.searching})
+    assert turns == ["prophet", "eplb", "fssdp"] * 2 + ["prophet"]
+    for call in range(1, 7):
+        for name in auto.searching:
+            if name != turns[call]:
+                assert plans[call][name] is plans[call - 1][name]  # the plan stood
+    assert all(np.array_equal(auto.planners[n].history[-1], _skewed() + 6) for n in auto.searching)  # recorded
+
+
+def test_hold_runs_the_standing_plan_without_starting_a_search():
+    auto, cm = _auto(1e12)
+    prophet = auto.planners["prophet"]
+    prophet(_skewed(), OWNERS, cm)  # plans the next call on the planning thread
+    planned = prophet.next_placement()
+    assert planned is not None and not planned.is_owners_only()
+    assert prophet.hold(_skewed(), OWNERS, cm) == planned
+    assert prophet.next_plan._plan[0] is planned  # no future: the same plan stands for the next call
+    assert prophet.hold(_skewed() * 2, OWNERS, cm) == planned and len(prophet.history) == 3

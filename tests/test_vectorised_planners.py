@@ -14,6 +14,7 @@ from moeflow.core.placement import Placement
 from moeflow.core.registry import LayerContext
 from moeflow.perf.alpha_beta import AlphaBeta
 from moeflow.perf.costmodel import CostModel
+from moeflow.perf.everywhere_pricing import EverywherePricer
 from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.perf.topology import Topology
 from moeflow.sim.traces import resolve_trace
@@ -103,6 +104,36 @@ def test_pricing_many_placements_equals_pricing_each_plan():
                 got = {"a2a": 4 * priced.a2a_s[c], "fec": priced.compute_s[c], "trans": trans[c], "agg": agg[c]}
                 for term, value in expect.items():
                     assert got[term] == pytest.approx(value, rel=1e-9, abs=1e-15), term
+
+
+def test_shadow_steps_priced_directly_equal_the_general_pricer():
+    """`EverywherePricer` (an expert held everywhere per step) gives the general pricer's floats, bit
+    for bit: every prefix's terms, the copies' bound, and the bounded search that reuses the bound's
+    broadcasts; 200 cases over every cost-model kind (gloo's trees across nodes take the general path)."""
+    rng = np.random.default_rng(5)
+    shape = ExpertShape(8, 16)
+    direct = 0
+    for _ in range(200):
+        world = int(rng.choice(SIZES))
+        experts = world * int(rng.integers(1, 4))
+        flow, cm = _flow(rng, world, experts), _cost_model(rng, world)
+        owner_E = rng.integers(0, world, experts)
+        order = rng.permutation(experts)[: int(rng.integers(0, experts + 1))]
+        rows = np.ones((order.size, world), dtype=bool)
+        general = PlacementPricer(flow, owner_E, cm, shape, cm.topology.node_of)
+        fast = EverywherePricer(flow, owner_E, cm, shape, cm.topology.node_of)
+        direct += fast._direct(order, rows, np.arange(order.size) == 0, False)
+        np.testing.assert_array_equal(fast.copies_of_prefixes(order, rows), general.copies_of_prefixes(order, rows))
+        for q in (order.size, order.size // 2):  # a prefix of the order the bound priced
+            want, got = general.prefixes(order[:q], rows[:q]), fast.prefixes(order[:q], rows[:q])
+            for name in ("compute_s", "a2a_s", "trans_s", "agg_s", "trans_prefetched_s", "tokens_ZW", "copies_Z"):
+                np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        price = lambda t: 3 * t.compute_s + 4 * t.a2a_s + t.trans_s + t.agg_s  # noqa: E731
+        np.testing.assert_array_equal(
+            EverywherePricer(flow, owner_E, cm, shape, cm.topology.node_of).cheapest_prefixes(order, rows, price),
+            general.cheapest_prefixes(order, rows, price),
+        )
+    assert direct > 80  # most cases take the direct path
 
 
 def test_shadow_decides_as_the_loop_version():

@@ -316,8 +316,8 @@ class CostModel(CopiesPricing):
         nbytes_X = np.asarray(nbytes_X, dtype=np.float64)
         if (nbytes_X < 0).any():
             raise ValueError(f"nbytes_X={nbytes_X!r}: must be >= 0")
-        ranks = self._ranks(ranks)
-        n = len(ranks)
+        group = None if ranks is None else tuple(self._ranks(ranks))  # None: every device (no check needed)
+        n = self.topology.num_devices if group is None else len(group)
         if n == 1:
             return np.zeros_like(nbytes_X)
         if kind in self.fits and n == self.topology.num_devices:
@@ -330,9 +330,9 @@ class CostModel(CopiesPricing):
             "reduce": 1.0,
         }[kind]
         # Latency depends on which hops carry bytes, link time is linear in them: price 1 byte once.
-        key = (kind, tuple(ranks))
+        key = (kind, group)
         if key not in self._ring_memo:
-            unit = self._ring_flow(share, ranks)
+            unit = self._ring_flow(share, range(n) if group is None else group)
             steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}.get(kind, n - 1)
             self._ring_memo[key] = (float(steps * self._latency(unit)), float(self.link_time(unit)))
         latency_s, per_byte_s = self._ring_memo[key]

@@ -68,6 +68,12 @@ class Planner:
     def choice(self) -> str | None:
         return None
 
+    def hold(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
+        """This call's placement without starting a search for the next (a composite that shares
+        the planning thread among its candidates: `strategy="auto"`); a planner that decides on the
+        current flow decides as when called."""
+        return self(flow_WE, placement, cost_model)
+
     # ---- plans_ahead ---------------------------------------------------------------------------------
     def next_placement(self) -> Placement | None:
         """The placement the next call will run (None: not known yet)."""
@@ -170,6 +176,14 @@ class PlanAheadPlanner(Planner):
         return placement
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
+        return self._run(flow_WE, placement, cost_model, search=True)
+
+    def hold(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
+        """This call's placement, the flow recorded, and the same plan standing for the next call
+        (no search started)."""
+        return self._run(flow_WE, placement, cost_model, search=False)
+
+    def _run(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any, search: bool) -> Placement:
         if cost_model is None:
             raise ValueError(f"strategy={self.name!r} needs cost_model= (a moeflow.perf.costmodel.CostModel)")
         planned = self.next_placement()
@@ -177,5 +191,8 @@ class PlanAheadPlanner(Planner):
             planned = Placement.owners_only(placement.owner_E, placement.world_size)  # first call, or re-sharded
         self.running = self.adjust(flow_WE, planned, cost_model)
         self.observe(flow_WE)
-        self.plan_next(placement, cost_model)
+        if search:
+            self.plan_next(placement, cost_model)
+        else:
+            self.next_plan.set((planned, self.last))
         return self.running

@@ -51,6 +51,7 @@ import numpy as np
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.perf.everywhere_pricing import EverywherePricer
 from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import Planner
 
@@ -146,7 +147,7 @@ class ShadowPlanner(Planner):
         order = np.argsort(-received_E, kind="stable")
         candidates = order[received_E[order] > 0][: self.options.max_shadowed]
         # Prefix i: the first i candidates shadowed (0: plain EP), each step one expert everywhere.
-        pricer = PlacementPricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
+        pricer = EverywherePricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
         everywhere = np.ones((candidates.size, placement.world_size), dtype=bool)
         predicted = pricer.cheapest_prefixes(candidates, everywhere, _shadow_time)
         if self.options.search == "prefix":
