@@ -225,6 +225,7 @@ class Topology:
         pairs = np.repeat(np.arange(W * W), H)[keep]
         # The incidence of every pair's route on every link, sparse: the traffic of any flow is one product.
         self._routes_csr = sparse.csr_matrix((np.ones(pairs.size), (pairs, hops[keep])), shape=(W * W, L))
+        self._links_csr = self._routes_csr.T.tocsr()  # [L, W·W]: link sums as sparse @ dense, no transpose per call
         self._routes_dense: np.ndarray | None = None
 
     def _route_table(self) -> np.ndarray:
@@ -319,7 +320,7 @@ class Topology:
         if bytes_WW.shape[-2:] != (W, W):
             raise ValueError(f"flow shape {bytes_WW.shape}: last two dims must be ({W}, {W})")
         flat = bytes_WW.reshape(-1, W * W)
-        return np.asarray(flat @ self._routes_csr).reshape(*bytes_WW.shape[:-2], len(self.links))
+        return np.asarray(self._links_csr @ flat.T).T.reshape(*bytes_WW.shape[:-2], len(self.links))
 
     def pair_traffic(self, bytes_P: np.ndarray, pairs_P: np.ndarray) -> np.ndarray:
         """Bytes on every link ``[..., L]`` when ``bytes_P[..., p]`` go along pair ``pairs_P[p] = i·W + j``."""
