@@ -19,8 +19,7 @@ Planning off the critical path. The candidates that plan ahead share the process
 thread (`planners.ahead`): each call one of them, in turn, starts its search for the next call while
 the others' plans stand (`Planner.hold`), so the thread does one search per layer call instead of
 one per candidate, and the layer does not wait for a queue of them. Shadowing decides on this
-call's flow, as FasterMoE does (§4.1): run on the last flow instead, its proposals cost `auto` up to
-a quarter of its gain on Zipf loads in the simulator, while the turns cost at most 0.4%.
+call's flow, as FasterMoE does (§4.1).
 
 Under the prefetch, `next_placement()` (asked during the block before the layer's next call) offers
 the cheapest of the planned-ahead placements on the last flow, its copies priced as hidden, when it
