@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "--preset", default="johnny", help="the link classes (a preset of moeflow.perf.topology_presets)"
     )
     parser.add_argument("--loads", default="smartmoe,zipf1.2", help="comma list of smartmoe, zipf1.2")
+    parser.add_argument("--planners", default=",".join(PLANNER_NAMES), help="comma list of the planners timed")
     parser.add_argument("--calls", type=int, default=12, help="timed calls per planner (at 1024 ranks: half)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--gap-ms", type=float, default=5.0, help="the layer's work between two calls")
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind in [k.strip() for k in args.loads.split(",") if k.strip()]:
             flows = loads("smartmoe" if kind == "smartmoe" else "zipf", world, experts, args.warmup + calls, args.layer)
             row = {"planners": {}}
-            for name in PLANNER_NAMES:
+            for name in [n.strip() for n in args.planners.split(",") if n.strip()]:
                 row["planners"][name] = measure_planner(name, flows, cm, args.warmup, args.gap_ms / 1e3)
                 print(f"{world}x{experts} {kind:9s} {name:14s} {json.dumps(row['planners'][name])}", flush=True)
             if args.reference and world * experts <= 64 * 256:

@@ -222,3 +222,29 @@ def test_presets_scale_to_other_sizes_with_the_same_link_classes():
         Topology.preset("johnny@12")
     with pytest.raises(ValueError, match="NAME@DEVICES"):
         Topology.preset("johnny@x")
+
+
+def test_two_level_sums_equal_the_routes_incidence():
+    """`perf.two_level`: where every node hangs from the root, the links' bytes by row, column and
+    node-block sums are the incidence product's — bit for bit on integer bytes, to rounding on
+    others — for nodes of consecutive and of scattered devices; rings inside a node are refused."""
+    from moeflow.perf.two_level import two_level_links
+
+    rng = np.random.default_rng(3)
+    for topo in (
+        Topology.from_spec([[0, 2, 5], [1, 3], [4, 6, 7]], [1e9, 1e10], [5e-6, 1e-6]),
+        Topology.preset("johnny@16"),
+        Topology.preset("hecate_b@256"),
+    ):
+        W = topo.num_devices
+        two = two_level_links(topo.route_WWH, topo.leave_W2, topo.enter_W2, topo.node_of, len(topo.links))
+        assert two is not None and (topo._two_level is not None) == (W >= 128)
+        for shape in ((W, W), (3, W, W)):
+            whole, part = rng.integers(0, 10**6, shape) * 2048.0, rng.random(shape)
+            for x in (whole, part):
+                want = np.asarray(topo._links_csr @ x.reshape(-1, W * W).T).T.reshape(*shape[:-2], -1)
+                got = two.traffic(x)
+                assert np.array_equal(got, want) if x is whole else np.allclose(got, want, rtol=1e-12, atol=0)
+                np.testing.assert_allclose(topo.link_traffic(x), want, rtol=1e-12)
+    ring = Topology.preset("trevor")
+    assert two_level_links(ring.route_WWH, ring.leave_W2, ring.enter_W2, ring.node_of, len(ring.links)) is None

@@ -35,6 +35,7 @@ import numpy as np
 from scipy import sparse
 
 from moeflow.perf.topology_presets import GBIT, GBYTE, PRESETS, resolve_preset
+from moeflow.perf.two_level import TWO_LEVEL_FROM, two_level_links
 
 __all__ = ["GBIT", "GBYTE", "PRESETS", "Link", "Topology"]
 
@@ -219,6 +220,11 @@ class Topology:
             self.leave_W2 = self.route_WWH[np.arange(W), partner][:, :2]
             self.enter_W2 = self.route_WWH[partner, np.arange(W)][:, 2:4]
             self.cross_class = int(self.latency_class_WW[0, partner[0]])
+        self._two_level = (
+            two_level_links(self.route_WWH, self.leave_W2, self.enter_W2, self.node_of, L)
+            if self.nodes_under_root and W >= TWO_LEVEL_FROM
+            else None
+        )
         H = self.route_WWH.shape[-1]
         hops = self.route_WWH.reshape(-1)
         keep = hops < L
@@ -314,11 +320,15 @@ class Topology:
         return self.links[self._index[(chain[0], chain[1])]].bandwidth_bytes_per_s
 
     def link_traffic(self, bytes_WW: np.ndarray) -> np.ndarray:
-        """Bytes on every directed link for flows ``[..., W, W]`` -> ``[..., L]`` (FasterMoE Eq. 2)."""
+        """Bytes on every directed link for flows ``[..., W, W]`` -> ``[..., L]`` (FasterMoE Eq. 2).
+        Where every node hangs from the root switch (from `TWO_LEVEL_FROM` devices), by sums over
+        rows, columns and node blocks (`perf.two_level`); else through the routes' incidence."""
         bytes_WW = np.asarray(bytes_WW, dtype=np.float64)
         W = self.num_devices
         if bytes_WW.shape[-2:] != (W, W):
             raise ValueError(f"flow shape {bytes_WW.shape}: last two dims must be ({W}, {W})")
+        if self._two_level is not None:
+            return self._two_level.traffic(bytes_WW)
         flat = bytes_WW.reshape(-1, W * W)
         return np.asarray(self._links_csr @ flat.T).T.reshape(*bytes_WW.shape[:-2], len(self.links))
 
