@@ -24,8 +24,8 @@ Per planner and load, medians over `--calls` calls after `--warmup`:
   count; `measured_wait_ms` is the wall time the call and the prefetch's question took, with that
   load in it.
 - `search_ms`: a planner that plans ahead: its search (`PlanAheadPlanner.search`) run inline on
-  the same estimate, CPU time; `auto`: `queued_searches_ms`, the search it started that call (one
-  candidate's, in turn: `AutoPlanner.replanned`).
+  the same estimate, CPU time; `auto`: `queued_searches_ms`, the searches it started that call
+  (`AutoPlanner.replanned`: every candidate's, or one in turn from `TURNS_FROM` ranks × experts).
 - `dispatch_ms`: the dispatch plan of the placement chosen (`core.placement.dispatch_loads`: the
   layer's sends and per-device tokens), process CPU time.
 - `reference_*_ms` (`--reference`, sizes up to 64 x 256): the loop versions
@@ -118,7 +118,7 @@ def measure_planner(name: str, flows: np.ndarray, cm: CostModel, warmup: int, ga
     for flow in flows:
         start, cpu = time.perf_counter(), time.thread_time()
         placements.append(planner(flow, owners, cm))
-        turns.append(planner.replanned if isinstance(planner, AutoPlanner) else None)
+        turns.append(list(planner.replanned) if isinstance(planner, AutoPlanner) else None)
         if isinstance(planner, AutoPlanner):  # the prefetch asks for the placement to send ahead (after
             time.sleep(gap_s)  # the layer's exchanges and experts), then the block before the next call
             planner.next_placement()
@@ -136,8 +136,8 @@ def measure_planner(name: str, flows: np.ndarray, cm: CostModel, warmup: int, ga
         queued = 0.0
         for searcher in searchers:
             searcher.observe(flow)
-            if turn is not None and searcher.name != turn:
-                continue  # `auto` starts one candidate's search per call, in turn
+            if turn is not None and searcher.name not in turn:
+                continue  # `auto` in turns: one candidate's search per call
             fn, inputs = searcher.search(searcher.estimate(), owners, cm)
             queued += _cpu(lambda fn=fn, inputs=inputs: fn(*inputs))[0]
         search.append(queued)

@@ -129,6 +129,8 @@ def test_options_name_the_bad_value():
         AutoOptions(min_gain=1.5)
     with pytest.raises(ValueError, match="smoothing"):
         AutoOptions(smoothing=0.0)
+    with pytest.raises(ValueError, match="searches='sometimes'"):
+        AutoOptions(searches="sometimes")
     auto, _ = _auto(1e12, candidates="shadow")
     assert list(auto.planners) == ["ep", "shadow"]  # plain EP, the guard's reference, always
     with pytest.raises(ValueError, match="needs cost_model"):
@@ -136,21 +138,32 @@ def test_options_name_the_bad_value():
 
 
 def test_one_candidate_searches_per_call_in_turn_and_the_others_plans_stand():
-    """The planning thread gets one search per call (`AutoPlanner.replanned`, in turn); a candidate
+    """In turns the planning thread gets one search per call (`AutoPlanner.replanned`); a candidate
     out of turn runs its standing plan, records the flow and starts nothing (`Planner.hold`)."""
-    auto, cm = _auto(1e12, candidates="ep,shadow,prophet,eplb,fssdp")
+    auto, cm = _auto(1e12, searches="turns")
     assert auto.searching == ["prophet", "eplb", "fssdp"]  # shadowing decides on the current flow
     turns, plans = [], []
     for call in range(7):
         auto(_skewed() + call, OWNERS, cm)
         turns.append(auto.replanned)
         plans.append({n: auto.planners[n].next_placement() for n in auto.searching})
-    assert turns == ["prophet", "eplb", "fssdp"] * 2 + ["prophet"]
+    assert turns == [["prophet"], ["eplb"], ["fssdp"]] * 2 + [["prophet"]]
     for call in range(1, 7):
         for name in auto.searching:
-            if name != turns[call]:
+            if name not in turns[call]:
                 assert plans[call][name] is plans[call - 1][name]  # the plan stood
     assert all(np.array_equal(auto.planners[n].history[-1], _skewed() + 6) for n in auto.searching)  # recorded
+
+
+@pytest.mark.parametrize("searches, world, turns", [("auto", 4, False), ("auto", 64, True), ("all", 64, False)])
+def test_small_layers_search_every_candidate_every_call(searches, world, turns):
+    """`searches="auto"`: every candidate searches every call below `TURNS_FROM` ranks × experts."""
+    cm = CostModel(Topology.homogeneous(world, 1e12), gemm_flops_per_s=1e7)
+    auto = PLANNERS.build("auto", LayerContext(world, 2, SHAPE, cm), {"searches": searches})
+    flow = np.full((world, world), 2)
+    flow[:, 0] = 400
+    auto(flow, Placement.expert_parallel(world, world), cm)
+    assert auto.replanned == (["prophet"] if turns else ["prophet", "eplb", "fssdp"])
 
 
 def test_hold_runs_the_standing_plan_without_starting_a_search():

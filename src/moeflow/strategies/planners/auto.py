@@ -16,10 +16,13 @@ mean (weight `smoothing`) of measured over predicted, and a price is the sum of 
 their factors (copies sent ahead: Eq. 8's exposed part, as measured by the prefetch).
 
 Planning off the critical path. The candidates that plan ahead share the process's one planning
-thread (`planners.ahead`): each call one of them, in turn, starts its search for the next call while
-the others' plans stand (`Planner.hold`), so the thread does one search per layer call instead of
-one per candidate, and the layer does not wait for a queue of them. Shadowing decides on this
-call's flow, as FasterMoE does (§4.1).
+thread (`planners.ahead`). Where their searches are small they all search every call; from
+`TURNS_FROM` ranks × experts (`searches="auto"`; or always: `searches="turns"`) one of them per
+call, in turn, starts its search for the next call while the others' plans stand (`Planner.hold`),
+so the thread does one search per layer call instead of one per candidate and the layer does not
+wait for a queue of them. Plans that stand a few calls cost some of `auto`'s gain where the load
+moves (simulated on FasterMoE's johnny: up to 4% on the SmartMoE trace and a drifting load), so
+small layers keep every search. Shadowing decides on this call's flow, as FasterMoE does (§4.1).
 
 Under the prefetch, `next_placement()` (asked during the block before the layer's next call) offers
 the cheapest of the planned-ahead placements on the last flow, its copies priced as hidden, when it
@@ -45,6 +48,11 @@ from moeflow.strategies.planners.prophet_model import overlapped_copies
 from moeflow.strategies.timing import Ratio, Sample
 
 CANDIDATES = ("ep", "shadow", "prophet", "eplb", "fssdp")
+SEARCHES = ("auto", "all", "turns")
+TURNS_FROM = 4096
+"""Ranks × experts from which `searches="auto"` takes turns: at 16 × 32 the three searches take
+2.2–2.4 ms a call together, at 64 × 256 9–13 ms, more than a layer's exchanges and experts hide
+(`benchmarks/planner_scale.py`)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,9 @@ class AutoOptions:
     """Leave plain EP only for a placement predicted at least this fraction faster."""
     smoothing: float = 0.3
     """Weight of a new measurement in each term's factor (module docstring, "Correction")."""
+    searches: str = "auto"
+    """The candidates that plan ahead: `all` search every call, `turns` one per call in turn (module
+    docstring, "Planning off the critical path"); `auto`: in turns from `TURNS_FROM` ranks × experts."""
 
     def __post_init__(self) -> None:
         names = self.names()
@@ -67,6 +78,8 @@ class AutoOptions:
         if self.min_gain >= 1.0:
             raise ValueError(f"min_gain={self.min_gain!r}: expected a fraction in [0, 1)")
         finite_number("smoothing", self.smoothing, 0.0, 1.0, low_open=True)
+        if self.searches not in SEARCHES:
+            raise ValueError(f"searches={self.searches!r}: expected one of {list(SEARCHES)}")
 
     def names(self) -> list[str]:
         """The candidates, plain EP first."""
@@ -144,8 +157,8 @@ class AutoPlanner(Planner):
         self.searching = [name for name, p in self.planners.items() if p.plans_ahead]
         """Candidates that search on the planning thread, one per call in turn."""
         self.calls = 0
-        self.replanned: str | None = None
-        """The candidate whose search the last call started."""
+        self.replanned: list[str] = []
+        """The candidates whose searches the last call started."""
         self.factors = {term: Ratio(self.options.smoothing) for term in ("compute", "exchange", "copies")}
         self.pending: deque[Terms] = deque(maxlen=64)  # the running placements' terms, not yet measured
         self.errors: deque[tuple[float, float]] = deque(maxlen=32)  # (forecast, measured) forward seconds
@@ -169,13 +182,16 @@ class AutoPlanner(Planner):
         if cost_model is None:
             raise ValueError("strategy='auto' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
         node_of = cost_model.topology.node_of
-        # One candidate searches per call, in turn; the others' plans stand (every rank counts the
-        # same calls, so every rank asks the same candidate).
-        self.replanned = self.searching[self.calls % len(self.searching)] if self.searching else None
+        # In turns: one candidate searches per call, the others' plans stand (every rank counts the
+        # same calls and sees the same flow's shape, so every rank asks the same candidates).
+        W, E = np.shape(flow_WE)
+        turns = self.options.searches == "turns" or (self.options.searches == "auto" and W * E >= TURNS_FROM)
+        turn = self.searching[self.calls % len(self.searching)] if self.searching else None
+        self.replanned = [n for n in self.searching if n == turn or not turns]
         self.calls += 1
         proposals = {
             name: planner(flow_WE, placement, cost_model)
-            if name == self.replanned
+            if name in self.replanned or not planner.plans_ahead
             else planner.hold(flow_WE, placement, cost_model)
             for name, planner in self.planners.items()
         }
