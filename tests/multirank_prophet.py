@@ -87,7 +87,7 @@ def check_prophet_equals_ep(rank: int, world: int) -> None:
     # EPLB balances devices, which these hot pairs leave nearly even: with no margin it still copies.
     models["eplb"] = TwoBlocks(world, "eplb", cost_model, {"min_gain": 0.0, "window": 1})
     models["auto"] = TwoBlocks(world, "auto", cost_model)
-    models["autopf"] = TwoBlocks(world, "auto", cost_model)
+    models["autopf"] = TwoBlocks(world, "auto", cost_model, {"searches": "turns"})  # one search per call
     # The schedule arbiter: two rounds of its three candidates (the first a warm-up), then the cheapest.
     models["autos"] = TwoBlocks(world, "auto", cost_model, schedule="auto")
     BlockPrefetch([models["autopf"].moe1, models["autopf"].moe2])  # auto plans ahead too
