@@ -9,7 +9,16 @@ component's name); every ``strategy`` is a planner of ``moeflow.strategies.PLANN
 (``Schedule.predict``), with the dispatcher of ``dispatch`` pricing each token exchange. On top of
 the block: the count exchange before every dispatch (``CostModel.count_exchange_time``) and the
 copies a planner asked for (``CostModel.copies_time``: materialize in forward, reduce-to-owner in
-backward), plus the dense part of the block (``nonmoe_forward_s``, backward 2×).
+backward), plus the dense part of the block (``nonmoe_forward_s``, backward 2×). Planning and
+pricing live in ``sim.planning`` and ``sim.pricing``; copies that travel ahead hide behind the
+block before (Pro-Prophet Eq. 8, ``prefetch``) or behind the attention (Hecate §3.2 / §4.2,
+``overlap_attention``, ``sim.attention_overlap``).
+
+``layout`` (``sim.data_parallel.MeshLayout``) lays the ranks out as training does: by default one
+expert-parallel group of every rank; with ``ep_size`` below the world, each EP group a replica of
+the experts on its own rows of the trace, planned on the replicas' mean flow, the slowest replica
+setting the pace, and the experts' gradients all-reduced over the replicas (Hecate's baselines, §3
+Eq. 2); with ``experts="fsdp"`` FSSDP owns each expert once over every rank (Hecate §3).
 
 A trace of another size is rescaled to the cluster (``Trace.rescale``). Planners that never copy
 (``ep``) take a vectorised path, so a 64×64×1000 replay is a few numpy calls; the others are asked
