@@ -16,15 +16,19 @@ communication minus EP's, which is the count exchange alone) and FSSDP's speedup
 EP, shadowing and EPLB (the baselines Hecate compares with: FasterMoE, and expert rearrangement in
 the manner of SmartMoE / FlexMoE).
 
-`--dp` prices Hecate's own setting on its clusters (§3 Eq. 2, §4.1): the baselines with experts
-replicated over data-parallel groups — expert parallelism inside each node (8 ranks), one replica
-per node, every replica's ranks replaying their own rows of the trace (the iteration waits for the
-slowest replica), then the ring all-reduce of every rank's expert gradients over its replicas, all
-rings at once on the cluster's links (FasterMoE Eq. 2), exposed — against FSSDP over all the ranks
-(one owner per expert, no all-reduce). Composed here from `simulate` on one node (`NAME@8`) and the
-cost model; `moeflow simulate` itself has no data-parallel dimension.
+`--dp` runs Hecate's own setting natively (`moeflow simulate --ep-size 8`, `sim.data_parallel`; §3
+Eq. 2, §4.1, §4.2) on johnny and Hecate's clusters at 16 and 32 ranks, the trace's held-out half and
+Zipf 1.2 and 2, with the dense part of each block priced as attention at sequence 2048 (Hecate's
+GPT-MoE; `prophet_simulated.attention_forward_s`): the baselines (EP, shadowing, EPLB) with expert
+parallelism inside each node of 8 and one replica of the experts per node (`--parallel-experts
+replicate`), their gradient all-reduce exposed and hidden behind the backward (`--overlap-allreduce`);
+FSSDP owning each expert once over all ranks (`--parallel-experts fsdp`) with its sparse collectives
+behind the attention (`--overlap-attention`), also with re-materialization and without the overlap;
+and beside them Pro-Prophet and `auto` on the whole mesh (one owner per expert, no all-reduce) with
+the block-wise prefetch. It writes the JSON and, with `--md`, the markdown table of the results file.
 
-    .venv/bin/python benchmarks/sparse_collectives_simulated.py --dp --out results/dp.json
+    .venv/bin/python benchmarks/sparse_collectives_simulated.py --dp \
+        --out docs/results/2026-11-27-hecate-setting-simulated.json --md results/hecate-setting-table.md
 """
 
 from __future__ import annotations
@@ -35,14 +39,15 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
-from moeflow.perf.costmodel import CostModel
+from moeflow.sim.data_parallel import MeshLayout
 from moeflow.sim.simulator import simulate as simulate_trace
-from moeflow.sim.traces import Trace
 from moeflow.sim.workload import add_workload_arguments, workload_from_args
+
+sys.path.insert(0, str(Path(__file__).parent))
+from prophet_simulated import attention_forward_s  # noqa: E402
 
 STRATEGIES = "ep,shadow,eplb,prophet,fssdp,auto"
 BASELINES = ("ep", "shadow", "eplb")
@@ -91,62 +96,106 @@ def simulate(args: list[str]) -> dict:
     return result
 
 
-def expert_allreduce_s(cm: CostModel, ep: int, bytes_per_rank: float) -> float:
-    """Ring all-reduce of every rank's expert gradients over its data-parallel replicas (ranks r,
-    r + ep, r + 2·ep, ...), all `ep` rings at once: `2·(dp − 1)/dp` of the bytes on every hop, the
-    busiest link's time plus the slowest hop's latency per ring step."""
-    W = cm.topology.num_devices
-    dp = W // ep
-    flows_WW = np.zeros((W, W))
-    hops = []
-    for r in range(ep):
-        ring = [r + k * ep for k in range(dp)]
-        hops += list(zip(ring, ring[1:] + ring[:1]))
-    for a, b in hops:
-        flows_WW[a, b] += 2 * (dp - 1) / dp * bytes_per_rank
-    latency = max(float(cm.topology.path_latency_WW[a, b]) for a, b in hops)
-    return float(cm.link_time(flows_WW)) + 2 * (dp - 1) * latency
+DP_CLUSTERS = {"johnny": "32", "hecate_a@16": "64", "hecate_b@16": "64", "hecate_a": "64", "hecate_b": "64"}
+DP_WORKLOADS = {
+    "smartmoe": HELD_OUT,
+    "zipf-1.2": ["--trace", "zipf", "--skew", "1.2", "--iterations", ZIPF_ITERATIONS, "--layers", "4"],
+    "zipf-2": ["--trace", "zipf", "--skew", "2", "--iterations", ZIPF_ITERATIONS, "--layers", "4"],
+}
+EP_SIZE, SEQ = 8, 2048
 
 
-def data_parallel(run_args: list[str]) -> dict:
-    """Hecate's setting for one run (module docstring, `--dp`)."""
+def _row(r) -> dict:
+    s = r.summary()
+    out = {k: 1e3 * s[k] for k in ("total_s", "a2a_s", "other_comm_s", "exposed_comm_s")}
+    out = {k.replace("_s", "_ms"): v for k, v in out.items()}
+    out["expert_dp_ms"] = 1e3 * s.get("expert_dp_s", 0.0)
+    out["expert_dp_exposed_ms"] = 1e3 * s.get("expert_dp_exposed_s", 0.0)
+    out["replicated_experts_per_layer"] = s["replicated_experts_per_layer"]
+    return out
+
+
+def hecate_setting(cluster: str, workload: list[str], experts: str) -> dict:
+    """Hecate's setting for one (cluster, workload), every row from `simulate` (module docstring)."""
     parser = argparse.ArgumentParser()
     add_workload_arguments(parser)
-    trace, cm, layer, _, _ = workload_from_args(parser.parse_args(run_args))
-    W, node_of = cm.topology.num_devices, np.asarray(cm.topology.node_of)
-    ep = int((node_of == node_of[0]).sum())
-    cluster = run_args[run_args.index("--cluster") + 1].partition("@")[0]
-    cm_node = CostModel.resolve(f"{cluster}@{ep}")
-    replicas: dict[str, list[np.ndarray]] = {}
-    for g in range(W // ep):
-        meta = {**trace.meta, "world_size": ep}
-        rows = Trace(trace.flow_ILWE[:, :, g * ep : (g + 1) * ep], trace.steps_I, meta)
-        for r in simulate_trace(rows, cm_node, layer, ["ep", "shadow", "eplb", "prophet", "fssdp"], ["sync"]):
-            replicas.setdefault(r.strategy, []).append(r.total_I)
-    I, L, _, E = trace.flow_ILWE.shape
-    allreduce = expert_allreduce_s(cm, ep, L * (E // ep) * layer.shape.param_bytes(cm.bytes_per_element))
-    whole = simulate_trace(trace, cm, layer, ["fssdp"], ["sync"])[0]
-    out = {
-        "args": " ".join(run_args),
-        "ep": ep,
-        "dp": W // ep,
-        "expert_allreduce_ms": 1e3 * allreduce,
-        "fssdp_whole_mesh_ms": 1e3 * float(whole.total_I.mean()),
-        "replicated_ms": {k: 1e3 * float(np.max(v, axis=0).mean()) + 1e3 * allreduce for k, v in replicas.items()},
-        "replicated_without_allreduce_ms": {k: 1e3 * float(np.max(v, axis=0).mean()) for k, v in replicas.items()},
-        # DDP at best hides the all-reduce behind the whole backward (two thirds of an iteration).
-        "replicated_overlapped_ms": {
-            k: 1e3 * float((np.max(v, axis=0) + np.maximum(0.0, allreduce - 2 / 3 * np.max(v, axis=0))).mean())
-            for k, v in replicas.items()
-        },
+    trace, cm, layer, _, _ = workload_from_args(
+        parser.parse_args(["--cluster", cluster, *workload, "--experts", experts])
+    )
+    tokens_per_rank = float(trace.flow_ILWE.sum(-1).mean()) / layer.top_k
+    nonmoe = attention_forward_s(cm, tokens_per_rank, SEQ, layer.shape.d_model)
+    layer = replace(layer, nonmoe_forward_s=nonmoe)
+    rows = {}
+    for hidden in (False, True):
+        layout = MeshLayout(EP_SIZE, "replicate", overlap_allreduce=hidden)
+        for r in simulate_trace(trace, cm, layer, BASELINES, ["sync"], ceiling=False, layout=layout):
+            rows[f"{r.strategy}/replicate{'/allreduce-hidden' if hidden else ''}"] = _row(r)
+    fsdp = MeshLayout(EP_SIZE, "fsdp")
+    for label, fssdp_layer in (
+        ("fssdp/fsdp/overlap-attention", replace(layer, overlap_attention=True)),
+        (
+            "fssdp/fsdp/overlap-attention/rematerialize",
+            replace(layer, overlap_attention=True, options={"strategy": {"rematerialize": "true"}}),
+        ),
+        ("fssdp/fsdp/no-overlap", layer),
+    ):
+        (r,) = simulate_trace(trace, cm, fssdp_layer, ["fssdp"], ["sync"], ceiling=False, layout=fsdp)
+        rows[label] = _row(r)
+    for r in simulate_trace(trace, cm, replace(layer, prefetch=True), ["prophet", "auto"], ["sync"], ceiling=False):
+        rows[f"{r.strategy}/whole-mesh/prefetch"] = _row(r)
+    best = {}
+    for mode in ("replicate", "replicate/allreduce-hidden"):
+        name = min(BASELINES, key=lambda b: rows[f"{b}/{mode}"]["total_ms"])
+        best[mode] = {"strategy": name, "total_ms": rows[f"{name}/{mode}"]["total_ms"]}
+    speedups = {
+        f"{label} over best {mode}": best[mode]["total_ms"] / rows[label]["total_ms"]
+        for label in (
+            "fssdp/fsdp/overlap-attention",
+            "fssdp/fsdp/overlap-attention/rematerialize",
+            "prophet/whole-mesh/prefetch",
+            "auto/whole-mesh/prefetch",
+        )
+        for mode in best
     }
-    best = min(out["replicated_ms"][b] for b in BASELINES)
-    out["fssdp_over_best_replicated_baseline"] = best / out["fssdp_whole_mesh_ms"]
-    best_free = min(out["replicated_without_allreduce_ms"][b] for b in BASELINES)
-    out["fssdp_over_best_replicated_baseline_without_allreduce"] = best_free / out["fssdp_whole_mesh_ms"]
-    best_hidden = min(out["replicated_overlapped_ms"][b] for b in BASELINES)
-    out["fssdp_over_best_replicated_baseline_overlapped"] = best_hidden / out["fssdp_whole_mesh_ms"]
-    return out
+    W = cm.topology.num_devices
+    return {
+        "cluster": cluster,
+        "args": " ".join([*workload, "--experts", experts]),
+        "dp": W // EP_SIZE,
+        "ep": EP_SIZE,
+        "num_experts": int(experts),
+        "nonmoe_forward_ms": 1e3 * nonmoe,
+        "rows": rows,
+        "best_baseline": best,
+        "speedups": speedups,
+    }
+
+
+def dp_table(doc: dict) -> str:
+    """The results file's table (markdown)."""
+    lines = [
+        "| run | dp × ep | attention fwd ms | all-reduce ms | best baseline, all-reduce exposed | hidden | "
+        "fssdp ms | fssdp ÷ best, exposed | hidden | fssdp remat. ÷ best hidden | prophet+prefetch ms | "
+        "÷ best hidden | auto ms | ÷ best hidden |",
+        "|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, r in doc["runs"].items():
+        rows, best, sp = r["rows"], r["best_baseline"], r["speedups"]
+        exp, hid = best["replicate"], best["replicate/allreduce-hidden"]
+        ar = rows[f"{exp['strategy']}/replicate"]["expert_dp_ms"]
+        f = "fssdp/fsdp/overlap-attention"
+        lines.append(
+            f"| {label} | {r['dp']} × {r['ep']} | {r['nonmoe_forward_ms']:.1f} | {ar:.0f} | "
+            f"{exp['strategy']} {exp['total_ms']:.0f} | {hid['strategy']} {hid['total_ms']:.0f} | "
+            f"{rows[f]['total_ms']:.0f} | {sp[f + ' over best replicate']:.2f} | "
+            f"{sp[f + ' over best replicate/allreduce-hidden']:.2f} | "
+            f"{sp[f + '/rematerialize over best replicate/allreduce-hidden']:.2f} | "
+            f"{rows['prophet/whole-mesh/prefetch']['total_ms']:.0f} | "
+            f"{sp['prophet/whole-mesh/prefetch over best replicate/allreduce-hidden']:.2f} | "
+            f"{rows['auto/whole-mesh/prefetch']['total_ms']:.0f} | "
+            f"{sp['auto/whole-mesh/prefetch over best replicate/allreduce-hidden']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def report(before: dict, after: dict) -> tuple[dict, str]:
@@ -181,20 +230,28 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="run labels (default: all)")
     parser.add_argument("--report", nargs=2, metavar=("BEFORE", "AFTER"), help="compare two runs' JSON")
     parser.add_argument("--dp", action="store_true", help="Hecate's setting: baselines with data-parallel replicas")
+    parser.add_argument("--md", default=None, help="--dp: also write the markdown table here")
     args = parser.parse_args()
     if args.dp:
-        runs = {k: v for k, v in _runs().items() if k.startswith("hecate") and (not args.only or k in args.only)}
+        start = time.perf_counter()
         out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "runs": {}}
-        for label, run_args in runs.items():
-            r = out["runs"][label] = data_parallel(run_args)
-            print(
-                f"{label:<32} allreduce {r['expert_allreduce_ms']:.1f} ms  fssdp/best replicated "
-                f"{r['fssdp_over_best_replicated_baseline']:.3f} (hidden by backward "
-                f"{r['fssdp_over_best_replicated_baseline_overlapped']:.3f}, without the all-reduce "
-                f"{r['fssdp_over_best_replicated_baseline_without_allreduce']:.3f})"
-            )
+        for cluster, experts in DP_CLUSTERS.items():
+            for workload, workload_args in DP_WORKLOADS.items():
+                label = f"{cluster}/{workload}"
+                if args.only and label not in args.only:
+                    continue
+                r = out["runs"][label] = hecate_setting(cluster, workload_args, experts)
+                sp = {k.replace("fssdp/fsdp/overlap-attention", "fssdp"): v for k, v in r["speedups"].items()}
+                print(
+                    f"{label:<24} fssdp/best {sp['fssdp over best replicate']:.3f} "
+                    f"(all-reduce hidden {sp['fssdp over best replicate/allreduce-hidden']:.3f})",
+                    flush=True,
+                )
+        out["seconds"] = time.perf_counter() - start
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=2))
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        if args.md:
+            Path(args.md).write_text(dp_table(out) + "\n")
         return 0
     if args.report:
         before, after = (json.loads(Path(p).read_text()) for p in args.report)

@@ -7,6 +7,9 @@ moeflow simulate --cluster results/profile.json --trace runs/demo/routing.npz --
 moeflow simulate --cluster fsmoe_a --trace zipf --strategy ep --schedule sync --degrees 1,2,4,8,auto
 moeflow simulate --cluster johnny --trace smartmoe --trace-iterations 125: --progress
 moeflow simulate --trace smartmoe --sweep johnny,johnny@64,hecate_a,trevor --out results/sweep.json
+moeflow simulate --cluster hecate_a --trace zipf --ep-size 8 --strategy ep,shadow,eplb --overlap-allreduce
+moeflow simulate --cluster hecate_a --trace zipf --ep-size 8 --parallel-experts fsdp --strategy fssdp \
+    --overlap-attention --nonmoe-ms 3
 """
 
 from __future__ import annotations
@@ -18,6 +21,25 @@ def add_arguments(parser):
     from moeflow.sim.workload import add_workload_arguments
 
     add_workload_arguments(parser)
+    parser.add_argument(
+        "--ep-size",
+        type=int,
+        default=None,
+        help="ranks of one expert-parallel group (parallel.ep_size; default: every rank): consecutive blocks, "
+        "the experts replicated over the world/ep-size groups (docs/speed.md, 'Data-parallel replicas')",
+    )
+    parser.add_argument(
+        "--parallel-experts",
+        choices=("replicate", "fsdp"),
+        default="replicate",
+        help="parallel.experts: replicas whole, gradients all-reduced over them (replicate), or sharded: "
+        "fssdp owns each expert once over all ranks, other strategies as FSDP2 shards them over dp (fsdp)",
+    )
+    parser.add_argument(
+        "--overlap-allreduce",
+        action="store_true",
+        help="hide the experts' gradient all-reduce (reduce-scatter) over the replicas behind the backward, as DDP",
+    )
     parser.add_argument(
         "--degrees",
         default=None,
@@ -38,7 +60,17 @@ def add_arguments(parser):
     )
 
 
-def degree_sweep(trace, cost_model, layer, strategies, degrees: str) -> list:
+def mesh_layout(args, world: int, num_experts: int):
+    """The `MeshLayout` of `--ep-size`, `--parallel-experts` and `--overlap-allreduce`, checked
+    against the cluster and the experts before any work."""
+    from moeflow.sim.data_parallel import MeshLayout
+
+    layout = MeshLayout(args.ep_size, args.parallel_experts, args.overlap_allreduce)
+    layout.group_size(world, num_experts)
+    return layout
+
+
+def degree_sweep(trace, cost_model, layer, strategies, degrees: str, layout=None) -> list:
     """`simulate` of `schedule="pipeline"` at every degree of the comma list `degrees` (the layer's
     other schedule options kept), each result's schedule renamed `pipe/r=R` or `pipe/auto`."""
     from dataclasses import replace
@@ -50,7 +82,7 @@ def degree_sweep(trace, cost_model, layer, strategies, degrees: str) -> list:
         if item != "auto" and not (item.isdigit() and int(item) >= 1):
             raise ValueError(f"--degrees: {item!r} is not an integer >= 1 nor 'auto'")
         options = {**layer.options, "schedule": {**layer.options.get("schedule", {}), "degree": item}}
-        for r in simulate(trace, cost_model, replace(layer, options=options), strategies, ["pipeline"]):
+        for r in simulate(trace, cost_model, replace(layer, options=options), strategies, ["pipeline"], layout=layout):
             r.schedule = "pipe/auto" if item == "auto" else f"pipe/r={item}"
             out.append(r)
     return out
@@ -64,11 +96,12 @@ def _simulate(args, cluster: str | None = None, fit_experts: bool = False) -> tu
     from moeflow.sim.workload import workload_from_args
 
     trace, cost_model, layer, strategies, schedules = workload_from_args(args, cluster, fit_experts)
+    layout = mesh_layout(args, cost_model.topology.num_devices, trace.num_experts)
     t0 = time.perf_counter()
-    results = simulate(trace, cost_model, layer, strategies, schedules, progress=args.progress)
+    results = simulate(trace, cost_model, layer, strategies, schedules, progress=args.progress, layout=layout)
     if args.degrees:
         try:
-            results += degree_sweep(trace, cost_model, layer, strategies, args.degrees)
+            results += degree_sweep(trace, cost_model, layer, strategies, args.degrees, layout)
         except ValueError as exc:
             raise SystemExit(f"moeflow simulate: error: {exc}") from None
     elapsed = time.perf_counter() - t0
@@ -87,6 +120,12 @@ def _simulate(args, cluster: str | None = None, fit_experts: bool = False) -> tu
         "balance": layer.balance,
         "dispatch": layer.dispatch,
         "options": {axis: dict(o) for axis, o in layer.options.items()},
+        "ep_size": layout.group_size(W, E),
+        "parallel_experts": layout.experts,
+        "overlap_allreduce": layout.overlap_allreduce,
+        "prefetch": layer.prefetch,
+        "overlap_attention": layer.overlap_attention,
+        "nonmoe_forward_s": layer.nonmoe_forward_s,
         "mean_load_imbalance": float(trace.load_imbalance().mean()),
         "simulation_s": elapsed,
     }

@@ -24,6 +24,7 @@ them: public names); ``...`` = any leading batch dims
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -43,6 +44,8 @@ from moeflow.perf.topology_presets import PRESETS, preset_peak_flops
 # FasterMoE §3.1: "a V100 GPU can achieve more than 90% of its peak throughput when running
 # GeMMs"; the paper's model uses 90% of peak as P.
 GEMM_PEAK_FRACTION = 0.9
+GROUP_FIT_KINDS = frozenset({"a2a", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "copies"})
+"""Fits measured over every device of the group (not valid on a sub-cluster: `CostModel.restricted`)."""
 
 
 @dataclass
@@ -380,6 +383,17 @@ class CostModel(CopiesPricing):
         if np.any(degree < 1):
             raise ValueError(f"degree={degree.tolist()!r}: pipeline degree must be >= 1")
         return self.op_time(kind, np.asarray(n, dtype=np.float64) / degree)
+
+    def restricted(self, ranks: Sequence[int]) -> CostModel:
+        """This model on the sub-cluster of `ranks` (`Topology.restricted`: the same links and
+        routes), for an expert-parallel group of a data-parallel mesh. Fits of whole-group
+        collectives (all-to-all, ring collectives, copies) were measured over every device and are
+        dropped (the link model prices the group); per-device and point-to-point fits stay."""
+        fits = {k: f for k, f in self.fits.items() if k not in GROUP_FIT_KINDS}
+        topology = self.topology.restricted(ranks)
+        return dataclasses.replace(
+            self, topology=topology, fits=fits, name=f"{self.name}{topology.name[len(self.topology.name) :]}"
+        )
 
     # ---- construction and JSON --------------------------------------------------------------------
     @classmethod

@@ -426,6 +426,40 @@ class Topology:
             [inter_latency_s, intra_latency_s],
         )
 
+    def restricted(self, ranks: Sequence[int]) -> Topology:
+        """The sub-cluster of `ranks` (renumbered 0.. in the order given): the same switches and
+        per-level links with every other device removed, so that traffic among `ranks` takes the
+        routes it takes in the whole cluster (an expert-parallel group of a data-parallel mesh). Ring
+        nodes must be kept whole (a partial ring has other edges)."""
+        ranks = [int(r) for r in ranks]
+        if not ranks or len(set(ranks)) != len(ranks) or any(not 0 <= r < self.num_devices for r in ranks):
+            raise ValueError(f"ranks={ranks!r}: expected distinct device ids in [0, {self.num_devices})")
+        new_id = {r: i for i, r in enumerate(ranks)}
+        if self.ring_edge_bandwidth_bytes_per_s is not None:
+            for members in self._node_groups:
+                kept = [d for d in members if d in new_id]
+                if kept and len(kept) != len(members):
+                    raise ValueError(f"ranks={ranks!r}: ring node {members} must be kept whole or not at all")
+
+        def prune(group: list) -> list:
+            out = []
+            for child in group:
+                if isinstance(child, int):
+                    if child in new_id:
+                        out.append(new_id[child])
+                elif kept := prune(child):
+                    out.append(kept)
+            return out
+
+        return Topology(
+            prune(self.spec),
+            self._bw,
+            self._lat,
+            ring_edge_bandwidth_bytes_per_s=self.ring_edge_bandwidth_bytes_per_s,
+            name=f"{self.name}[{len(ranks)} of {self.num_devices}]",
+            source=self.source,
+        )
+
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -9,7 +9,16 @@ component's name); every ``strategy`` is a planner of ``moeflow.strategies.PLANN
 (``Schedule.predict``), with the dispatcher of ``dispatch`` pricing each token exchange. On top of
 the block: the count exchange before every dispatch (``CostModel.count_exchange_time``) and the
 copies a planner asked for (``CostModel.copies_time``: materialize in forward, reduce-to-owner in
-backward), plus the dense part of the block (``nonmoe_forward_s``, backward 2×).
+backward), plus the dense part of the block (``nonmoe_forward_s``, backward 2×). Planning and
+pricing live in ``sim.planning`` and ``sim.pricing``; copies that travel ahead hide behind the
+block before (Pro-Prophet Eq. 8, ``prefetch``) or behind the attention (Hecate §3.2 / §4.2,
+``overlap_attention``, ``sim.attention_overlap``).
+
+``layout`` (``sim.data_parallel.MeshLayout``) lays the ranks out as training does: by default one
+expert-parallel group of every rank; with ``ep_size`` below the world, each EP group a replica of
+the experts on its own rows of the trace, planned on the replicas' mean flow, the slowest replica
+setting the pace, and the experts' gradients all-reduced over the replicas (Hecate's baselines, §3
+Eq. 2); with ``experts="fsdp"`` FSSDP owns each expert once over every rank (Hecate §3).
 
 A trace of another size is rescaled to the cluster (``Trace.rescale``). Planners that never copy
 (``ep``) take a vectorised path, so a 64×64×1000 replay is a few numpy calls; the others are asked
@@ -29,26 +38,31 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement, dispatch_loads, send_by_owner
 from moeflow.core.registry import LayerContext
 from moeflow.layer import AXES
 from moeflow.perf.costmodel import CostModel
 from moeflow.routing import BALANCES, GATES
 from moeflow.routing.effects import EFFECTS
+from moeflow.sim.data_parallel import (
+    MeshLayout,
+    expert_collectives_time,
+    flow_mean_time,
+    hidden_behind_backward,
+    replica_flows,
+    restricted_models,
+    slowest_replica,
+)
+from moeflow.sim.planning import plan_replay
+from moeflow.sim.pricing import LAYER_TERMS, GroupPricing
 from moeflow.sim.traces import Trace, balanced_flow
-from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
-from moeflow.strategies.planners.base import PrefetchWindow, as_planner
-from moeflow.strategies.planners.ep import EPPlanner
-from moeflow.strategies.planners.fssdp import plan_resharding, resharding_time
-from moeflow.strategies.planners.prophet_model import overlapped_copies
-from moeflow.strategies.schedules.base import StepLoad
+from moeflow.strategies import PLANNERS
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,10 @@ class SimulatedLayer:
     prefetch: bool = False
     """Pro-Prophet §V block-wise prefetch (`strategies.prefetch`): the copies of a planner that plans ahead
     hide behind the block before (Eq. 8) in every layer but the first."""
+    overlap_attention: bool = False
+    """Hecate §3.2 / §4.2: the sparse collectives of a planner that plans ahead hide behind the
+    attention alone — spAG behind the forward, spRS and the next re-gather behind the backward
+    (`sim.attention_overlap`); exclusive with `prefetch`."""
 
     def __post_init__(self) -> None:
         positive_int("top_k", self.top_k)
@@ -82,6 +100,8 @@ class SimulatedLayer:
         if unknown:
             raise ValueError(f"options: unknown axis {unknown[0]!r}; valid: {list(AXES)}")
         finite_number("nonmoe_forward_s", self.nonmoe_forward_s, low=0.0)
+        if self.prefetch and self.overlap_attention:
+            raise ValueError("prefetch=True and overlap_attention=True: two models of the same copies; choose one")
 
 
 @dataclass
@@ -110,6 +130,11 @@ class Breakdown:
     ceiling_total_s: float | None = None
     """The force-balanced ceiling: plain EP's mean iteration time, same schedule, with perfectly
     even routing of the same tokens (`Trace.balanced`)."""
+    expert_dp_I: np.ndarray | None = None
+    """With data-parallel replicas (`sim.data_parallel`): the experts' collectives over the dp groups
+    per iteration — the gradient all-reduce (`replicate`) or FSDP2's all-gathers and reduce-scatter."""
+    expert_dp_exposed_I: np.ndarray | None = None
+    """The part of `expert_dp_I` on the critical path (in `total_I` and `exposed_comm_I`)."""
 
     @property
     def share_of_ceiling(self) -> float | None:
@@ -127,6 +152,9 @@ class Breakdown:
         out["total_p50_s"] = float(np.percentile(self.total_I, 50))
         out["total_p95_s"] = float(np.percentile(self.total_I, 95))
         out["replicated_experts_per_layer"] = float(self.replicated_IL.mean())
+        if self.expert_dp_I is not None:
+            out["expert_dp_s"] = float(self.expert_dp_I.mean())
+            out["expert_dp_exposed_s"] = float(self.expert_dp_exposed_I.mean())
         if self.ep_total_s is not None:
             out["speedup_over_ep"] = self.ep_total_s / out["total_s"]
         if self.ceiling_total_s is not None:
@@ -134,105 +162,6 @@ class Breakdown:
             out["ceiling_over_total"] = self.ceiling_total_s / out["total_s"]
             out["share_of_ceiling"] = self.share_of_ceiling
         return out
-
-
-class Plans(NamedTuple):
-    """What a planner decided over a replay (`_plan`)."""
-
-    send: np.ndarray
-    """Tokens each rank sends each rank ``[I, L, W, W]`` (diagonal: computed locally)."""
-    computed: np.ndarray
-    """Tokens each rank computes per expert ``[I, L, W, E]``."""
-    holders: np.ndarray
-    """``[I, L, E, W]``."""
-    owners: np.ndarray
-    """``[I, L, E]``."""
-    reshard_I: np.ndarray
-    """Time of re-sharding after each iteration ``[I]``."""
-    prefetched_IL: np.ndarray
-    """Whether the placement that ran is the one planned ahead (its copies were prefetched)."""
-
-
-def _plan(
-    build_planner,
-    flow_ILWE: np.ndarray,
-    cost_model: CostModel,
-    layer: SimulatedLayer,
-    prefetch: bool = False,
-    progress: Any = None,
-) -> Plans:
-    """Ask the planner for every (iteration, layer), as the layer does (`Plans`). Each layer gets its
-    own planner, fed the iterations in order: one that plans ahead (`plans_ahead`: Pro-Prophet,
-    FSSDP, EPLB) or keeps other state (`auto`) sees only the past ones when it decides. With
-    `prefetch` (the block-wise prefetch on), such planners of every layer but the first know their
-    copies are prefetched, as `strategies.prefetch.BlockPrefetch` tells them in a run, with the dense time
-    given and the whole window hiding copies (a GPU's copy engines). FSSDP planners re-shard all
-    layers together every `reshard_interval` iterations (`fssdp.plan_resharding`, as
-    `core.resharding` does after an optimizer step). `progress`: a bar advanced once per iteration."""
-    I, L, W, E = flow_ILWE.shape
-    base = Placement.expert_parallel(E, W)
-    planner = as_planner(build_planner())
-    owners = np.broadcast_to(base.owner_E, (I, L, E))
-    if isinstance(planner, EPPlanner):  # owners only, whatever the load: vectorised
-        send = send_by_owner(flow_ILWE, base.owner_E)
-        computed = base.holders_EW.T * flow_ILWE.sum(-2)[..., None, :]
-        holders = np.broadcast_to(base.holders_EW, (I, L, E, W))
-        if progress is not None:
-            progress.update(I)
-        return Plans(send, computed, holders, owners, np.zeros(I), np.zeros((I, L), dtype=bool))
-    node_of = cost_model.topology.node_of
-    planners = [planner] + [as_planner(build_planner()) for _ in range(1, L)]  # each layer its own history
-    ahead = prefetch and planner.plans_ahead
-    for p in planners[1:] if ahead else []:
-        p.use_prefetch(PrefetchWindow(layer.nonmoe_forward_s, 1.0))
-    current = [base] * L
-    send = np.zeros((I, L, W, W), dtype=np.int64)
-    computed = np.zeros((I, L, W, E), dtype=np.int64)
-    holders = np.zeros((I, L, E, W), dtype=bool)
-    owners, reshard_I, prefetched = owners.copy(), np.zeros(I), np.zeros((I, L), dtype=bool)
-    resharding = planner.reshards_owners and planner.reshard_interval > 0
-    for i in range(I):
-        for li in range(L):
-            planned = planners[li].next_placement() if ahead and li else None
-            placement = planners[li](flow_ILWE[i, li], current[li], cost_model)
-            prefetched[i, li] = planned is not None and placement == planned
-            send[i, li], computed[i, li] = dispatch_loads(flow_ILWE[i, li], placement, node_of)
-            holders[i, li] = placement.holders_EW
-            owners[i, li] = placement.owner_E
-        new_LE = plan_resharding(planners, cost_model, W, node_of, i + 1) if resharding else None
-        if new_LE is not None:
-            reshard_I[i] = resharding_time(
-                cost_model, owners[i], new_LE, layer.shape.param_bytes(cost_model.bytes_per_element)
-            )
-            current = [Placement.owners_only(new_E, W) for new_E in new_LE]
-            for p, moved in zip(planners, current):
-                p.owners_changed(moved, cost_model)
-        if progress is not None:
-            progress.update(1)
-    return Plans(send, computed, holders, owners, reshard_I, prefetched)
-
-
-def _copies_time_IL(
-    cost_model: CostModel,
-    param_bytes: float,
-    holders_ILEW: np.ndarray,
-    owners_ILE: np.ndarray,
-    tree: bool | None = None,
-) -> np.ndarray:
-    """Materialize in forward and reduce-to-owner in backward, as the sparse collectives run them,
-    per (iteration, layer) ``[2, I, L]``; placements repeat, so each distinct one is priced once.
-    ``tree``: as `CostModel.copies_time` (False: as the block-wise prefetch sends them)."""
-    memo: dict[bytes, list[float]] = {}
-    out = np.zeros((2, *holders_ILEW.shape[:2]))
-    for index in np.ndindex(*out.shape[1:]):
-        holders_EW, owner_E = holders_ILEW[index], owners_ILE[index]
-        key = holders_EW.tobytes() + owner_E.tobytes()
-        if key not in memo:
-            memo[key] = [
-                cost_model.copies_time(param_bytes, holders_EW, owner_E, d, tree) for d in ("materialize", "reduce")
-            ]
-        out[(slice(None), *index)] = memo[key]
-    return out
 
 
 def routed_flow(trace: Trace, cost_model: CostModel, layer: SimulatedLayer) -> np.ndarray:
@@ -265,104 +194,122 @@ def simulate(
     schedules: Sequence[str] = ("sync",),
     progress: bool = False,
     ceiling: bool = True,
+    layout: MeshLayout | None = None,
 ) -> list[Breakdown]:
     """Replay ``trace`` (rescaled to the cluster when its size differs); one ``Breakdown`` per
     (strategy, schedule). See the module docstring. `progress`: a bar (tqdm, on stderr) over the
     strategies' iterations. `ceiling`: also plain EP on the force-balanced trace, each schedule, so
-    that every row carries its share of the ceiling (`Breakdown.share_of_ceiling`)."""
+    that every row carries its share of the ceiling (`Breakdown.share_of_ceiling`). `layout`: the
+    ranks' data-parallel layout (`sim.data_parallel.MeshLayout`; default: one EP group of every rank)."""
+    layout = MeshLayout() if layout is None else layout
     W = cost_model.topology.num_devices
     if trace.world_size != W:
         trace = trace.rescale(W)
     I, L, _, E = trace.flow_ILWE.shape
-    if E % W:
+    ep = layout.group_size(W, E)
+    if E % W and any(layout.whole_cluster(s, W, E) for s in strategies):
         raise ValueError(
             f"trace num_experts={E}: must be a multiple of the cluster's {W} devices "
             f"(rescale it: `moeflow simulate --experts {math.lcm(E, W)}`, or Trace.rescale)"
         )
-    ctx = LayerContext(E, layer.top_k, layer.shape, cost_model)
+    replica_models = restricted_models(cost_model, ep) if ep < W else []
+    pricing = {id(cm): GroupPricing(cm, layer, schedules, E, I, L) for cm in [cost_model, *replica_models]}
     options = _strategy_options(strategies, layer.options.get("strategy"))
     for s in strategies:  # built once here so that bad names and options fail before any work
-        PLANNERS.build(s, ctx, options[s])
-    built = {s: SCHEDULES.build(s, ctx, layer.options.get("schedule")) for s in schedules}
-    dispatcher = DISPATCHERS.build(layer.dispatch, ctx, layer.options.get("dispatch"))
-    for schedule in built.values():
-        schedule.check_dispatcher(dispatcher)
+        models = [cost_model] if layout.whole_cluster(s, W, E) else replica_models[:1]
+        for cm in models:
+            PLANNERS.build(s, pricing[id(cm)].ctx, options[s])
     flow = routed_flow(trace, cost_model, layer)
-    pricing = _Pricing(cost_model, layer, built, dispatcher, E, I, L)
     bar = tqdm(
         total=len(strategies) * I, desc=f"simulate {cost_model.name}", unit="it", disable=not progress, leave=False
     )
+    replay = _Replay(cost_model, replica_models, pricing, layer, layout, ep)
     results = []
     for name in strategies:
         bar.set_postfix_str(name)
-        build = lambda name=name: PLANNERS.build(name, ctx, options[name])  # noqa: E731
-        results += pricing.breakdowns(name, _plan(build, flow, cost_model, layer, layer.prefetch, bar))
+        results += replay.breakdowns(name, flow, options[name], bar)
     bar.close()
     if ceiling:
-        ep = {r.schedule: r for r in results if r.strategy == "ep"}
-        if not ep:
-            ep = {r.schedule: r for r in pricing.breakdowns("ep", _plan(EPPlanner, flow, cost_model, layer))}
-        even = pricing.breakdowns("ep", _plan(EPPlanner, balanced_flow(flow), cost_model, layer))
+        ep_rows = {r.schedule: r for r in results if r.strategy == "ep"}
+        if not ep_rows:
+            ep_rows = {r.schedule: r for r in replay.breakdowns("ep", flow, {})}
+        even = {r.schedule: r for r in replay.breakdowns("ep", balanced_flow(flow), {})}
         for r in results:
-            r.ep_total_s = float(ep[r.schedule].total_I.mean())
-            r.ceiling_total_s = float(next(c for c in even if c.schedule == r.schedule).total_I.mean())
+            r.ep_total_s = float(ep_rows[r.schedule].total_I.mean())
+            r.ceiling_total_s = float(even[r.schedule].total_I.mean())
     return results
 
 
-class _Pricing:
-    """What one strategy's plans cost under every schedule (`simulate`)."""
+class _Replay:
+    """One strategy replayed on the layout: on the whole cluster, or on every EP group's replica
+    (`sim.data_parallel`), priced under every schedule (`simulate`)."""
 
-    def __init__(self, cost_model: CostModel, layer: SimulatedLayer, built: dict, dispatcher, E: int, I: int, L: int):
-        self.cm, self.layer, self.built, self.dispatcher = cost_model, layer, built, dispatcher
-        self.t_counts = cost_model.count_exchange_time(E)
-        self.param_bytes = layer.shape.param_bytes(cost_model.bytes_per_element)
-        self.nonmoe_IL = np.full((I, L), 3.0 * layer.nonmoe_forward_s)
-        self.E = E
+    def __init__(self, cost_model, replica_models, pricing, layer, layout, ep) -> None:
+        self.cm, self.replica_models, self.pricing = cost_model, replica_models, pricing
+        self.layer, self.layout, self.ep = layer, layout, ep
 
-    def breakdowns(self, name: str, plans: Plans) -> list[Breakdown]:
-        cost_model, layer, param_bytes, nonmoe_IL = self.cm, self.layer, self.param_bytes, self.nonmoe_IL
-        send, computed, holders, owners, reshard_I, prefetched_IL = plans
-        W = cost_model.topology.num_devices
-        # The workload's Lat_comp and Lat_comm (FasterMoE §3.3), whatever the schedule: the roofline's R_CC.
-        lat_comp_IL = cost_model.compute_time(computed, layer.shape)
-        trans_IL, agg_IL = _copies_time_IL(cost_model, param_bytes, holders, owners)
-        copies_IL = trans_IL + agg_IL
-        if prefetched_IL.any():
-            # Pro-Prophet Eq. 8: a layer that runs the placement planned ahead (every layer after
-            # the first) has its copies prefetched in the block before, as `strategies.prefetch` sends
-            # them; a GPU's copy engines hide them behind the whole window (hidden share 1).
-            sent_IL = _copies_time_IL(cost_model, param_bytes, holders, owners, tree=False)
-            hidden_IL = overlapped_copies(sent_IL[0], sent_IL[1], lat_comp_IL, layer.nonmoe_forward_s)
-            copies_IL = np.where(prefetched_IL, hidden_IL, copies_IL)
-        other_IL = self.t_counts + copies_IL
-        other_IL[:, -1] += reshard_I  # moving shards (FSSDP), after the iteration's last layer
-        replicated_IL = holders.sum(axis=(-2, -1)) - self.E
-        step = StepLoad(send, computed, layer.shape, cost_model.topology.node_of)
-        bytes_WW = send * (1.0 - np.eye(W)) * layer.shape.d_model * cost_model.bytes_per_element
-        lat_comm_IL = self.dispatcher.price(cost_model, bytes_WW)  # one exchange (the combine costs the same)
-        out = []
-        for schedule_name, schedule in self.built.items():
-            block = schedule.predict(step, cost_model, self.dispatcher)
-            total_IL = block.total_s + other_IL + nonmoe_IL
-            exposed_IL = total_IL - nonmoe_IL - block.compute_s
-            out.append(
-                Breakdown(
-                    name,
-                    schedule_name,
-                    total_IL.sum(1),
-                    block.compute_s.sum(1),
-                    block.comm_s.sum(1),
-                    other_IL.sum(1),
-                    exposed_IL.sum(1),
-                    np.maximum(block.comm_s + other_IL - exposed_IL, 0.0).sum(1),
-                    lat_comp_IL,
-                    lat_comm_IL,
-                    total_IL,
-                    computed.sum(axis=(-2, -1)).astype(np.float64),
-                    replicated_IL.astype(np.float64),
-                )
-            )
-        return out
+    def breakdowns(self, name: str, flow_ILWE: np.ndarray, options: dict, bar: Any = None) -> list[Breakdown]:
+        W, E = self.cm.topology.num_devices, flow_ILWE.shape[-1]
+        whole = self.layout.whole_cluster(name, W, E)
+        pricing = self.pricing[id(self.cm if whole else self.replica_models[0])]
+        build = lambda: PLANNERS.build(name, pricing.ctx, options)  # noqa: E731
+        window, first = pricing.window, self.layer.overlap_attention
+        if whole:
+            plans = plan_replay(build, flow_ILWE, self.cm, pricing.param_bytes, window, first, bar)[0]
+            rows = [_breakdown(name, s, layers) for s, layers in pricing.layers(plans).items()]
+            if self.ep < W:  # FSSDP over the dp × ep mesh: no collective over replicas
+                for r in rows:
+                    r.expert_dp_I, r.expert_dp_exposed_I = np.zeros_like(r.total_I), np.zeros_like(r.total_I)
+            return rows
+        plan_flow, flows_Z = replica_flows(flow_ILWE, self.ep)
+        planning_model = self.replica_models[0]  # every replica plans alike, on the mean flow
+        plans_Z = plan_replay(build, plan_flow, planning_model, pricing.param_bytes, window, first, bar, flows_Z)
+        layers_Z = [self.pricing[id(cm)].layers(p) for cm, p in zip(self.replica_models, plans_Z)]
+        reads_flow = plans_Z[0].reads_flow
+        sync_s = flow_mean_time(self.cm, self.ep, E) if reads_flow else 0.0
+        expert_bytes = E // self.ep * pricing.param_bytes
+        dp_s = expert_collectives_time(self.cm, self.ep, expert_bytes, self.layout.experts)
+        nonmoe = self.layer.nonmoe_forward_s
+        rows = []
+        for schedule in pricing.built:
+            terms = {k: np.stack([lz[schedule][k] for lz in layers_Z]) for k in LAYER_TERMS}
+            slowest_IL = slowest_replica(terms["total"], per_layer=reads_flow)
+            layers = {k: np.take_along_axis(v, slowest_IL[None], 0)[0] for k, v in terms.items()}
+            for k in ("total", "other", "exposed"):
+                layers[k] = layers[k] + sync_s
+            L = layers["total"].shape[1]
+            grad_I = np.full(layers["total"].shape[0], L * dp_s["grad"])
+            if self.layout.overlap_allreduce:
+                grad_exposed_I = hidden_behind_backward(layers["total"] + dp_s["gather"], nonmoe, dp_s["grad"])
+            else:
+                grad_exposed_I = grad_I
+            r = _breakdown(name, schedule, layers)
+            r.expert_dp_I = grad_I + L * dp_s["gather"]
+            r.expert_dp_exposed_I = grad_exposed_I + L * dp_s["gather"]
+            r.total_I = r.total_I + r.expert_dp_exposed_I
+            r.exposed_comm_I = r.exposed_comm_I + r.expert_dp_exposed_I
+            r.overlapped_comm_I = r.overlapped_comm_I + grad_I - grad_exposed_I
+            rows.append(r)
+        return rows
+
+
+def _breakdown(name: str, schedule: str, layers: dict[str, np.ndarray]) -> Breakdown:
+    """A row from the per-layer terms of `GroupPricing.layers`."""
+    return Breakdown(
+        name,
+        schedule,
+        layers["total"].sum(1),
+        layers["compute"].sum(1),
+        layers["a2a"].sum(1),
+        layers["other"].sum(1),
+        layers["exposed"].sum(1),
+        layers["overlapped"].sum(1),
+        layers["lat_comp"],
+        layers["lat_comm"],
+        layers["total"],
+        layers["tokens"],
+        layers["replicated"],
+    )
 
 
 def speedup_bound(comm_s: Any, comp_s: Any) -> np.ndarray:
@@ -373,15 +320,18 @@ def speedup_bound(comm_s: Any, comp_s: Any) -> np.ndarray:
 
 def format_table(results: Sequence[Breakdown]) -> str:
     """Fixed-width table of the mean per-iteration breakdown (milliseconds), the speedup over plain
-    EP (same schedule) and the share of the force-balanced ceiling (`Breakdown.share_of_ceiling`)."""
-    keys = ("total_s", "compute_s", "a2a_s", "other_comm_s", "exposed_comm_s", "overlapped_comm_s", "total_p95_s")
-    head = f"{'strategy':<14}{'schedule':<10}" + "".join(
-        f"{k:>10}" for k in ("total", "compute", "a2a", "other", "exposed", "overlap", "p95", "vs EP", "ceiling")
-    )
+    EP (same schedule) and the share of the force-balanced ceiling (`Breakdown.share_of_ceiling`);
+    with data-parallel replicas also the experts' collectives over them and their exposed part."""
+    keys = ["total_s", "compute_s", "a2a_s", "other_comm_s", "exposed_comm_s", "overlapped_comm_s", "total_p95_s"]
+    names = ["total", "compute", "a2a", "other", "exposed", "overlap", "p95"]
+    if any(r.expert_dp_I is not None for r in results):
+        keys += ["expert_dp_s", "expert_dp_exposed_s"]
+        names += ["dp comm", "dp exp."]
+    head = f"{'strategy':<14}{'schedule':<10}" + "".join(f"{k:>10}" for k in (*names, "vs EP", "ceiling"))
     lines = [head + "   (ms per iteration; ceiling: share of EP's gap to even routing closed)"]
     for r in results:
         s = r.summary()
-        row = f"{r.strategy:<14}{r.schedule:<10}" + "".join(f"{1e3 * s[k]:>10.3f}" for k in keys)
+        row = f"{r.strategy:<14}{r.schedule:<10}" + "".join(f"{1e3 * s.get(k, 0.0):>10.3f}" for k in keys)
         row += f"{s['speedup_over_ep']:>9.2f}x" if "speedup_over_ep" in s else f"{'-':>10}"
         share = s.get("share_of_ceiling")
         row += f"{100 * share:>9.1f}%" if share is not None else f"{'-':>10}"

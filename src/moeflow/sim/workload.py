@@ -76,6 +76,12 @@ def add_workload_arguments(parser: Any) -> None:
         action="store_true",
         help="Pro-Prophet block-wise prefetch: copies of planners that plan ahead hide behind the block before",
     )
+    parser.add_argument(
+        "--overlap-attention",
+        action="store_true",
+        help="Hecate §3.2/§4.2: copies of planners that plan ahead (FSSDP's spAG, spRS, re-gather) hide behind "
+        "the attention alone (--nonmoe-ms forward, 2x backward); not with --prefetch",
+    )
 
 
 def trace_iterations(trace: Trace, text: str) -> Trace:
@@ -156,6 +162,8 @@ def workload_from_args(
     d_model = args.d_model or int(trace.meta.get("d_model") or 1024)
     d_hidden = args.d_hidden or int(trace.meta.get("d_hidden") or 4 * d_model)
     shape = ExpertShape(d_model, d_hidden, args.expert or trace.meta.get("expert") or "ffn")
+    if args.prefetch and args.overlap_attention:
+        raise ValueError("--prefetch with --overlap-attention: two models of the same copies; choose one")
     if not args.nonmoe_ms >= 0:
         raise ValueError(f"--nonmoe-ms={args.nonmoe_ms!r}: must be a time >= 0 (milliseconds)")
     for flag, value, registry in (("--gate", args.gate, GATES), ("--balance", args.balance, BALANCES)):
@@ -172,6 +180,7 @@ def workload_from_args(
         options=parse_axis_options(args.options),
         nonmoe_forward_s=args.nonmoe_ms / 1e3,
         prefetch=args.prefetch,
+        overlap_attention=args.overlap_attention,
     )
     strategies = _names(args.strategy or ",".join(PLANNERS.names()), PLANNERS, "--strategy")
     schedules = _names(args.schedule or ",".join(_schedules_for(layer, trace, cost_model)), SCHEDULES, "--schedule")
