@@ -25,7 +25,9 @@ import numpy as np
 
 from moeflow.core.placement import tree_edges
 from moeflow.core.registry import LayerContext
-from moeflow.sim.simulator import _plan, routed_flow
+from moeflow.sim.planning import plan_replay
+from moeflow.sim.simulator import routed_flow
+from moeflow.strategies.planners.base import PrefetchWindow
 from moeflow.sim.workload import add_workload_arguments, workload_from_args
 from moeflow.strategies import PLANNERS
 
@@ -79,7 +81,9 @@ def run(args: list[str], strategies: list[str]) -> dict:
     flow = routed_flow(trace, cm, layer)
     out = {}
     for name in strategies:
-        plans = _plan(lambda name=name: PLANNERS.build(name, ctx), flow, cm, layer, layer.prefetch)
+        build = lambda name=name: PLANNERS.build(name, ctx)  # noqa: E731
+        window = PrefetchWindow(layer.nonmoe_forward_s, 1.0)  # the block-wise prefetch, as `simulate` runs it
+        plans = plan_replay(build, flow, cm, param_bytes, window)[0]
         total = dict.fromkeys(CHUNKS, 0.0)
         for i in range(I):
             for li in range(L):
