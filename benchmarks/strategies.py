@@ -59,11 +59,12 @@ def workloads(world: int, experts: int, tokens: int, iterations: int, drift: int
     return out
 
 
-def run(cluster: str, trace: Trace, shape: ExpertShape, nonmoe_s: float) -> dict:
+def run(cluster: str, trace: Trace, shape: ExpertShape, nonmoe_s: float, auto_options: dict | None = None) -> dict:
     cm = CostModel.from_preset(cluster)
     out = {}
     for label, (strategy, prefetch) in STRATEGIES.items():
-        layer = SimulatedLayer(shape, top_k=2, nonmoe_forward_s=nonmoe_s, prefetch=prefetch)
+        options = {"strategy": auto_options} if strategy == "auto" and auto_options else {}
+        layer = SimulatedLayer(shape, top_k=2, nonmoe_forward_s=nonmoe_s, prefetch=prefetch, options=options)
         start = time.perf_counter()
         for r in simulate(trace, cm, layer, [strategy], list(SCHEDULES)):
             out[f"{label}:{r.schedule}"] = {
@@ -79,6 +80,15 @@ def run(cluster: str, trace: Trace, shape: ExpertShape, nonmoe_s: float) -> dict
         row["speedup_over_ep"] = ep / row["total_ms"]
         row["share_of_ceiling"] = (ep - row["total_ms"]) / (ep - top) if ep > top else None
     return out
+
+
+def auto_options(args) -> dict[str, str]:
+    """`--auto-options` as a dict (the values as `--set moe.strategy_options.KEY=VALUE` gives them)."""
+    pairs = [item.partition("=") for item in args.auto_options.split(",") if item.strip()]
+    bad = [key for key, eq, _ in pairs if not eq]
+    if bad:
+        raise SystemExit(f"--auto-options={args.auto_options!r}: expected KEY=VALUE,...")
+    return {key.strip(): value.strip() for key, _, value in pairs}
 
 
 def geomean(values) -> float:
@@ -118,7 +128,7 @@ def simulator_part(args) -> dict:
         "workloads": {},
     }
     for name, trace in workloads(W, 2 * W, tokens, args.iterations, args.drift).items():
-        result["workloads"][name] = run(args.cluster, trace, shape, 1e-3 * args.nonmoe_ms)
+        result["workloads"][name] = run(args.cluster, trace, shape, 1e-3 * args.nonmoe_ms, auto_options(args))
         print(name, {k: round(v["speedup_over_ep"], 2) for k, v in result["workloads"][name].items()}, flush=True)
     labels = [f"{label}:{s}" for label in STRATEGIES for s in SCHEDULES]
     result["summary"] = summarize(
@@ -252,6 +262,9 @@ def main() -> int:
     parser.add_argument("--drift", type=int, default=10, help="simulator: iterations between moves of the hot experts")
     parser.add_argument("--d-model", type=int, default=1024, help="simulator")
     parser.add_argument("--nonmoe-ms", type=float, default=2.0, help="simulator: dense forward of a block")
+    parser.add_argument(
+        "--auto-options", default="", help="simulator: `auto`'s options as KEY=VALUE,... (e.g. searches=turns)"
+    )
     parser.add_argument("--testbed-iterations", type=int, default=8, help="testbed: timed iterations per workload")
     parser.add_argument("--testbed-drift", type=int, default=4, help="testbed: iterations between moves")
     parser.add_argument(
