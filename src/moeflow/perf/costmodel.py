@@ -36,24 +36,13 @@ import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import copies_by_tree, tree_flows
-from moeflow.perf.alpha_beta import OP_KINDS, AlphaBeta, published_fits
+from moeflow.perf.alpha_beta import OP_KINDS, AlphaBeta
 from moeflow.perf.copies_pricing import CopiesPricing
 from moeflow.perf.costmodel_sources import GEMM_PEAK_FRACTION, GROUP_FIT_KINDS, CostModelSources
 from moeflow.perf.topology import Topology
-from moeflow.perf.topology_presets import PRESETS, preset_peak_flops
 
 # This module's interface, some of it defined where `CostModel` takes it from.
-__all__ = [
-    "GEMM_PEAK_FRACTION",
-    "GROUP_FIT_KINDS",
-    "OP_KINDS",
-    "PRESETS",
-    "AlphaBeta",
-    "CostModel",
-    "Topology",
-    "published_fits",
-    "preset_peak_flops",
-]
+__all__ = ["GEMM_PEAK_FRACTION", "GROUP_FIT_KINDS", "AlphaBeta", "CostModel"]
 
 
 @dataclass
