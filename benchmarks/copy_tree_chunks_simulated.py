@@ -27,9 +27,9 @@ from moeflow.core.placement import tree_edges
 from moeflow.core.registry import LayerContext
 from moeflow.sim.planning import plan_replay
 from moeflow.sim.simulator import routed_flow
-from moeflow.strategies.planners.base import PrefetchWindow
 from moeflow.sim.workload import add_workload_arguments, workload_from_args
 from moeflow.strategies import PLANNERS
+from moeflow.strategies.planners.base import PrefetchWindow
 
 CHUNKS = (1, 2, 4, 8)
 HELD_OUT = ["--trace", "smartmoe", "--trace-iterations", "125:"]

@@ -17,6 +17,11 @@ this rank this iteration, S source ranks.
 
 Shared experts (`num_shared_experts`, DeepSeek-MoE) are one dense MLP beside the routed experts,
 computed on every token and added to the routed output; they never enter the steps above.
+
+Two parts of the layer are base classes, each in its own module: the gate call, `aux_loss` and the
+once-per-step balance update (`moeflow.layer_routing.LayerRouting`), and the experts this rank
+computes in a forward — the copies' gather, the compute the schedule runs, their release after the
+combine (`moeflow.layer_held.HeldExperts`).
 """
 
 from __future__ import annotations
@@ -34,18 +39,16 @@ from moeflow.core import dispatch
 from moeflow.core.checks import check_layer_input, finite_number, positive_int
 from moeflow.core.exchange import ExchangeBlock
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.expert_sharding import sharded_compute
 from moeflow.core.experts import GroupedExperts, SharedExperts
 from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.core.registry import LayerContext
-from moeflow.core.rematerialize import release_held
 from moeflow.core.replay import RECOMPUTE_MODES, Decision, replay_state
-from moeflow.core.sparse_collectives import materialize
 from moeflow.core.stats import MoEStats
+from moeflow.layer_held import HeldExperts
+from moeflow.layer_routing import LayerRouting
 from moeflow.routing import BALANCES, GATES, check_balance_fits_gate, default_balance, routing_kind
-from moeflow.routing.balance import router_z_loss
-from moeflow.routing.gates import Routing, RoutingLayout
+from moeflow.routing.gates import Routing
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 from moeflow.strategies.planners.base import as_planner
 from moeflow.strategies.planners.ep import plan_ep
@@ -60,7 +63,7 @@ AXES = {"gate": GATES, "balance": BALANCES, "strategy": PLANNERS, "schedule": SC
 """The axes of a MoE layer and the registry of names of each (docs/architecture.md)."""
 
 
-class MoELayer(nn.Module):
+class MoELayer(LayerRouting, HeldExperts, nn.Module):
     """A Mixture-of-Experts FFN layer (docs/architecture.md).
 
     Args:
@@ -308,43 +311,6 @@ class MoELayer(nn.Module):
         self.node_of = self._node_of_arg if self._node_of_arg is not None else topology_node_of
 
     # ---- forward -----------------------------------------------------------------------------
-    def _balance_active(self) -> bool:
-        """A topology-aware balance term (TA-MoE: bias and state belong to its loss term and to the
-        cluster) acts only with its loss on and the cluster known."""
-        return not self.balance.topology_aware or (self.balance_weight > 0 and not self.cluster_mismatch)
-
-    def _route(self, x_TD: torch.Tensor, me: int, sequence_length: int | None) -> Routing:
-        """Gate (with the balance term's selection bias): the routing of this rank's tokens."""
-        rank = None if self.cluster_mismatch else me  # None: topology-aware terms without a topology
-        bias_E = self.balance.selection_bias(rank) if self._balance_active() else None
-        routing = self.gate(x_TD, bias_E, self._routing_layout(me))
-        routing.sequence_length = sequence_length
-        if self.check_finite and not torch.isfinite(routing.logits_TE).all():
-            raise ValueError("MoELayer routing scores contain NaN or Inf (check_finite=True)")
-        return routing
-
-    def _balance_counts(self, choices_WE: np.ndarray) -> torch.Tensor | None:
-        """A global-batch balance term's expert choices: summed over the EP group (the count exchange
-        has them), then over `balance_group` (one all-reduce of E integers); None for other terms."""
-        if not self.balance_weight or not self.balance.global_counts:
-            return None
-        counts_E = torch.from_numpy(choices_WE.sum(0)).to(self.experts.w2.device)  # nccl reduces CUDA tensors
-        if self.balance_group is not None:
-            dist.all_reduce(counts_E, group=self.balance_group)
-        return counts_E
-
-    def _aux(self, routing: Routing, me: int, counts_E: torch.Tensor | None) -> torch.Tensor:
-        """`aux_loss`: the weighted balance term (over the global batch's choices `counts_E` where it
-        asks for them: `_balance_counts`) and z-loss."""
-        rank = None if self.cluster_mismatch else me
-        if not self.balance_weight:
-            aux = routing.logits_TE.sum() * 0.0
-        else:
-            aux = self.balance_weight * self.balance.loss(routing, rank, counts_E)
-        if self.z_loss_weight:
-            aux = aux + self.z_loss_weight * router_z_loss(routing.logits_TE)
-        return aux
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_layer_input(x, self.d_model, self.check_finite)
         if self.cluster_mismatch:
@@ -427,39 +393,6 @@ class MoELayer(nn.Module):
             return plan_ep(flow_WE, self.placement)
         return self.planner(flow_WE, self.placement, self.cost_model)
 
-    def _compute_held(self, placement: Placement, me: int):
-        """`compute(x_RD, counts_SJ)` for the schedule: the experts this rank holds (owned, or
-        materialized by the planner's copies) on rows received source-major."""
-        held_J = np.flatnonzero(placement.holders_EW[:, me])
-        weights_J = self._held_weights(placement, held_J)
-        self._held = weights_J
-
-        def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
-            if held_J.size == 0:  # a rank that owns none of this layer's experts (Hecate §4.3)
-                return torch.zeros_like(x_recv_RD)
-            # Rows arrive (source, expert)-major; experts want them (expert, source)-major.
-            return dispatch.run_expert_major(
-                lambda x_RD, counts_J: self._run_experts(x_RD, counts_J, weights_J), x_recv_RD, counts_SJ
-            )
-
-        for hook in reversed(self.hooks):  # the first hook's wrapper outermost
-            compute = hook.wrap_compute(self, compute)
-        return compute
-
-    def _run_experts(self, x_RD: torch.Tensor, counts_J: list[int], weights_J) -> torch.Tensor:
-        """The held experts on rows grouped by expert; over the ESP group when sharded (FSMoE §3)."""
-        experts = self.experts
-        if self.recompute == "selective" and torch.is_grad_enabled():
-            experts = self._experts_recomputed
-        if self.esp_group is None:
-            return experts(x_RD, counts_J, weights_J)
-        return sharded_compute(experts, x_RD, counts_J, self.esp_group, weights_J)
-
-    def _experts_recomputed(self, x_RD: torch.Tensor, counts_J: list[int], weights_J) -> torch.Tensor:
-        """`selective` activation checkpointing: the experts' FFN keeps only its input rows (and
-        the weights it was given) for backward, and runs again there — local GEMMs, no collective."""
-        return torch.utils.checkpoint.checkpoint(self.experts, x_RD, counts_J, weights_J, use_reentrant=False)
-
     def _remote_nodes_per_token(self, routing: Routing, dest_A: torch.Tensor, me: int) -> float:
         """`MoEStats.remote_nodes_per_token`: distinct other nodes the rows of a token go to, averaged."""
         if self.node_of is None or routing.token_A is None or routing.num_tokens == 0:
@@ -495,25 +428,6 @@ class MoELayer(nn.Module):
             self._choices_WE = choices if self._choices_WE is None else self._choices_WE + choices
             self._forwards += 1
 
-    def _release_copies(self, y_TD: torch.Tensor, placement: Placement, me: int) -> torch.Tensor:
-        """Re-materialization (`core.rematerialize`, the planner's `rematerialize` option): free the
-        copies this forward computed with, gather them again for backward. Records their bytes."""
-        weights, self._held = self._held, None
-        rematerialize = self.planner.rematerializes
-        held_J = np.flatnonzero(placement.holders_EW[:, me])
-
-        def refill() -> dict[str, torch.Tensor]:  # the same gather again, in backward
-            with torch.no_grad():
-                return self._gather(placement, held_J)
-
-        y_TD, self.held_bytes = release_held(y_TD, weights, rematerialize, refill)
-        return y_TD
-
-    def _gather(self, placement: Placement, held_J: np.ndarray) -> dict[str, torch.Tensor]:
-        """The sparse all-gather of `placement`'s held weights (owned rows and copies, `held_J` order)."""
-        weights = self.experts.weights()
-        return materialize(weights, placement, self.group, self.experts.expert_ids, held_J, self.node_of)
-
     def _notice_mismatch(self) -> None:
         """Say once per layer (not per step) that the cost model is unused; the layers of a model say it
         in the same forward, which Python's warnings filter shows once."""
@@ -528,50 +442,7 @@ class MoELayer(nn.Module):
             stacklevel=3,
         )
 
-    # ---- once per optimizer step -------------------------------------------------------------
-    @torch.no_grad()
-    def update_balance(self, group: dist.ProcessGroup | None = None) -> None:
-        """Hand the balance term the expert choices of the training forwards since the last call —
-        the mean per forward (per micro-step under gradient accumulation), summed over the ranks
-        holding the same experts (`group`, default `balance_group`: data-parallel replicas × ESP
-        members) and divided by them — so that its state (aux-free bias, TA-MoE steering) moves once
-        per step and identically on every rank. `all_reduce_gradients` calls it; call it yourself
-        once per step if you do not use that."""
-        if self._choices_WE is None:
-            return
-        group = self.balance_group if group is None else group
-        choices_WE = self._choices_WE / self._forwards
-        self._choices_WE, self._forwards = None, 0
-        if group is not None and dist.get_world_size(group) > 1:
-            choices_WE = choices_WE.to(self.aux_loss.device)  # nccl reduces CUDA tensors
-            dist.all_reduce(choices_WE, group=group)
-            choices_WE = choices_WE / dist.get_world_size(group)
-        if self._balance_active():
-            self.balance.observe(choices_WE)
-
     # ---- helpers -----------------------------------------------------------------------------
-    def _routing_layout(self, me: int) -> RoutingLayout | None:
-        """What a topology-aware gate may know; None where the cost model describes another group."""
-        if self.cluster_mismatch:
-            return None
-        world = self.placement.world_size
-        node_of = tuple(self.node_of) if self.node_of is not None else (0,) * world
-        return RoutingLayout(me, torch.from_numpy(self.placement.owner_E), node_of)
-
-    def _held_weights(self, placement: Placement, held_J: np.ndarray) -> dict[str, torch.Tensor] | None:
-        """Weights of the experts this rank computes, in `held_J` order (None: exactly its own).
-
-        With copies anywhere in the group every rank joins the sparse all-gather, so that all ranks
-        build the same autograd graph and meet in the same order in backward. Hooks may supply them
-        (`wrap_copies`: the block-wise prefetch's copies already in flight, Pro-Prophet §V).
-        """
-        if placement.is_owners_only():
-            return None
-        gather = self._gather
-        for hook in reversed(self.hooks):  # the first hook's wrapper outermost
-            gather = hook.wrap_copies(self, gather)
-        return gather(placement, held_J)
-
     def extra_repr(self) -> str:
         axes = ", ".join(f"{axis}={name!r}" for axis, name in self.axes.items())
         shared = "" if self.shared_experts is None else f", shared={type(self.shared_experts).__name__}"

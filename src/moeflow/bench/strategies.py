@@ -1,6 +1,7 @@
 """Strategy benchmark: one MoE layer per (routing skew × strategy × schedule) on the live process
 group (several ranks, or the network testbed), with identical weights and routing — FasterMoE §5's
-comparison of EP, shadowing, the smart schedule and both.
+comparison of EP, shadowing, the smart schedule and both. What each timed variant records, and
+its row, is `moeflow.bench.strategy_runs`.
 
     moeflow bench --nproc 4 --cost-model results/profile.json --skews 0 1.2 \\
         --variants ep:sync shadow:sync ep:pairwise shadow:pairwise ep:sync:hierarchical
@@ -9,26 +10,20 @@ comparison of EP, shadowing, the smart schedule and both.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from moeflow.bench.blocks import BenchBlocks
 from moeflow.bench.interleave import balanced_order
-from moeflow.core.expert_shape import ExpertShape
+from moeflow.bench.strategy_runs import PhaseTimer, VariantRun
 from moeflow.core.heap import HeapTrim
-from moeflow.core.hooks import MoEHook
 from moeflow.core.parallel import ParallelLayout
-from moeflow.core.placement import Placement
 from moeflow.layer import MoELayer
-from moeflow.model_step import maybe_reshard
 from moeflow.routing.sampled import SampledGate, zipf_probabilities
 from moeflow.sim.traces import Trace, resolve_trace, synthetic_trace
-from moeflow.strategies.planners.auto import AutoPlanner
-from moeflow.strategies.planners.prophet_model import Pricing, price_placement
 
 
 class Variant(NamedTuple):
@@ -137,35 +132,6 @@ class StrategyBenchConfig:
                 raise ValueError(f"variant {str(v)!r}: a prefetch needs a block before the layer (--blocks >= 2)")
 
 
-class PhaseTimer(MoEHook):
-    """Hook recording forward wall-clock times of dispatch, expert compute and combine (sync)."""
-
-    def __init__(self) -> None:
-        self.marks: dict[str, float] = {}
-
-    def _mark(self, point: str) -> None:
-        self.marks[point] = time.perf_counter()
-
-    def before_dispatch(self, layer, x):
-        self._mark("before_dispatch")
-
-    def after_dispatch(self, layer, x):
-        self._mark("after_dispatch")
-
-    def before_combine(self, layer, y):
-        self._mark("before_combine")
-
-    def after_combine(self, layer, y):
-        self._mark("after_combine")
-
-    def phases(self) -> dict[str, float]:
-        m = self.marks
-        return {
-            "a2a_s": (m["after_dispatch"] - m["before_dispatch"]) + (m["after_combine"] - m["before_combine"]),
-            "compute_s": m["before_combine"] - m["after_dispatch"],
-        }
-
-
 def _trace_probabilities(trace: Trace, world: int, num_experts: int) -> torch.Tensor:
     """Per-rank expert distributions `[I, L, W, E]` of every iteration and layer of a trace, rescaled
     onto this group (`Trace.rescale`)."""
@@ -198,18 +164,6 @@ def _routing_cases(cfg: StrategyBenchConfig, world: int, num_experts: int) -> li
         drift = synthetic_trace("drift", total, cfg.blocks, world, num_experts, tokens, cfg.top_k, drift_period=period)
         cases.append((f"drift-{cfg.drift_period}", _trace_probabilities(drift, world, num_experts)))
     return cases
-
-
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def _sum_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t)
 
 
 def _model(
@@ -255,125 +209,6 @@ def _model(
     return BenchBlocks(layers, prefetch=variant.prefetch)
 
 
-@dataclass
-class _Run:
-    """One variant's model and what its timed iterations recorded."""
-
-    variant: Variant
-    model: BenchBlocks
-    timer: PhaseTimer
-    cost_model: object = None
-    times: list[float] = field(default_factory=list)
-    phases: list[dict[str, float]] = field(default_factory=list)
-    shadowed: list[float] = field(default_factory=list)
-    copies: list[float] = field(default_factory=list)
-    predicted: list[float] = field(default_factory=list)
-    model_predicted: list[float] = field(default_factory=list)
-    load_std: list[float] = field(default_factory=list)
-    bytes: list[float] = field(default_factory=list)
-    memory: list[dict[str, float]] = field(default_factory=list)
-    even: bool = False
-    """This run routes perfectly evenly (the force-balanced ceiling)."""
-    chosen: list[str] = field(default_factory=list)
-    """The planner each layer ran, every timed iteration (`auto` chooses; the others are themselves)."""
-    chosen_schedule: list[str] = field(default_factory=list)
-    """The schedule each layer ran, every timed iteration (`schedule="auto"` chooses)."""
-    reshards: list[tuple[int, float]] = field(default_factory=list)
-    """(experts moved, seconds) of every re-sharding (FSSDP, `core.resharding`)."""
-
-    def record(self, elapsed_s: float) -> None:
-        """One timed iteration (collective: every rank calls it). Per layer, averaged over the blocks:
-        copies beyond the owners, experts held everywhere (shadowed), the balance metric (Pro-Prophet
-        Fig. 12), and the cost model's speedup of the placement that ran over the owners alone on
-        the same flow; summed over the blocks, the cost model's time for the flows and placements
-        the layers ran (its error against the measured time)."""
-        self.times.append(_max_over_ranks(elapsed_s))
-        if self.variant.schedule == "sync":
-            self.phases.append({k: _max_over_ranks(v) for k, v in self.timer.phases().items()})
-        layers = list(self.model.moe)
-        placements = [layer.stats.placement for layer in layers]
-        self.shadowed.append(np.mean([(p.materialized_EW().sum(1) == p.world_size - 1).sum() for p in placements]))
-        self.copies.append(np.mean([p.materialized_EW().sum() for p in placements]))
-        self.load_std.append(np.mean([layer.stats.load_std for layer in layers]))
-        if self.cost_model is not None:
-            prices = [
-                (_layer_price(layer, self.cost_model, owners=True), _layer_price(layer, self.cost_model))
-                for layer in layers
-            ]
-            self.predicted.append(np.mean([ep / ran for ep, ran in prices]))
-            if self.variant.schedule == "sync":
-                self.model_predicted.append(sum(ran for _, ran in prices))
-        self.bytes.append(_sum_over_ranks(float(sum(layer.stats.bytes_sent.sum() for layer in layers))))
-        self.memory.append({k: _max_over_ranks(v) for k, v in _expert_memory(layers).items()})
-        self.chosen += [layer.stats.strategy for layer in layers]
-        self.chosen_schedule += [layer.stats.schedule for layer in layers]
-
-    def reshard(self, step: int) -> None:
-        """Re-shard when the strategy is due (collective; outside the timed iteration, measured)."""
-        start = time.perf_counter()
-        moved = maybe_reshard(self.model, None, step)
-        if moved is not None:
-            self.reshards.append((moved, _max_over_ranks(time.perf_counter() - start)))
-
-    def row(self, routing_name: str) -> dict:
-        row = {
-            "routing": routing_name,
-            **self.variant._asdict(),
-            "median_s": float(np.median(self.times)),
-            "times_s": self.times,
-            "load_imbalance": float(np.mean([layer.stats.load_imbalance for layer in self.model.moe])),
-            "shadowed_mean": float(np.mean(self.shadowed)),
-            "copies_mean": float(np.mean(self.copies)),
-            "load_std_mean": float(np.mean(self.load_std)),
-            "planner_predicted_speedup": float(np.mean(self.predicted)) if self.predicted else None,
-            "model_predicted_s": float(np.median(self.model_predicted)) if self.model_predicted else None,
-            "dispatch_bytes_on_network": float(np.mean(self.bytes)),
-            **{k: float(np.max([m[k] for m in self.memory])) for k in self.memory[0]},
-            "reshards": [{"moved": n, "seconds": t} for n, t in self.reshards],
-            "chosen": {name: self.chosen.count(name) for name in sorted(set(self.chosen))},
-            "chosen_schedule": {name: self.chosen_schedule.count(name) for name in sorted(set(self.chosen_schedule))},
-        }
-        if self.even:
-            row["ceiling"] = True
-        errors = [layer.planner.model_error() for layer in self.model.moe if isinstance(layer.planner, AutoPlanner)]
-        if errors and None not in errors:  # `auto`: its corrected forecasts' error on the forwards it measured
-            row["auto_model_error"] = float(np.mean(errors))
-        if self.model.prefetch is not None:  # what the prefetch measured its windows to hide (layers > 0)
-            row["prefetch_hidden_share"] = [float(h) for h in self.model.prefetch.hidden_share[1:]]
-        if self.phases:
-            row["forward_a2a_s"] = float(np.median([p["a2a_s"] for p in self.phases]))
-            row["forward_compute_s"] = float(np.median([p["compute_s"] for p in self.phases]))
-        return row
-
-
-def _expert_memory(layers: list[MoELayer]) -> dict[str, float]:
-    """This rank's expert memory, counted from the tensors: the owned experts' parameters, the AdamW
-    state they would carry (2 moments of the same size; the benchmark has no optimizer), the held
-    weights the planners materialized, and the peak of those at the forward/backward boundary: what
-    is still allocated, plus the largest set a re-materializing layer gathers again in backward."""
-    params = float(sum(p.numel() * p.element_size() for layer in layers for p in layer.experts.parameters()))
-    built = [layer.stats.materialized_bytes for layer in layers]
-    alive = [layer.stats.held_bytes for layer in layers]
-    regathered = max([b - a for b, a in zip(built, alive)], default=0)
-    return {
-        "expert_param_bytes": params,
-        "expert_adam_bytes": 2 * params,
-        "materialized_bytes": float(sum(built)),
-        "materialized_peak_bytes": float(sum(alive) + regathered),
-    }
-
-
-def _layer_price(layer: MoELayer, cost_model, owners: bool = False) -> float:
-    """The cost model's forward + backward time of `layer`'s last step (Pro-Prophet Eq. 6 over the
-    shared cost model: the terms every planner prices placements with); `owners`: of the owners
-    alone on the same flow."""
-    stats, placement = layer.stats, layer.stats.placement
-    if owners:
-        placement = Placement.owners_only(placement.owner_E, placement.world_size)
-    shape = ExpertShape(layer.d_model, layer.d_hidden, layer.experts.kind)
-    return price_placement(stats.flow.numpy(), placement, cost_model, shape, Pricing(), layer.node_of)
-
-
 def run_strategy_bench(cfg: StrategyBenchConfig, cost_model, progress: bool = False) -> list[dict]:
     """Run on every rank of the initialized default group; returns rows (identical on all ranks).
     The variants are interleaved iteration by iteration in a Williams order (each runs after every
@@ -391,11 +226,11 @@ def run_strategy_bench(cfg: StrategyBenchConfig, cost_model, progress: bool = Fa
         for variant in cfg.variants:
             timer = PhaseTimer()
             model = _model(cfg, layout, variant, probs_IBWE[0], cost_model, timer)
-            runs.append(_Run(variant, model, timer, cost_model))
+            runs.append(VariantRun(variant, model, timer, cost_model))
         if cfg.ceiling:  # interleaved with the others, so that it meets the same machine noise
             timer, ceiling = PhaseTimer(), Variant("ep", "sync")
             model = _model(cfg, layout, ceiling, probs_IBWE[0], cost_model, timer, even=True)
-            runs.append(_Run(ceiling, model, timer, cost_model, even=True))
+            runs.append(VariantRun(ceiling, model, timer, cost_model, even=True))
         # The input needs its gradient, as the first MoE layer's does in a model (embeddings and
         # attention before it): without one the first layer's backward skips half its exchanges.
         x = torch.randn(cfg.tokens_per_rank, cfg.d_model, generator=torch.Generator().manual_seed(rank))

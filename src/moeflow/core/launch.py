@@ -149,7 +149,7 @@ def restart_count() -> int:
 
 
 def timed_out_collective(exc: BaseException) -> str | None:
-    """`"all_reduce (called at training/trainer.py:142 in _mean_over_ranks)"`: the torch.distributed
+    """`"all_reduce (called at training/trainer.py:184 in _mean_over_ranks)"`: the torch.distributed
     operation that raised `exc` and moeflow's call to it, read from the traceback (gloo's own
     message names only its transport: "Timed out waiting 5000ms for recv operation")."""
     op = site = None

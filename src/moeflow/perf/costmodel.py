@@ -17,6 +17,9 @@ calibrated on the fitted uniform all-to-all: ``t(flow) = α_a2a + η·max_l T_l(
 ``η = β_a2a / (max_l T_l(uniform 1 byte)/W_l)``. A uniform exchange then reproduces the fit
 exactly, and a skewed one is priced by its busiest link (the FasterMoE argument).
 
+Where a cost model comes from (presets, JSON files, a sub-cluster) is its base class
+``perf.costmodel_sources.CostModelSources``; the prices of expert copies, ``perf.copies_pricing.CopiesPricing``.
+
 Shape suffixes: W devices, E experts, L directed links and P ordered device pairs (as `Topology` names
 them: public names); ``...`` = any leading batch dims
 (iterations, layers), every method is vectorised over them.
@@ -24,32 +27,26 @@ them: public names); ``...`` = any leading batch dims
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import copies_by_tree, tree_flows
-from moeflow.perf.alpha_beta import OP_KINDS, AlphaBeta, published_fits
+from moeflow.perf.alpha_beta import OP_KINDS, AlphaBeta
 from moeflow.perf.copies_pricing import CopiesPricing
+from moeflow.perf.costmodel_sources import GEMM_PEAK_FRACTION, GROUP_FIT_KINDS, CostModelSources
 from moeflow.perf.topology import Topology
-from moeflow.perf.topology_presets import PRESETS, preset_peak_flops
 
-# FasterMoE §3.1: "a V100 GPU can achieve more than 90% of its peak throughput when running
-# GeMMs"; the paper's model uses 90% of peak as P.
-GEMM_PEAK_FRACTION = 0.9
-GROUP_FIT_KINDS = frozenset({"a2a", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "copies"})
-"""Fits measured over every device of the group (not valid on a sub-cluster: `CostModel.restricted`)."""
+# This module's interface, some of it defined where `CostModel` takes it from.
+__all__ = ["GEMM_PEAK_FRACTION", "GROUP_FIT_KINDS", "AlphaBeta", "CostModel"]
 
 
 @dataclass
-class CostModel(CopiesPricing):
+class CostModel(CopiesPricing, CostModelSources):
     """Prices compute and communication on a topology; see the module docstring."""
 
     topology: Topology
@@ -383,90 +380,3 @@ class CostModel(CopiesPricing):
         if np.any(degree < 1):
             raise ValueError(f"degree={degree.tolist()!r}: pipeline degree must be >= 1")
         return self.op_time(kind, np.asarray(n, dtype=np.float64) / degree)
-
-    def restricted(self, ranks: Sequence[int]) -> CostModel:
-        """This model on the sub-cluster of `ranks` (`Topology.restricted`: the same links and
-        routes), for an expert-parallel group of a data-parallel mesh. Fits of whole-group
-        collectives (all-to-all, ring collectives, copies) were measured over every device and are
-        dropped (the link model prices the group); per-device and point-to-point fits stay."""
-        fits = {k: f for k, f in self.fits.items() if k not in GROUP_FIT_KINDS}
-        topology = self.topology.restricted(ranks)
-        return dataclasses.replace(
-            self, topology=topology, fits=fits, name=f"{self.name}{topology.name[len(self.topology.name) :]}"
-        )
-
-    # ---- construction and JSON --------------------------------------------------------------------
-    @classmethod
-    def from_preset(
-        cls, name: str, gemm_flops_per_s: float | None = None, with_published_fits: bool = True
-    ) -> CostModel:
-        """A paper cluster; P defaults to 90% of the device's peak (FasterMoE §3.1). FSMoE testbeds
-        also carry the α-β constants of FSMoE Fig. 5 unless ``with_published_fits=False``; ``NAME@N``: its
-        link classes at N devices (`topology_presets.resolve_preset`), without fits (measured at its size)."""
-        topo = Topology.preset(name)
-        flops = gemm_flops_per_s if gemm_flops_per_s is not None else GEMM_PEAK_FRACTION * preset_peak_flops(name)
-        fits = published_fits(topo.name) if with_published_fits else {}  # none at another size (NAME@N)
-        return cls(topo, flops, fits, name=topo.name)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "topology": self.topology.to_dict(),
-            "gemm_flops_per_s": self.gemm_flops_per_s,
-            "bytes_per_element": self.bytes_per_element,
-            "a2a_calibration": self.a2a_calibration,
-            "host_cores": self.host_cores,
-            "backend": self.backend,
-            "pipeline_overlap": list(self.pipeline_overlap),
-            "fits": {k: f.to_dict() for k, f in self.fits.items()},
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CostModel:
-        """From ``to_dict`` output or a ``moeflow profile`` JSON (which has these keys and more)."""
-        for key in ("topology", "gemm_flops_per_s"):
-            if key not in data:
-                raise ValueError(f"cost model JSON: missing key {key!r}")
-        fits = {k: AlphaBeta.from_dict(f) for k, f in data.get("fits", {}).items()}
-        return cls(
-            Topology.from_dict(data["topology"]),
-            float(data["gemm_flops_per_s"]),
-            fits,
-            int(data.get("bytes_per_element", 4)),
-            data.get("name", "profile"),
-            data.get("host_cores"),
-            bool(data.get("a2a_calibration", True)),
-            data.get("backend", "nccl"),
-            tuple(data.get("pipeline_overlap") or (1.0, 1.0)),
-        )
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> CostModel:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"cost model file {str(path)!r} does not exist")
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"cost model file {str(path)!r}: not JSON ({exc.msg})") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"cost model file {str(path)!r}: not JSON (binary data)") from None
-        try:
-            return cls.from_dict(data)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise ValueError(f"cost model file {str(path)!r}: {exc}") from None
-
-    @classmethod
-    def resolve(cls, value: str, gemm_flops_per_s: float | None = None) -> CostModel:
-        """CLI helper: a topology preset name or a profile/cost-model JSON file."""
-        if value.lower().replace("-", "_").partition("@")[0] in PRESETS:
-            return cls.from_preset(value, gemm_flops_per_s)
-        if Path(value).is_file():
-            if gemm_flops_per_s is None:
-                return cls.load(value)
-            # override before validation: a profile without a GEMM sweep has no P of its own
-            return cls.from_dict({**cls.load(value).to_dict(), "gemm_flops_per_s": gemm_flops_per_s})
-        raise ValueError(f"cost model {value!r}: not a topology preset ({sorted(PRESETS)}) nor a profile JSON file")
