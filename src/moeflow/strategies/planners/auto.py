@@ -155,7 +155,7 @@ class AutoPlanner(Planner):
         self.options = options or AutoOptions()
         self.planners = planners
         self.searching = [name for name, p in self.planners.items() if p.plans_ahead]
-        """Candidates that search on the planning thread, one per call in turn."""
+        """Candidates that search on the planning thread (every call, or one per call in turn)."""
         self.calls = 0
         self.replanned: list[str] = []
         """The candidates whose searches the last call started."""
@@ -164,7 +164,7 @@ class AutoPlanner(Planner):
         self.errors: deque[tuple[float, float]] = deque(maxlen=32)  # (forecast, measured) forward seconds
         self.prefetch: PrefetchWindow | None = None
         self.sent_ahead: Placement | None = None
-        self._last_call: tuple[np.ndarray, Placement, object] | None = None  # (flow, owners, cost model)
+        self._last_call: tuple[PlacementPricer, Placement, dict] | None = None  # (its pricer, owners, priced)
         self.last: AutoDecision | None = None
 
     def factor(self, term: str) -> float:
