@@ -262,3 +262,24 @@ def test_auto_prices_every_proposal_as_the_loop_version():
             ref.layer_terms(flow, auto.planners["shadow"].proposed, cm, shape, cm.topology.node_of), rel=1e-9
         )
     assert len(chosen) > 1  # the trace and the random flows make it choose more than one planner
+
+
+def test_window_estimate_is_the_stacked_mean():
+    """`PlanAheadPlanner.estimate` from its running sum equals the mean of the stacked window to the
+    bit: whole counts (float and integer arrays), fractional flows entering and leaving the window."""
+    from moeflow.strategies.planners.base import PlanAheadPlanner
+
+    rng = np.random.default_rng(8)
+    for window in (1, 2, 3, 5, 10):
+        planner = PlanAheadPlanner(window, background=False)
+        for _ in range(40):
+            flow = rng.integers(0, 10**6, (6, 12))
+            kind = rng.integers(4)
+            if kind == 1:
+                flow = flow.astype(float)
+            elif kind == 2:
+                flow = flow / 3.0  # a mean of three replicas' flows
+            planner.observe(flow)
+            expect = np.mean(np.stack([np.asarray(f, dtype=np.float64) for f in planner.history]), axis=0)
+            got = planner.estimate()
+            assert got.dtype == np.float64 and np.array_equal(got, expect)
