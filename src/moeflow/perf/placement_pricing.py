@@ -75,6 +75,37 @@ def _running(delta_QX: np.ndarray, base_X: Any, start_Q: np.ndarray) -> np.ndarr
     return out
 
 
+def _prefix_max(delta_QX: np.ndarray, base_X: np.ndarray, h, floor: float) -> np.ndarray:
+    """`[Q + 1]`: row c the largest of `floor` and `h(state, columns)` over the X columns, where the
+    state is `base_X` plus the deltas of the steps before c, and `h` is elementwise (a link's bytes
+    over its bandwidth, a device's compute time of its tokens) — the maximum of `h` over `_running`
+    of one candidate, without its dense `[Q + 1, X]`: the steps are read in blocks; a block's steps
+    change few columns, summed row by row from the state before the block, and the other columns'
+    largest value is the state's. The sums are `_running`'s to the bit where the values are whole
+    numbers (token counts, bytes): in floating point any order sums them alike."""
+    Q, X = delta_QX.shape
+    state = np.array(base_X, dtype=np.float64)
+    h_X = h(state, np.arange(X))
+    out = np.empty(Q + 1)
+    out[0] = h_X.max(initial=floor)
+    free_X = np.ones(X, dtype=bool)
+    for q0 in range(0, Q, PREFIX_BLOCK):
+        block = delta_QX[q0 : q0 + PREFIX_BLOCK]
+        touched = np.flatnonzero(block.any(0))
+        if touched.size == 0:
+            out[q0 + 1 : q0 + 1 + block.shape[0]] = h_X.max(initial=floor)
+            continue
+        run = np.cumsum(block[:, touched], axis=0)
+        run += state[touched]
+        h_run = h(run, touched)
+        free_X[touched] = False
+        out[q0 + 1 : q0 + 1 + block.shape[0]] = np.maximum(h_run.max(1), h_X.max(where=free_X, initial=floor))
+        free_X[touched] = True
+        state[touched] = run[-1]
+        h_X[touched] = h_run[-1]
+    return out
+
+
 class PlacementPricer:
     """The terms of placements on `flow_WE` (module docstring). Built once per flow: the owners'
     terms; then `prefixes` (every prefix of a list of steps) or `placements` (each its own)."""
@@ -111,6 +142,15 @@ class PlacementPricer:
         positive0 = send_by_owner((sent > 0).astype(np.int64), self.owner)  # diagonal 0: sent
         self.classes0 = np.bincount(topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N)
         self.tree = copies_by_tree(topo.node_of, cost_model.backend)
+        self.inv_bw_L = 1.0 / topo.bandwidth_L
+        # A prefix search keeps running maxima (`_prefix_max`) where a price is a maximum of per-device
+        # or per-link terms of sums that are exact (whole counts and bytes: any order sums alike).
+        whole = self.flow.dtype.kind in "iub" or bool(np.array_equal(self.flow, np.rint(self.flow)))
+        self.max_compute = (
+            whole and not cost_model.prices_gemm_calls and (cost_model.host_cores is None or cost_model.host_cores >= W)
+        )
+        self.max_exchange = whole
+        self.max_stages = cost_model.stage_on_busiest_link and float(self.param_bytes).is_integer()
         node_W = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
         _, self._node_W = np.unique(node_W, return_inverse=True)  # nodes numbered 0..N-1
         self._N = int(self._node_W.max()) + 1 if W else 1
@@ -160,10 +200,14 @@ class PlacementPricer:
         rows = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
         if not bounded or experts.size <= PRICED_FIRST:
             return price(self.prefixes(experts, rows, detail))
-        floor = np.minimum.accumulate(self.copies_of_prefixes(experts, rows)[::-1])[::-1]  # from each prefix on
+        copies = self._prefix_copies(experts, rows)
+        floor = np.minimum.accumulate((copies[0] + copies[1])[::-1])[::-1]  # from each prefix on
         priced = PRICED_FIRST
         while True:
-            predicted = price(self.prefixes(experts[:priced], rows[:priced], detail))
+            start = np.zeros(priced, dtype=bool)
+            start[:1] = True
+            part = tuple(c[: priced + 1] for c in copies)  # the copies of the first prefixes: their rows
+            predicted = price(self._terms(experts[:priced], rows[:priced], start, detail, part))
             beyond = np.flatnonzero(floor > predicted.min())
             last = int(beyond[0]) if beyond.size else experts.size
             if last <= priced:
@@ -171,7 +215,9 @@ class PlacementPricer:
             priced = last
 
     # ---- the work ------------------------------------------------------------------------------------
-    def _terms(self, experts: np.ndarray, new_QW: np.ndarray, start: np.ndarray, detail: bool) -> PlacementTerms:
+    def _terms(
+        self, experts: np.ndarray, new_QW: np.ndarray, start: np.ndarray, detail: bool, copies: tuple | None = None
+    ) -> PlacementTerms:
         W, Q = self.W, experts.size
         topo, cm, shape = self.topology, self.cm, self.shape
         owner_Q = self.owner[experts]
@@ -187,38 +233,62 @@ class PlacementPricer:
         if spread is not None:
             flow_WF = np.where(spread.alone_WF, 0, flow_WF)
         k, src, dst, count = dispatch_entries(flow_WF, rows_FW, self.node_of)
-        computed_FW = np.bincount(k * W + dst, weights=count, minlength=2 * Q * W).reshape(2 * Q, W)
-        if spread is not None:
-            computed_FW += np.bincount(
-                spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * Q * W
-            ).reshape(2 * Q, W)
+        step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
+        # One candidate's prefixes (a search) keep running maxima; several candidates, the detail
+        # of Eq. 1 or a price that is not a maximum of sums: every candidate's terms in full.
+        prefix = not detail and int(start.sum()) == 1
         local = src == dst
-        tokens = _running(computed_FW[:Q] - computed_FW[Q:], self.tokens0, start)
-        calls = None  # experts with tokens per device: priced only with a fitted GEMM launch
-        if cm.prices_gemm_calls:
-            calls = _running((computed_FW[:Q] > 0).astype(np.int64) - (computed_FW[Q:] > 0), self.calls0, start)
-        local_Z = None
+        tokens = calls = local_Z = None
+        if prefix and self.max_compute:
+            d_tokens = np.bincount(step * W + dst, weights=sign * count, minlength=Q * W)
+            if spread is not None:
+                hstep, hold_w, received = spread.computed()
+                d_tokens += np.bincount(hstep * W + hold_w, weights=received, minlength=Q * W)
+            compute = _prefix_max(d_tokens.reshape(Q, W), self.tokens0, self._device_time, -np.inf)
+        else:
+            computed_FW = np.bincount(k * W + dst, weights=count, minlength=2 * Q * W).reshape(2 * Q, W)
+            if spread is not None:
+                computed_FW += np.bincount(
+                    spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * Q * W
+                ).reshape(2 * Q, W)
+            tokens = _running(computed_FW[:Q] - computed_FW[Q:], self.tokens0, start)
+            if cm.prices_gemm_calls:  # experts with tokens per device: priced only with a fitted GEMM launch
+                calls = _running((computed_FW[:Q] > 0).astype(np.int64) - (computed_FW[Q:] > 0), self.calls0, start)
+            gemm_calls = None if calls is None else calls * shape.gemms
+            compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
         if detail:
             local_FW = np.bincount(k[local] * W + dst[local], weights=count[local], minlength=2 * Q * W)
             local_Z = _running(local_FW[: Q * W].reshape(Q, W) - local_FW[Q * W :].reshape(Q, W), self.local0, start)
         # The exchange: the remote entries' bytes on every link, and their count per route latency.
         remote = ~local
-        k, src, dst, count = k[remote], src[remote], dst[remote], count[remote]
-        step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
-        d_traffic = self._on_links(Q, step, src, dst, sign * count * self.tok_bytes)
+        step, sign, src, dst, count = step[remote], sign[remote], src[remote], dst[remote], count[remote]
         d_classes = self._per_class(Q, step, src, dst, sign)
         if spread is not None:
-            d_traffic += spread.traffic(Q, self.tok_bytes)
             d_classes += spread.classes(Q)
-        traffic = _running(d_traffic, self.traffic0, start)
         classes = _running(d_classes, self.classes0, start)
-        trans, agg, trans_pf, agg_pf, copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
-        gemm_calls = None if calls is None else calls * shape.gemms
-        compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
         active = classes > 0.5  # positive entries per latency class (integer counts)
         latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
-        a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
-        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_Z, copies)
+        d_traffic = self._on_links(Q, step, src, dst, sign * count * self.tok_bytes)
+        if spread is not None:
+            d_traffic += spread.traffic(Q, self.tok_bytes)
+        if prefix and self.max_exchange:
+            busiest = _prefix_max(d_traffic, self.traffic0, self._link_time, 0.0)
+            a2a = cm.a2a_from_busiest(busiest, latency, active.any(-1))
+        else:
+            traffic = _running(d_traffic, self.traffic0, start)
+            a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
+        if copies is None:
+            copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
+        trans, agg, trans_pf, agg_pf, n_copies = copies
+        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_Z, n_copies)
+
+    def _device_time(self, tokens: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """A device's forward expert time of `tokens` (elementwise: `CostModel.slowest` is then a max)."""
+        return self.cm.expert_forward_time(tokens, self.shape) + self.cm.elementwise_time(tokens, self.shape)
+
+    def _link_time(self, traffic: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Bytes on links `cols` over their bandwidth (`CostModel.link_time_from_traffic` before its max)."""
+        return traffic * self.inv_bw_L[cols]
 
     def _copies(self, experts, owner_Q, new_QW, prev_QW, start):
         """Copies out and back per candidate `[Q + 1]` (and as the prefetch sends them), and their
@@ -252,6 +322,18 @@ class PlacementPricer:
         L, N = self.L, self.N
         if k.size == 0:
             return np.zeros(Q + 1)
+        if self.max_stages and int(start.sum()) == 1:  # one candidate's prefixes: running maxima per stage
+            total = np.zeros(Q + 1)
+            for s in (0, 1):
+                m = stage == s
+                if m.any():
+                    run = _running(self._per_class(Q, step[m], src[m], dst[m], sign[m]), np.zeros(N), start)
+                    active = run > 0.5
+                    latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
+                    d_links = self._on_links(Q, step[m], src[m], dst[m], sign[m] * self.param_bytes)
+                    busiest = _prefix_max(d_links, np.zeros(L), self._link_time, 0.0)
+                    total += np.where(active.any(-1), busiest + latency, 0.0)
+            return total
         # Both stages' link bytes and route-latency counts side by side: one running sum.
         deltas = [np.zeros((Q, L + N)), np.zeros((Q, L + N))]
         for s in (0, 1):
@@ -271,13 +353,17 @@ class PlacementPricer:
     def copies_of_prefixes(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> np.ndarray:
         """Copies out and back `[Q + 1]` of every prefix of the steps (as `prefixes` prices them, the
         rest left out): a lower bound of each prefix's price."""
+        trans, agg, *_ = self._prefix_copies(experts_Q, holders_QW)
+        return trans + agg
+
+    def _prefix_copies(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> tuple:
+        """`_copies` of every prefix of the steps (row c: the first c steps)."""
         experts = np.asarray(experts_Q, dtype=np.int64)
         start = np.zeros(experts.size, dtype=bool)
         start[:1] = True
         new_QW = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
         owner_Q = self.owner[experts]
-        trans, agg, *_ = self._copies(experts, owner_Q, new_QW, self._previous(experts, owner_Q, new_QW, start), start)
-        return trans + agg
+        return self._copies(experts, owner_Q, new_QW, self._previous(experts, owner_Q, new_QW, start), start)
 
     def _everywhere(self, owner_Q: np.ndarray, d_every_Q: np.ndarray, start: np.ndarray):
         """The broadcasts / reduces of the experts held everywhere, per candidate `[Q + 1]` each way.
@@ -355,6 +441,8 @@ class PlacementPricer:
 
 DIRECTIONS = ("materialize", "reduce")
 PRICED_FIRST = 32
+PREFIX_BLOCK = 64
+"""Steps per block of `_prefix_max` (a block's dense part is PREFIX_BLOCK x X)."""
 """Prefixes priced before the copies' bound decides how many more (`cheapest_prefixes`)."""
 
 
@@ -405,6 +493,11 @@ class _Spread:
         )
         value = np.concatenate([np.repeat(sign * self.f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
         return np.bincount(index, weights=value, minlength=Q * (self.L + 1)).reshape(Q, self.L + 1)[:, : self.L]
+
+    def computed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(step, holder, tokens) each holder computes of them (after the step +, before it −)."""
+        hstep, hsign = self._step_sign(self.hold_k)
+        return hstep, self.hold_w, hsign * self.received
 
     def classes(self, Q: int) -> np.ndarray:
         """The change in positive (source, holder) counts per route latency `[Q, classes]`."""
