@@ -463,20 +463,30 @@ class _Spread:
         n_F = np.bincount(hold_k, minlength=Q2)
         offset_F = np.cumsum(n_F) - n_F
         n = n_F[k]
-        first = np.searchsorted(hold_k * W + hold_w, k * W + src) - offset_F[k]  # holders below the source
-        base, rem = f // n, f % n
-        # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders.
-        stop = first + rem
-        wrap = stop > n
-        at = offset_F[k]
-        index = np.concatenate([at + first, at + np.where(wrap, n, stop), at[wrap], at[wrap] + (stop - n)[wrap]])
-        step = np.concatenate([np.ones(k.size), -np.ones(k.size), np.ones(wrap.sum()), -np.ones(wrap.sum())])
-        diff = np.bincount(index, weights=step, minlength=hold_k.size + 1)
+        # Holders below the source (a source alone holds none): its place in the ring of holders.
+        first = np.cumsum(rows_FW, axis=1, dtype=np.int32)[k, src]
+        base, rem = np.divmod(f, n)
+        # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders,
+        # counted as +1 where the window starts and -1 past its end (twice where it wraps round).
+        M = hold_k.size
+        some = np.flatnonzero(rem)
+        at, lo, hi, m = offset_F[k[some]], first[some], first[some] + rem[some], n[some]
+        diff = np.bincount(at + lo, minlength=M + 1) - np.bincount(at + np.minimum(hi, m), minlength=M + 1)
+        wrap = np.flatnonzero(hi > m)
+        diff += np.bincount(at[wrap], minlength=M + 1) - np.bincount(at[wrap] + hi[wrap] - m[wrap], minlength=M + 1)
         self.received = np.bincount(k, weights=base, minlength=Q2)[hold_k] + np.cumsum(diff)[:-1]
         self.hold_k, self.hold_w = hold_k, hold_w
         self.src, self.k, self.f = src, k, f
         self.positive = np.minimum(n, f)  # holders that get anything from the source
         topo = pricer.topology
+        # A source alone both before and after a step sends the same tokens out by the same two links:
+        # its bytes out cancel (exactly, with whole counts); those of the others are kept.
+        if pricer.max_exchange:
+            Q = Q2 // 2
+            both_WQ = alone_WF[:, :Q] & alone_WF[:, Q:]
+            src, k = np.nonzero(alone_WF & ~np.concatenate([both_WQ, both_WQ], axis=1))
+            f = flow_WF[src, k].astype(np.int64)
+        self.out_k, self.out_f = k, f
         self.up, self.down = topo.leave_W2[src], topo.enter_W2[hold_w]  # the four links between two nodes
         self.cls = topo.cross_class
         self.L, self.N, self.Q = len(topo.links), pricer.N, Q2 // 2
@@ -486,12 +496,12 @@ class _Spread:
 
     def traffic(self, Q: int, tok_bytes: float) -> np.ndarray:
         """Their bytes on every link `[Q, L]` (after the step minus before)."""
-        step, sign = self._step_sign(self.k)
+        step, sign = self._step_sign(self.out_k)
         hstep, hsign = self._step_sign(self.hold_k)
         index = np.concatenate(
             [(step[:, None] * (self.L + 1) + self.up).ravel(), (hstep[:, None] * (self.L + 1) + self.down).ravel()]
         )
-        value = np.concatenate([np.repeat(sign * self.f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
+        value = np.concatenate([np.repeat(sign * self.out_f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
         return np.bincount(index, weights=value, minlength=Q * (self.L + 1)).reshape(Q, self.L + 1)[:, : self.L]
 
     def computed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
