@@ -229,7 +229,7 @@ class PlacementPricer:
         if not cm.prices_gemm_calls:
             flow_WQ = np.where(self._affected(new_QW, prev_QW).T, flow_WQ, 0)
         flow_WF, rows_FW = np.concatenate([flow_WQ, flow_WQ], axis=1), np.concatenate([new_QW, prev_QW])
-        spread = self._spread(flow_WF, rows_FW) if topo.nodes_under_root else None
+        spread = self._spread(flow_WF, rows_FW, self._earlier) if topo.nodes_under_root else None
         if spread is not None:
             flow_WF = np.where(spread.alone_WF, 0, flow_WF)
         k, src, dst, count = dispatch_entries(flow_WF, rows_FW, self.node_of)
@@ -389,15 +389,19 @@ class PlacementPricer:
             out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
         return out[0], out[1]
 
-    def _spread(self, flow_WF: np.ndarray, rows_FW: np.ndarray) -> _Spread | None:
+    def _spread(self, flow_WF: np.ndarray, rows_FW: np.ndarray, earlier_Q: np.ndarray) -> _Spread | None:
         """The sources that spread over every holder of a state (their node holds none of them),
-        summed instead of expanded (`_Spread`); None when there are none."""
+        summed instead of expanded (`_Spread`); None when there are none. `earlier_Q[j]`: the step
+        whose state after it is step j's before it (-1: none), computed once."""
         held_FN = self._per_node(rows_FW)
         several_F = rows_FW.sum(1) > 1  # one holder takes the tokens whole: `dispatch_entries` is as cheap
         alone_WF = ~held_FN[:, self._node_W].T & (flow_WF > 0) & several_F
         if not alone_WF.any():
             return None
-        return _Spread(self, flow_WF, rows_FW, alone_WF)
+        Q = earlier_Q.size
+        same_F = np.arange(2 * Q)
+        same_F[Q:] = np.where(earlier_Q >= 0, earlier_Q, same_F[Q:])
+        return _Spread(self, flow_WF, rows_FW, alone_WF, same_F)
 
     def _affected(self, new_QW: np.ndarray, prev_QW: np.ndarray) -> np.ndarray:
         """`[Q, W]`: the sources whose dispatch candidates a step changes — those on a node whose
@@ -418,12 +422,14 @@ class PlacementPricer:
         Q = experts.size
         prev = np.zeros((Q, self.W), dtype=bool)
         prev[np.arange(Q), owner_Q] = True
+        self._earlier = np.full(Q, -1)  # the step whose holders `prev` repeats (-1: the owner's)
         candidate = np.cumsum(start)
         key = candidate * self.E + experts
         if np.unique(key).size < Q:  # an expert changed twice in one candidate
             order = np.lexsort((np.arange(Q), key))
             again = np.flatnonzero(key[order][1:] == key[order][:-1])
             prev[order[again + 1]] = new_QW[order[again]]
+            self._earlier[order[again + 1]] = order[again]
         return prev
 
     def _on_links(self, Q: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, value: np.ndarray) -> np.ndarray:
@@ -454,17 +460,28 @@ class _Spread:
     own; a holder's share is the same quotient from every source plus one from each source whose
     remainder reaches it in ring order — a cyclic window of the holder list, added as differences."""
 
-    def __init__(self, pricer: PlacementPricer, flow_WF: np.ndarray, rows_FW: np.ndarray, alone_WF: np.ndarray):
+    def __init__(
+        self,
+        pricer: PlacementPricer,
+        flow_WF: np.ndarray,
+        rows_FW: np.ndarray,
+        alone_WF: np.ndarray,
+        same_F: np.ndarray,
+    ):
+        """`same_F[F]`: a state with the same holders and sources alone as state F (F itself, or a
+        step's state before it that an earlier step's state after it repeats), whose split is F's."""
         Q2, W = rows_FW.shape
-        src, k = np.nonzero(alone_WF)
-        f = flow_WF[src, k].astype(np.int64)  # whole assignments (a split needs them)
         self.alone_WF = alone_WF
+        own = np.flatnonzero(same_F == np.arange(Q2))
+        src, k = np.nonzero(alone_WF[:, own])
+        k = own[k]
+        f = flow_WF[src, k].astype(np.int64)  # whole assignments (a split needs them)
         hold_k, hold_w = np.nonzero(rows_FW)  # every state's holders by rank, state after state
         n_F = np.bincount(hold_k, minlength=Q2)
         offset_F = np.cumsum(n_F) - n_F
         n = n_F[k]
         # Holders below the source (a source alone holds none): its place in the ring of holders.
-        first = np.cumsum(rows_FW, axis=1, dtype=np.int32)[k, src]
+        first = np.cumsum(rows_FW[own], axis=1, dtype=np.int32)[np.searchsorted(own, k), src]
         base, rem = np.divmod(f, n)
         # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders,
         # counted as +1 where the window starts and -1 past its end (twice where it wraps round).
@@ -474,10 +491,11 @@ class _Spread:
         diff = np.bincount(at + lo, minlength=M + 1) - np.bincount(at + np.minimum(hi, m), minlength=M + 1)
         wrap = np.flatnonzero(hi > m)
         diff += np.bincount(at[wrap], minlength=M + 1) - np.bincount(at[wrap] + hi[wrap] - m[wrap], minlength=M + 1)
-        self.received = np.bincount(k, weights=base, minlength=Q2)[hold_k] + np.cumsum(diff)[:-1]
+        received = np.bincount(k, weights=base, minlength=Q2)[hold_k] + np.cumsum(diff)[:-1]
+        # A repeated state's holders receive what those of the state it repeats receive (same order).
+        self.received = received[offset_F[same_F][hold_k] + np.arange(M) - offset_F[hold_k]]
         self.hold_k, self.hold_w = hold_k, hold_w
-        self.src, self.k, self.f = src, k, f
-        self.positive = np.minimum(n, f)  # holders that get anything from the source
+        self.positive_F = np.bincount(k, weights=np.minimum(n, f), minlength=Q2)[same_F]  # holders reached
         topo = pricer.topology
         # A source alone both before and after a step sends the same tokens out by the same two links:
         # its bytes out cancel (exactly, with whole counts); those of the others are kept.
@@ -485,8 +503,9 @@ class _Spread:
             Q = Q2 // 2
             both_WQ = alone_WF[:, :Q] & alone_WF[:, Q:]
             src, k = np.nonzero(alone_WF & ~np.concatenate([both_WQ, both_WQ], axis=1))
-            f = flow_WF[src, k].astype(np.int64)
-        self.out_k, self.out_f = k, f
+        else:
+            src, k = np.nonzero(alone_WF)
+        self.out_k, self.out_f = k, flow_WF[src, k].astype(np.int64)
         self.up, self.down = topo.leave_W2[src], topo.enter_W2[hold_w]  # the four links between two nodes
         self.cls = topo.cross_class
         self.L, self.N, self.Q = len(topo.links), pricer.N, Q2 // 2
@@ -511,7 +530,7 @@ class _Spread:
 
     def classes(self, Q: int) -> np.ndarray:
         """The change in positive (source, holder) counts per route latency `[Q, classes]`."""
-        step, sign = self._step_sign(self.k)
-        return np.bincount(step * self.N + self.cls, weights=sign * self.positive, minlength=Q * self.N).reshape(
+        step, sign = self._step_sign(np.arange(2 * self.Q))
+        return np.bincount(step * self.N + self.cls, weights=sign * self.positive_F, minlength=Q * self.N).reshape(
             Q, self.N
         )
