@@ -117,7 +117,9 @@ class PlacementPricer:
         cost_model: Any,
         shape: ExpertShape,
         node_of: Any = None,
+        whole: bool | None = None,
     ) -> None:
+        """`whole`: the flow is whole counts (None: checked)."""
         self.flow = np.asarray(flow_WE)
         self.owner = np.asarray(owner_E, dtype=np.int64)
         self.cm, self.shape = cost_model, shape
@@ -145,7 +147,8 @@ class PlacementPricer:
         self.inv_bw_L = 1.0 / topo.bandwidth_L
         # A prefix search keeps running maxima (`_prefix_max`) where a price is a maximum of per-device
         # or per-link terms of sums that are exact (whole counts and bytes: any order sums alike).
-        whole = self.flow.dtype.kind in "iub" or bool(np.array_equal(self.flow, np.rint(self.flow)))
+        if whole is None:
+            whole = self.flow.dtype.kind in "iub" or bool(np.array_equal(self.flow, np.rint(self.flow)))
         self.max_compute = (
             whole and not cost_model.prices_gemm_calls and (cost_model.host_cores is None or cost_model.host_cores >= W)
         )

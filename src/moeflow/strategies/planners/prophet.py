@@ -143,9 +143,9 @@ def prophet_search(
         raise ValueError(f"cost model has {cost_model.topology.num_devices} devices, the expert-parallel group {W}")
     node_of = cost_model.topology.node_of
     tokens = np.rint(flow)  # what the dispatch plan sends
-    steps, rows = _search_steps(flow, tokens.astype(np.int64), owner_E, node_of, options)
+    steps, rows = _search_steps(flow, tokens, owner_E, node_of, options)
     experts = np.array([e for e, _ in steps], dtype=np.int64)
-    pricer = PlacementPricer(tokens, owner_E, cost_model, shape, node_of)
+    pricer = PlacementPricer(tokens, owner_E, cost_model, shape, node_of, whole=True)
     pricing = options.pricing()
     predicted = pricer.cheapest_prefixes(
         experts, rows, lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
@@ -166,23 +166,24 @@ def _search_steps(
     """Algorithm 1's steps: (expert, devices it is sent to) and the expert's holders after each.
 
     The state is kept per expert and updated for the one expert a step changes: its computed tokens
-    per device (the dispatch plan's column, `dispatch_entries`), hence every device's load H; its
-    load on its owner; whether it still has senders without a copy ("open"). A step takes the
-    heaviest device that owns an open expert with load (ties: the lower device), and on it the
-    heaviest such expert (ties: the lower id: each device's open experts in a heap) — what `_relief`
-    of the loop version finds by scanning every device and expert."""
+    per device (the dispatch plan's column, `dispatch_entries`; the owner's alone until a step
+    changes it), hence every device's load H; its load on its owner; whether it still has senders
+    without a copy ("open"). A step takes the heaviest device that owns an open expert with load
+    (ties: the lower device), and on it the heaviest such expert (ties: the lower id: each device's
+    open experts in a heap) — what `_relief` of the loop version finds by scanning every device and
+    expert. `tokens_WE`: the flow rounded to whole assignments (what the plan sends)."""
     W, E = tokens_WE.shape
     experts = np.arange(E)
     holders = np.zeros((E, W), dtype=bool)
     holders[experts, owner_E] = True
-    tokens_EW = np.ascontiguousarray(tokens_WE.T)
     flow_EW = np.ascontiguousarray(flow_WE.T)
-    waiting_EW = (flow_EW > 0) & ~holders  # senders without a copy
-    computed_EW = np.zeros((E, W), dtype=np.int64)  # tokens each device computes of each expert
-    computed_EW[experts, owner_E] = tokens_EW.sum(1)
-    H_W = computed_EW.sum(0)
-    at_owner = computed_EW[experts, owner_E].tolist()
-    open_E = (waiting_EW.any(1) & (computed_EW[experts, owner_E] > 0)).tolist()
+    waiting_EW = flow_EW > 0  # senders without a copy
+    waiting_EW[experts, owner_E] = False
+    total_E = tokens_WE.sum(0).astype(np.int64)  # whole counts: exact
+    H_W = np.bincount(owner_E, weights=total_E, minlength=W).astype(np.int64)  # every expert on its owner
+    computed: dict[int, np.ndarray] = {}  # the experts a step changed: tokens each device computes of it
+    at_owner = total_E.tolist()
+    open_E = (waiting_EW.any(1) & (total_E > 0)).tolist()
     heaps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
     for e in np.flatnonzero(open_E).tolist():
         heaps[owner_E[e]].append((-at_owner[e], e))
@@ -195,20 +196,25 @@ def _search_steps(
     while open_devices and H_W.max() - H_W.min() >= threshold:  # some device can be relieved; Eq. 7
         device = int(np.argmax(H_W + closed_W))
         _, e = heapq.heappop(heaps[device])
-        order = np.argsort(-flow_EW[e], kind="stable")  # its senders, most tokens first (ties: lower rank)
-        senders = order[waiting_EW[e, order]]
+        waiting_now = np.flatnonzero(waiting_EW[e])  # by rank
+        senders = waiting_now[np.argsort(-flow_EW[e, waiting_now], kind="stable")]  # most tokens first
         to = senders[: max(1, senders.size - options.keep_out)]
         holders[e, to] = True
         waiting_EW[e, to] = False
         waiting = senders[to.size :]  # the senders still without a copy
-        if waiting.size and (tokens_EW[e, waiting] > 0).any():
+        tokens_W = np.rint(flow_EW[e]).astype(np.int64)
+        if waiting.size and (tokens_W[waiting] > 0).any():
             # Some senders still send it away: the plan's column for the new holders.
-            _, _, dst, count = dispatch_entries(tokens_WE[:, [e]], holders[[e]], node_of)
+            _, _, dst, count = dispatch_entries(tokens_W[:, None], holders[[e]], node_of)
             column = np.bincount(dst, weights=count, minlength=W).astype(np.int64)
         else:  # every sender holds it: each computes its own
-            column = tokens_EW[e]
-        H_W += column - computed_EW[e]
-        computed_EW[e] = column
+            column = tokens_W
+        H_W += column
+        if e in computed:
+            H_W -= computed[e]
+        else:
+            H_W[owner_E[e]] -= total_E[e]
+        computed[e] = column
         at_owner[e] = int(column[owner_E[e]])
         if waiting.size and at_owner[e] > 0:  # still open: back on its device's heap
             heapq.heappush(heaps[device], (-at_owner[e], e))
