@@ -194,14 +194,15 @@ def _search_steps(
     threshold = options.balance_alpha * flow_WE.sum() / E
     steps = []
     while open_devices and H_W.max() - H_W.min() >= threshold:  # some device can be relieved; Eq. 7
-        device = int(np.argmax(H_W + closed_W))
+        device = int((H_W + closed_W).argmax())
         _, e = heapq.heappop(heaps[device])
-        waiting_now = np.flatnonzero(waiting_EW[e])  # by rank
-        senders = waiting_now[np.argsort(-flow_EW[e, waiting_now], kind="stable")]  # most tokens first
+        waiting_now = waiting_EW[e].nonzero()[0]  # by rank
+        senders = waiting_now[(-flow_EW[e, waiting_now]).argsort(kind="stable")]  # most tokens first
         to = senders[: max(1, senders.size - options.keep_out)]
-        holders[e, to] = True
-        waiting_EW[e, to] = False
         waiting = senders[to.size :]  # the senders still without a copy
+        if waiting.size:  # the expert stays open: its holders and waiting senders are read again
+            holders[e, to] = True
+            waiting_EW[e, to] = False
         tokens_W = np.rint(flow_EW[e]).astype(np.int64)
         if waiting.size and (tokens_W[waiting] > 0).any():
             # Some senders still send it away: the plan's column for the new holders.
