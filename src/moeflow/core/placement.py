@@ -197,14 +197,19 @@ def dispatch_entries(
     n = np.where(near_n > 0, near_n, count_K[k])
     start = np.searchsorted(key, seg * W)
     first = np.searchsorted(key, seg * W + src) - start  # candidates before the source: its ring start
+    # A pair's split: `f // n` to each candidate and one more to the `f % n` that follow the source
+    # in ring order; one candidate takes the count as it is. Only the candidates that get something
+    # are expanded: all n when f >= n, else the first ceil(f) in ring order.
     f = flow[src, k]
-    pair = np.repeat(np.arange(src.size), n)
-    m = np.arange(pair.size) - np.repeat(np.cumsum(n) - n, n)  # place in the run
-    split = f[pair] // n[pair] + ((m - first[pair]) % n[pair] < f[pair] % n[pair])
-    count = np.where(n[pair] == 1, f[pair], split)  # one candidate takes the count as it is
-    keep = count > 0
-    pair, m = pair[keep], m[keep]
-    spread = (k[pair], src[pair], members[start[pair] + m], count[keep])
+    one = n == 1
+    base = np.where(one, f, f // n)
+    rem = np.where(one, 0, f % n)
+    expand = np.where(one | (base > 0), n, np.ceil(rem).astype(np.int64))
+    pair = np.repeat(np.arange(src.size), expand)
+    t = np.arange(pair.size) - np.repeat(np.cumsum(expand) - expand, expand)  # place after the ring start
+    m = first[pair] + t
+    m -= np.where(m >= n[pair], n[pair], 0)  # place in the run
+    spread = (k[pair], src[pair], members[start[pair] + m], base[pair] + (t < rem[pair]))
     return tuple(np.concatenate(parts) for parts in zip(local, remote, spread))
 
 
@@ -240,20 +245,33 @@ def dispatch_loads(
     (`dispatch_counts(...).sum(1)` and `.sum(0).T`)."""
     flow = _check_flow(flow_WE, placement)
     world, num_experts = placement.world_size, placement.num_experts
-    if placement.is_owners_only():
-        computed = np.zeros((world, num_experts), dtype=np.int64)
-        computed[placement.owner_E, np.arange(num_experts)] = flow.sum(0)
-        return send_by_owner(flow, placement.owner_E), computed
+    owner, experts = placement.owner_E, np.arange(num_experts)
     # Experts on their owners alone as under plain EP; those with copies through their entries.
-    copied = np.flatnonzero(placement.materialized_EW().any(1))
-    alone = flow.copy()
-    alone[:, copied] = 0
-    send, computed = dispatch_loads(alone, Placement.owners_only(placement.owner_E, world))
-    k, src, dst, count = dispatch_entries(flow[:, copied], placement.holders_EW[copied], node_of)
+    copied = np.flatnonzero(placement.holders_EW.sum(1) > 1)  # the owner always holds its expert
+    send = send_by_owner(flow, owner)
+    computed = np.zeros((world, num_experts), dtype=np.int64)
+    computed[owner, experts] = flow.sum(0)
+    if copied.size == 0:
+        return send, computed
+    C = copied.size
+    flow_WC = flow[:, copied]
+    send -= (
+        np.bincount(
+            (np.arange(world)[:, None] * world + owner[copied]).ravel(),
+            weights=flow_WC.ravel(),
+            minlength=world * world,
+        )
+        .reshape(world, world)
+        .astype(np.int64)
+    )  # what plain EP would have sent them (whole counts: exact)
+    computed[owner[copied], copied] = 0
+    k, src, dst, count = dispatch_entries(flow_WC, placement.holders_EW[copied], node_of)
     send += (
         np.bincount(src * world + dst, weights=count, minlength=world * world).reshape(world, world).astype(np.int64)
     )
-    np.add.at(computed, (dst, copied[k]), count)
+    computed[:, copied] += (
+        np.bincount(dst * C + k, weights=count, minlength=world * C).reshape(world, C).astype(np.int64)
+    )
     return send, computed
 
 
