@@ -176,14 +176,13 @@ def _search_steps(
     experts = np.arange(E)
     holders = np.zeros((E, W), dtype=bool)
     holders[experts, owner_E] = True
-    flow_EW = np.ascontiguousarray(flow_WE.T)
-    waiting_EW = flow_EW > 0  # senders without a copy
-    waiting_EW[experts, owner_E] = False
+    waiting_WE = flow_WE > 0  # senders without a copy (a step reads its expert's column)
+    waiting_WE[owner_E, experts] = False
     total_E = tokens_WE.sum(0).astype(np.int64)  # whole counts: exact
     H_W = np.bincount(owner_E, weights=total_E, minlength=W).astype(np.int64)  # every expert on its owner
     computed: dict[int, np.ndarray] = {}  # the experts a step changed: tokens each device computes of it
     at_owner = total_E.tolist()
-    open_E = (waiting_EW.any(1) & (total_E > 0)).tolist()
+    open_E = (waiting_WE.any(0) & (total_E > 0)).tolist()
     heaps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
     for e in np.flatnonzero(open_E).tolist():
         heaps[owner_E[e]].append((-at_owner[e], e))
@@ -196,14 +195,14 @@ def _search_steps(
     while open_devices and H_W.max() - H_W.min() >= threshold:  # some device can be relieved; Eq. 7
         device = int((H_W + closed_W).argmax())
         _, e = heapq.heappop(heaps[device])
-        waiting_now = waiting_EW[e].nonzero()[0]  # by rank
-        senders = waiting_now[(-flow_EW[e, waiting_now]).argsort(kind="stable")]  # most tokens first
+        waiting_now = waiting_WE[:, e].nonzero()[0]  # by rank
+        senders = waiting_now[(-flow_WE[waiting_now, e]).argsort(kind="stable")]  # most tokens first
         to = senders[: max(1, senders.size - options.keep_out)]
         waiting = senders[to.size :]  # the senders still without a copy
         if waiting.size:  # the expert stays open: its holders and waiting senders are read again
             holders[e, to] = True
-            waiting_EW[e, to] = False
-        tokens_W = np.rint(flow_EW[e]).astype(np.int64)
+            waiting_WE[to, e] = False
+        tokens_W = np.rint(flow_WE[:, e]).astype(np.int64)
         if waiting.size and (tokens_W[waiting] > 0).any():
             # Some senders still send it away: the plan's column for the new holders.
             _, _, dst, count = dispatch_entries(tokens_W[:, None], holders[[e]], node_of)
