@@ -83,23 +83,55 @@ def _prefix_max(delta_QX: np.ndarray, base_X: np.ndarray, h, floor: float) -> np
     change few columns, summed row by row from the state before the block, and the other columns'
     largest value is the state's. The sums are `_running`'s to the bit where the values are whole
     numbers (token counts, bytes): in floating point any order sums them alike."""
-    Q, X = delta_QX.shape
+    Q = delta_QX.shape[0]
+
+    def blocks():
+        for q0 in range(0, Q, PREFIX_BLOCK):
+            block = delta_QX[q0 : q0 + PREFIX_BLOCK]
+            touched = np.flatnonzero(block.any(0))
+            yield q0, block.shape[0], touched, block[:, touched]
+
+    return _block_max(blocks(), Q, base_X, h, floor)
+
+
+def _prefix_max_entries(
+    step_M: np.ndarray, col_M: np.ndarray, value_M: np.ndarray, Q: int, base_X: np.ndarray, h, floor: float
+) -> np.ndarray:
+    """`_prefix_max` of deltas given as entries `value_M[i]` at (step, column) — few of them (a copy
+    tree's edges): each block's columns are those its entries name."""
+    order = np.argsort(step_M, kind="stable")
+    step, col, value = step_M[order], col_M[order], value_M[order]
+    bounds = np.searchsorted(step, np.arange(0, Q + PREFIX_BLOCK, PREFIX_BLOCK))
+
+    def blocks():
+        for b, q0 in enumerate(range(0, Q, PREFIX_BLOCK)):
+            B, lo, hi = min(PREFIX_BLOCK, Q - q0), bounds[b], bounds[b + 1]
+            touched, inverse = np.unique(col[lo:hi], return_inverse=True)
+            delta = np.bincount(
+                (step[lo:hi] - q0) * touched.size + inverse, weights=value[lo:hi], minlength=B * touched.size
+            )
+            yield q0, B, touched, delta.reshape(B, touched.size)
+
+    return _block_max(blocks(), Q, base_X, h, floor)
+
+
+def _block_max(blocks, Q: int, base_X: np.ndarray, h, floor: float) -> np.ndarray:
+    """The running maxima of `_prefix_max` from its blocks `(first step, steps, columns, deltas [B, T])`."""
+    X = base_X.size
     state = np.array(base_X, dtype=np.float64)
     h_X = h(state, np.arange(X))
     out = np.empty(Q + 1)
     out[0] = h_X.max(initial=floor)
     free_X = np.ones(X, dtype=bool)
-    for q0 in range(0, Q, PREFIX_BLOCK):
-        block = delta_QX[q0 : q0 + PREFIX_BLOCK]
-        touched = np.flatnonzero(block.any(0))
+    for q0, B, touched, delta in blocks:
         if touched.size == 0:
-            out[q0 + 1 : q0 + 1 + block.shape[0]] = h_X.max(initial=floor)
+            out[q0 + 1 : q0 + 1 + B] = h_X.max(initial=floor)
             continue
-        run = np.cumsum(block[:, touched], axis=0)
+        run = np.cumsum(delta, axis=0)
         run += state[touched]
         h_run = h(run, touched)
         free_X[touched] = False
-        out[q0 + 1 : q0 + 1 + block.shape[0]] = np.maximum(h_run.max(1), h_X.max(where=free_X, initial=floor))
+        out[q0 + 1 : q0 + 1 + B] = np.maximum(h_run.max(1), h_X.max(where=free_X, initial=floor))
         free_X[touched] = True
         state[touched] = run[-1]
         h_X[touched] = h_run[-1]
@@ -333,8 +365,11 @@ class PlacementPricer:
                     run = _running(self._per_class(Q, step[m], src[m], dst[m], sign[m]), np.zeros(N), start)
                     active = run > 0.5
                     latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
-                    d_links = self._on_links(Q, step[m], src[m], dst[m], sign[m] * self.param_bytes)
-                    busiest = _prefix_max(d_links, np.zeros(L), self._link_time, 0.0)
+                    hops = self.topology.route_WWH[src[m], dst[m]]  # [n, H], padded with L
+                    H, link = hops.shape[-1], hops.reshape(-1)
+                    on = link < L
+                    at, value = np.repeat(step[m], H)[on], np.repeat(sign[m] * self.param_bytes, H)[on]
+                    busiest = _prefix_max_entries(at, link[on], value, Q, np.zeros(L), self._link_time, 0.0)
                     total += np.where(active.any(-1), busiest + latency, 0.0)
             return total
         # Both stages' link bytes and route-latency counts side by side: one running sum.
