@@ -275,13 +275,14 @@ class PlacementPricer:
         local = src == dst
         tokens = calls = local_Z = None
         if prefix and self.max_compute:
-            d_tokens = np.bincount(step * W + dst, weights=sign * count, minlength=Q * W)
+            d_tokens = np.bincount(step * W + dst, weights=sign * count, minlength=Q * W).astype(np.float64, copy=False)
             if spread is not None:
                 hstep, hold_w, received = spread.computed()
                 d_tokens += np.bincount(hstep * W + hold_w, weights=received, minlength=Q * W)
             compute = _prefix_max(d_tokens.reshape(Q, W), self.tokens0, self._device_time, -np.inf)
         else:
-            computed_FW = np.bincount(k * W + dst, weights=count, minlength=2 * Q * W).reshape(2 * Q, W)
+            computed_FW = np.bincount(k * W + dst, weights=count, minlength=2 * Q * W).astype(np.float64, copy=False)
+            computed_FW = computed_FW.reshape(2 * Q, W)
             if spread is not None:
                 computed_FW += np.bincount(
                     spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * Q * W
@@ -432,8 +433,9 @@ class PlacementPricer:
         summed instead of expanded (`_Spread`); None when there are none. `earlier_Q[j]`: the step
         whose state after it is step j's before it (-1: none), computed once."""
         held_FN = self._per_node(rows_FW)
-        several_F = rows_FW.sum(1) > 1  # one holder takes the tokens whole: `dispatch_entries` is as cheap
-        alone_WF = ~held_FN[:, self._node_W].T & (flow_WF > 0) & several_F
+        alone_WF = ~held_FN[:, self._node_W].T & (flow_WF > 0)
+        if not self.max_exchange:  # a fractional count goes whole to a single holder: `dispatch_entries`
+            alone_WF &= rows_FW.sum(1) > 1
         if not alone_WF.any():
             return None
         Q = earlier_Q.size
@@ -475,12 +477,13 @@ class PlacementPricer:
         hops = self.topology.route_WWH[src, dst]  # [n, H], padded with L
         index = step[:, None] * (self.L + 1) + hops
         sums = np.bincount(index.reshape(-1), weights=np.repeat(value, hops.shape[-1]), minlength=Q * (self.L + 1))
+        sums = sums.astype(np.float64, copy=False)  # no entries: bincount counts in integers
         return sums.reshape(Q, self.L + 1)[:, : self.L]
 
     def _per_class(self, Q: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, sign: np.ndarray) -> np.ndarray:
         """The change in the number of positive entries on routes of each latency: `[Q, classes]`."""
         index = step * self.N + self.topology.latency_class_WW[src, dst]
-        return np.bincount(index, weights=sign, minlength=Q * self.N).reshape(Q, self.N)
+        return np.bincount(index, weights=sign, minlength=Q * self.N).astype(np.float64, copy=False).reshape(Q, self.N)
 
 
 DIRECTIONS = ("materialize", "reduce")
