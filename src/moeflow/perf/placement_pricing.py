@@ -367,10 +367,14 @@ class PlacementPricer:
                     active = run > 0.5
                     latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
                     hops = self.topology.route_WWH[src[m], dst[m]]  # [n, H], padded with L
-                    H, link = hops.shape[-1], hops.reshape(-1)
-                    on = link < L
-                    at, value = np.repeat(step[m], H)[on], np.repeat(sign[m] * self.param_bytes, H)[on]
-                    busiest = _prefix_max_entries(at, link[on], value, Q, np.zeros(L), self._link_time, 0.0)
+                    if hops.size * 8 > Q * L:  # many edges a step: their bytes per step and link, dense
+                        d_links = self._on_links(Q, step[m], src[m], dst[m], sign[m] * self.param_bytes)
+                        busiest = _prefix_max(d_links, np.zeros(L), self._link_time, 0.0)
+                    else:
+                        H, link = hops.shape[-1], hops.reshape(-1)
+                        on = link < L
+                        at, value = np.repeat(step[m], H)[on], np.repeat(sign[m] * self.param_bytes, H)[on]
+                        busiest = _prefix_max_entries(at, link[on], value, Q, np.zeros(L), self._link_time, 0.0)
                     total += np.where(active.any(-1), busiest + latency, 0.0)
             return total
         # Both stages' link bytes and route-latency counts side by side: one running sum.
