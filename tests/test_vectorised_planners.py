@@ -283,3 +283,31 @@ def test_window_estimate_is_the_stacked_mean():
             expect = np.mean(np.stack([np.asarray(f, dtype=np.float64) for f in planner.history]), axis=0)
             got = planner.estimate()
             assert got.dtype == np.float64 and np.array_equal(got, expect)
+
+
+def test_owners_terms_by_node_equal_routing_every_pair():
+    """Where nodes hang from the root, `PlacementPricer` sums the owners' bytes per node (only the
+    pairs inside a node routed): the same link bytes and latency-class counts, to the bit, as
+    routing every pair (`Topology.link_traffic`); whole and fractional flows, any owners."""
+    from moeflow.core.placement import send_by_owner
+
+    rng = np.random.default_rng(9)
+    shape = ExpertShape(8, 16)
+    checked = 0
+    for _ in range(60):
+        world = int(rng.choice([2, 4, 8, 16]))
+        experts = world * int(rng.integers(1, 4))
+        johnny = world >= 8 and rng.random() < 0.5
+        cm = CostModel.from_preset(f"johnny@{world}") if johnny else _cost_model(rng, world)
+        flow = _flow(rng, world, experts)
+        owner = rng.integers(0, world, experts) if rng.random() < 0.5 else np.arange(experts) // (experts // world)
+        pricer = PlacementPricer(flow, owner, cm, shape, cm.topology.node_of)
+        sent = flow.copy()
+        sent[owner, np.arange(experts)] = 0
+        topo = cm.topology
+        traffic = topo.link_traffic(send_by_owner(sent, owner) * pricer.tok_bytes)
+        positive = send_by_owner((sent > 0).astype(np.int64), owner)
+        classes = np.bincount(topo.latency_class_WW.reshape(-1), weights=positive.reshape(-1), minlength=pricer.N)
+        assert np.array_equal(pricer.traffic0, traffic) and np.array_equal(pricer.classes0, classes)
+        checked += topo.nodes_under_root
+    assert checked > 20

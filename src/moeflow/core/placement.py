@@ -51,10 +51,12 @@ def send_by_owner(flow_WE: np.ndarray, owner_E: np.ndarray) -> np.ndarray:
         return flow.reshape(*flow.shape[:-1], W, E // W).sum(-1)
     order = np.argsort(owner, kind="stable")
     per_owner = np.bincount(owner, minlength=W)
-    send = np.zeros((*flow.shape[:-1], W), dtype=flow.dtype)
+    dtype = np.int64 if flow.dtype == bool else flow.dtype  # a mask's entries are counted
+    send = np.zeros((*flow.shape[:-1], W), dtype=dtype)
     if owner.size:  # each owner's experts summed as one run of columns (exact sums)
         owning = np.flatnonzero(per_owner)
-        send[..., owning] = np.add.reduceat(flow[..., order], (np.cumsum(per_owner) - per_owner)[owning], axis=-1)
+        starts = (np.cumsum(per_owner) - per_owner)[owning]
+        send[..., owning] = np.add.reduceat(flow[..., order], starts, axis=-1, dtype=dtype)
     return send
 
 

@@ -170,27 +170,67 @@ class PlacementPricer:
         self.tokens0 = np.bincount(self.owner, weights=colsum_E, minlength=W)
         self.local0 = np.bincount(self.owner, weights=self.flow[self.owner, experts], minlength=W)
         self.calls0 = np.bincount(self.owner, weights=colsum_E > 0, minlength=W)
-        sent = self.flow.copy()
-        sent[self.owner, experts] = 0
-        self.traffic0 = topo.link_traffic(send_by_owner(sent, self.owner) * self.tok_bytes)
-        positive0 = send_by_owner((sent > 0).astype(np.int64), self.owner)  # diagonal 0: sent
-        self.classes0 = np.bincount(topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N)
-        self.tree = copies_by_tree(topo.node_of, cost_model.backend)
-        self.inv_bw_L = 1.0 / topo.bandwidth_L
-        # A prefix search keeps running maxima (`_prefix_max`) where a price is a maximum of per-device
-        # or per-link terms of sums that are exact (whole counts and bytes: any order sums alike).
         if whole is None:
             whole = self.flow.dtype.kind in "iub" or bool(np.array_equal(self.flow, np.rint(self.flow)))
-        self.max_compute = (
-            whole and not cost_model.prices_gemm_calls and (cost_model.host_cores is None or cost_model.host_cores >= W)
-        )
-        self.max_exchange = whole
-        self.max_stages = cost_model.stage_on_busiest_link and float(self.param_bytes).is_integer()
         node_W = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
         _, self._node_W = np.unique(node_W, return_inverse=True)  # nodes numbered 0..N-1
         self._N = int(self._node_W.max()) + 1 if W else 1
         self._by_node = np.argsort(self._node_W, kind="stable")  # ranks node by node
         self._node_start = np.searchsorted(self._node_W[self._by_node], np.arange(self._N))
+        # What the owners send: a rank's tokens to itself take no link (its route is empty), and are
+        # left out of the positive entries that price the exchange's latency.
+        send = send_by_owner(self.flow, self.owner)
+        positive0 = send_by_owner(self.flow > 0, self.owner)
+        positive0[np.arange(W), np.arange(W)] -= np.bincount(
+            self.owner, weights=self.flow[self.owner, experts] > 0, minlength=W
+        ).astype(positive0.dtype)
+        if topo.nodes_under_root and node_of is not None and np.array_equal(node_W, topo.node_of):
+            self._owners_by_node(send * self.tok_bytes, positive0, whole)
+        else:
+            self.traffic0 = topo.link_traffic(send * self.tok_bytes)
+            self.classes0 = np.bincount(
+                topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N
+            )
+        self.tree = copies_by_tree(topo.node_of, cost_model.backend)
+        self.inv_bw_L = 1.0 / topo.bandwidth_L
+        # A prefix search keeps running maxima (`_prefix_max`) where a price is a maximum of per-device
+        # or per-link terms of sums that are exact (whole counts and bytes: any order sums alike).
+        self.max_compute = (
+            whole and not cost_model.prices_gemm_calls and (cost_model.host_cores is None or cost_model.host_cores >= W)
+        )
+        self.max_exchange = whole
+        self.max_stages = cost_model.stage_on_busiest_link and float(self.param_bytes).is_integer()
+
+    def _owners_by_node(self, bytes_WW: np.ndarray, positive_WW: np.ndarray, whole: bool) -> None:
+        """`traffic0` and `classes0` where every node hangs from the root (`Topology.nodes_under_root`):
+        bytes between two nodes leave by their source's two links and enter by their destination's
+        two, on a route of one latency class (`cross_class`), so only the pairs inside a node are
+        routed one by one (W x ranks per node, not W x W). Sums of whole counts: exact in any order;
+        a fractional flow is routed pair by pair (`Topology.link_traffic`)."""
+        topo, W = self.topology, self.W
+        ranks = self._by_node
+        size = np.diff(np.append(self._node_start, W))
+        node_of_rank = self._node_W[ranks]
+        # Every ordered pair inside a node (the diagonal included): each rank with each of its node's.
+        reps = size[node_of_rank]
+        src = np.repeat(ranks, reps)
+        offset = np.arange(src.size) - np.repeat(np.cumsum(reps) - reps, reps)
+        dst = ranks[self._node_start[node_of_rank].repeat(reps) + offset]
+        cls = topo.latency_class_WW[src, dst]
+        positive = positive_WW[src, dst]
+        self.classes0 = np.bincount(cls, weights=positive, minlength=self.N)
+        self.classes0[topo.cross_class] += positive_WW.sum() - positive.sum()
+        if not whole:
+            self.traffic0 = topo.link_traffic(bytes_WW)
+            return
+        inside = bytes_WW[src, dst]
+        out_W = bytes_WW.sum(1) - np.bincount(src, weights=inside, minlength=W)
+        in_W = bytes_WW.sum(0) - np.bincount(dst, weights=inside, minlength=W)
+        hops = topo.route_WWH[src, dst]
+        L = self.L
+        index = np.concatenate([topo.leave_W2.reshape(-1), topo.enter_W2.reshape(-1), hops.reshape(-1)])
+        value = np.concatenate([np.repeat(out_W, 2), np.repeat(in_W, 2), np.repeat(inside, hops.shape[-1])])
+        self.traffic0 = np.bincount(index, weights=value, minlength=L + 1)[:L]
 
     # ---- candidates ------------------------------------------------------------------------------
     def prefixes(self, experts_Q: np.ndarray, holders_QW: np.ndarray, detail: bool = False) -> PlacementTerms:
