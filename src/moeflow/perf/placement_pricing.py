@@ -275,6 +275,8 @@ class PlacementPricer:
         rows = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
         if not bounded or experts.size <= PRICED_FIRST:
             return price(self.prefixes(experts, rows, detail))
+        if self._copies_grow(experts, rows):
+            return self._cheapest_growing(experts, rows, price, detail)
         copies = self._prefix_copies(experts, rows)
         floor = np.minimum.accumulate((copies[0] + copies[1])[::-1])[::-1]  # from each prefix on
         priced = PRICED_FIRST
@@ -285,6 +287,44 @@ class PlacementPricer:
             predicted = price(self._terms(experts[:priced], rows[:priced], start, detail, part))
             beyond = np.flatnonzero(floor > predicted.min())
             last = int(beyond[0]) if beyond.size else experts.size
+            if last <= priced:
+                return predicted
+            priced = last
+
+    def _copies_grow(self, experts: np.ndarray, rows: np.ndarray) -> bool:
+        """Whether every prefix's copies cost at least the previous prefix's: each step gives a new
+        expert copies (none twice, its owner kept), so it only adds tree edges or a broadcast; a
+        stage costs its busiest link (`CostModel.stage_on_busiest_link`) plus its slowest route, and
+        a broadcast or reduce costs no less for more bytes."""
+        Q = experts.size
+        if np.unique(experts).size != Q or not rows[np.arange(Q), self.owner[experts]].all():
+            return False
+        if not self.cm.stage_on_busiest_link or (self.topology.latency_classes < 0).any():
+            return False
+        sizes = np.arange(min(Q, self.E) + 2) * self.param_bytes
+        return all((np.diff(self.cm.collective_times(kind, sizes)) >= 0).all() for kind in ("broadcast", "reduce"))
+
+    def _cheapest_growing(self, experts: np.ndarray, rows: np.ndarray, price, detail: bool) -> np.ndarray:
+        """`cheapest_prefixes` where the copies never fall from one prefix to the next
+        (`_copies_grow`): the copies' bound at a prefix is its own copies, so they are priced only
+        as far as the first prefix whose copies cost more than the best price, in chunks that double
+        (the same prefixes priced as with every prefix's copies known)."""
+        Q = experts.size
+        known = min(Q, 2 * PRICED_FIRST)
+        copies = self._prefix_copies(experts[:known], rows[:known])
+        priced = PRICED_FIRST
+        while True:
+            start = np.zeros(priced, dtype=bool)
+            start[:1] = True
+            part = tuple(c[: priced + 1] for c in copies)
+            predicted = price(self._terms(experts[:priced], rows[:priced], start, detail, part))
+            while True:
+                beyond = np.flatnonzero(copies[0] + copies[1] > predicted.min())
+                if beyond.size or known == Q:
+                    break
+                known = min(Q, 2 * known)
+                copies = self._prefix_copies(experts[:known], rows[:known])
+            last = int(beyond[0]) if beyond.size else Q
             if last <= priced:
                 return predicted
             priced = last
