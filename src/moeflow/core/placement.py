@@ -257,20 +257,15 @@ def dispatch_loads(
         return send, computed
     C = copied.size
     flow_WC = flow[:, copied]
-    send -= (
-        np.bincount(
-            (np.arange(world)[:, None] * world + owner[copied]).ravel(),
-            weights=flow_WC.ravel(),
-            minlength=world * world,
-        )
-        .reshape(world, world)
-        .astype(np.int64)
-    )  # what plain EP would have sent them (whole counts: exact)
+    # What plain EP would have sent them out, then their entries (whole counts: the sums are exact).
+    unsent = np.bincount(
+        (np.arange(world)[:, None] * world + owner[copied]).ravel(), weights=flow_WC.ravel(), minlength=world * world
+    )
+    np.subtract(send, unsent.reshape(world, world), out=send, casting="unsafe")
     computed[owner[copied], copied] = 0
     k, src, dst, count = dispatch_entries(flow_WC, placement.holders_EW[copied], node_of)
-    send += (
-        np.bincount(src * world + dst, weights=count, minlength=world * world).reshape(world, world).astype(np.int64)
-    )
+    sent = np.bincount(src * world + dst, weights=count, minlength=world * world)
+    np.add(send, sent.reshape(world, world), out=send, casting="unsafe")
     computed[:, copied] += (
         np.bincount(dst * C + k, weights=count, minlength=world * C).reshape(world, C).astype(np.int64)
     )
