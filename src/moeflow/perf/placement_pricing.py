@@ -598,24 +598,27 @@ class _Spread:
         Q2, W = rows_FW.shape
         self.alone_WF = alone_WF
         own = np.flatnonzero(same_F == np.arange(Q2))
-        src, k = np.nonzero(alone_WF[:, own])
-        k = own[k]
-        f = flow_WF[src, k].astype(np.int64)  # whole assignments (a split needs them)
+        # The states computed, state by state (its sources by rank): boolean masks read them in order.
+        alone_OW = np.ascontiguousarray(alone_WF[:, own].T)
+        per_O = alone_OW.sum(1)
+        k = np.repeat(own, per_O)
+        f = np.ascontiguousarray(flow_WF[:, own].T)[alone_OW].astype(np.int64)  # whole assignments (a split needs them)
         hold_k, hold_w = np.nonzero(rows_FW)  # every state's holders by rank, state after state
         n_F = np.bincount(hold_k, minlength=Q2)
         offset_F = np.cumsum(n_F) - n_F
-        n = n_F[k]
+        n = np.repeat(n_F[own], per_O)
         # Holders below the source (a source alone holds none): its place in the ring of holders.
-        first = np.cumsum(rows_FW[own], axis=1, dtype=np.int32)[np.searchsorted(own, k), src]
+        first = np.cumsum(rows_FW[own], axis=1, dtype=np.int32)[alone_OW]
         base, rem = np.divmod(f, n)
         # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders,
-        # counted as +1 where the window starts and -1 past its end (twice where it wraps round).
+        # counted as +1 where the window starts and -1 past its end (twice where it wraps round; a
+        # window of none starts and ends at one place).
         M = hold_k.size
-        some = np.flatnonzero(rem)
-        at, lo, hi, m = offset_F[k[some]], first[some], first[some] + rem[some], n[some]
-        diff = np.bincount(at + lo, minlength=M + 1) - np.bincount(at + np.minimum(hi, m), minlength=M + 1)
-        wrap = np.flatnonzero(hi > m)
-        diff += np.bincount(at[wrap], minlength=M + 1) - np.bincount(at[wrap] + hi[wrap] - m[wrap], minlength=M + 1)
+        at = np.repeat(offset_F[own], per_O)
+        stop = first + rem
+        diff = np.bincount(at + first, minlength=M + 1) - np.bincount(at + np.minimum(stop, n), minlength=M + 1)
+        wrap = np.flatnonzero(stop > n)
+        diff += np.bincount(at[wrap], minlength=M + 1) - np.bincount(at[wrap] + stop[wrap] - n[wrap], minlength=M + 1)
         received = np.bincount(k, weights=base, minlength=Q2)[hold_k] + np.cumsum(diff)[:-1]
         # A repeated state's holders receive what those of the state it repeats receive (same order).
         self.received = received[offset_F[same_F][hold_k] + np.arange(M) - offset_F[hold_k]]
