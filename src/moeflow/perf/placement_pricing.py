@@ -306,9 +306,9 @@ class PlacementPricer:
 
     def _cheapest_growing(self, experts: np.ndarray, rows: np.ndarray, price, detail: bool) -> np.ndarray:
         """`cheapest_prefixes` where the copies never fall from one prefix to the next
-        (`_copies_grow`): the copies' bound at a prefix is its own copies, so they are priced only
-        as far as the first prefix whose copies cost more than the best price, in chunks that double
-        (the same prefixes priced as with every prefix's copies known)."""
+        (`_copies_grow`): the copies' bound at a prefix is its own copies, so they are priced for the
+        first 2·`PRICED_FIRST` prefixes, and for all only if none of those costs more than the best
+        price (the same prefixes priced as with every prefix's copies known)."""
         Q = experts.size
         known = min(Q, 2 * PRICED_FIRST)
         copies = self._prefix_copies(experts[:known], rows[:known])
@@ -322,8 +322,8 @@ class PlacementPricer:
                 beyond = np.flatnonzero(copies[0] + copies[1] > predicted.min())
                 if beyond.size or known == Q:
                     break
-                known = min(Q, 2 * known)
-                copies = self._prefix_copies(experts[:known], rows[:known])
+                known = Q
+                copies = self._prefix_copies(experts, rows)
             last = int(beyond[0]) if beyond.size else Q
             if last <= priced:
                 return predicted
