@@ -597,15 +597,23 @@ class _Spread:
         step's state before it that an earlier step's state after it repeats), whose split is F's."""
         Q2, W = rows_FW.shape
         self.alone_WF = alone_WF
-        own = np.flatnonzero(same_F == np.arange(Q2))
-        # The states computed, state by state (its sources by rank): boolean masks read them in order.
+        hold_k, hold_w = np.nonzero(rows_FW)  # every state's holders by rank, state after state
+        n_F = np.bincount(hold_k, minlength=Q2)
+        offset_F = np.cumsum(n_F) - n_F
+        computed_F = same_F == np.arange(Q2)
+        # A state with one holder: it receives its sources' tokens whole.
+        one = np.flatnonzero(computed_F & (n_F == 1))
+        alone_W1 = alone_WF[:, one]
+        received = np.zeros(hold_k.size)
+        received[offset_F[one]] = np.where(alone_W1, flow_WF[:, one].astype(np.int64), 0).sum(0)
+        positive_F = np.zeros(Q2)
+        positive_F[one] = alone_W1.sum(0)
+        # The others, state by state (its sources by rank): boolean masks read them in order.
+        own = np.flatnonzero(computed_F & (n_F > 1))
         alone_OW = np.ascontiguousarray(alone_WF[:, own].T)
         per_O = alone_OW.sum(1)
         k = np.repeat(own, per_O)
         f = np.ascontiguousarray(flow_WF[:, own].T)[alone_OW].astype(np.int64)  # whole assignments (a split needs them)
-        hold_k, hold_w = np.nonzero(rows_FW)  # every state's holders by rank, state after state
-        n_F = np.bincount(hold_k, minlength=Q2)
-        offset_F = np.cumsum(n_F) - n_F
         n = np.repeat(n_F[own], per_O)
         # Holders below the source (a source alone holds none): its place in the ring of holders.
         first = np.cumsum(rows_FW[own], axis=1, dtype=np.int32)[alone_OW]
@@ -619,11 +627,12 @@ class _Spread:
         diff = np.bincount(at + first, minlength=M + 1) - np.bincount(at + np.minimum(stop, n), minlength=M + 1)
         wrap = np.flatnonzero(stop > n)
         diff += np.bincount(at[wrap], minlength=M + 1) - np.bincount(at[wrap] + stop[wrap] - n[wrap], minlength=M + 1)
-        received = np.bincount(k, weights=base, minlength=Q2)[hold_k] + np.cumsum(diff)[:-1]
+        received += np.bincount(k, weights=base, minlength=Q2)[hold_k] + np.cumsum(diff)[:-1]
+        positive_F += np.bincount(k, weights=np.minimum(n, f), minlength=Q2)  # holders reached
         # A repeated state's holders receive what those of the state it repeats receive (same order).
         self.received = received[offset_F[same_F][hold_k] + np.arange(M) - offset_F[hold_k]]
         self.hold_k, self.hold_w = hold_k, hold_w
-        self.positive_F = np.bincount(k, weights=np.minimum(n, f), minlength=Q2)[same_F]  # holders reached
+        self.positive_F = positive_F[same_F]
         topo = pricer.topology
         # A source alone both before and after a step sends the same tokens out by the same two links:
         # its bytes out cancel (exactly, with whole counts); those of the others are kept.
