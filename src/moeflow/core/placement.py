@@ -166,19 +166,22 @@ def dispatch_entries(
     node = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
     if node.shape != (W,):
         raise ValueError(f"node_of has {node.size} entries, expected one per rank ({W})")
-    held_WK = holders.T
-    sends_WK = flow > 0
-    local_s, local_k = np.nonzero(held_WK & sends_WK)
-    src, k = np.nonzero(sends_WK & ~held_WK)
+    # One pass over the flow and one over the holders; the rest reads their nonzero entries.
+    src, k = np.nonzero(flow > 0)
+    held = holders[k, src]
+    local_s, local_k = src[held], k[held]
+    src, k = src[~held], k[~held]
     local = (local_k, local_s, local_s, flow[local_s, local_k])
     if src.size == 0:
         return local
-    count_K = holders.sum(1)
+    all_k, all_w = np.nonzero(holders)  # every expert's holders by rank, expert after expert
+    count_K = np.bincount(all_k, minlength=K)
     if not count_K[k].all():
         raise ValueError(f"dispatch: experts {sorted(set(k[count_K[k] == 0].tolist()))} have tokens and no holder")
     # An expert with one holder takes every other source's tokens whole.
     single = count_K[k] == 1
-    sole_K = holders.argmax(1)
+    sole_K = np.zeros(K, dtype=np.int64)
+    sole_K[count_K > 0] = all_w[(np.cumsum(count_K) - count_K)[count_K > 0]]  # its lowest holder
     remote = (k[single], src[single], sole_K[k[single]], flow[src[single], k[single]])
     src, k = src[~single], k[~single]
     if src.size == 0:
@@ -187,9 +190,8 @@ def dispatch_entries(
     # k), then those of k on node n (segment K + k·N + n); `key` orders the members of every run,
     # the runs one after the other.
     N = int(node.max()) + 1
-    several = np.flatnonzero(count_K > 1)
-    hold_i, hold_w = np.nonzero(holders[several])
-    hold_k = several[hold_i]
+    several = count_K[all_k] > 1
+    hold_k, hold_w = all_k[several], all_w[several]
     near = np.lexsort((hold_w, node[hold_w], hold_k))
     members = np.concatenate([hold_w, hold_w[near]])
     segment = np.concatenate([hold_k, K + hold_k[near] * N + node[hold_w[near]]])
