@@ -97,9 +97,10 @@ def _prefix_max(delta_QX: np.ndarray, base_X: np.ndarray, h, floor: float) -> np
 def _prefix_max_entries(
     step_M: np.ndarray, col_M: np.ndarray, value_M: np.ndarray, Q: int, base_X: np.ndarray, h, floor: float
 ) -> np.ndarray:
-    """`_prefix_max` of deltas given as entries `value_M[i]` at (step, column) — few of them (a copy
-    tree's edges): each block's columns are those its entries name."""
-    order = np.argsort(step_M, kind="stable")
+    """`_prefix_max` of deltas given as entries `value_M[i]` at (step, column), where they are few
+    beside Q·X (a copy tree's edges, a search's changed links): each block's columns are those its
+    entries name (Q / `PREFIX_BLOCK` must fit 16 bits)."""
+    order = np.argsort((step_M // PREFIX_BLOCK).astype(np.int16), kind="stable")  # a radix sort by block
     step, col, value = step_M[order], col_M[order], value_M[order]
     bounds = np.searchsorted(step, np.arange(0, Q + PREFIX_BLOCK, PREFIX_BLOCK))
 
@@ -113,6 +114,18 @@ def _prefix_max_entries(
             yield q0, B, touched, delta.reshape(B, touched.size)
 
     return _block_max(blocks(), Q, base_X, h, floor)
+
+
+def _prefix_max_sparse(
+    step_M: np.ndarray, col_M: np.ndarray, value_M: np.ndarray, Q: int, base_X: np.ndarray, h, floor: float
+) -> np.ndarray:
+    """`_prefix_max` of entries (step, column, value): read block by block where they are few beside
+    Q·X, else summed into the dense `[Q, X]` first."""
+    X = base_X.size
+    if step_M.size * 8 < Q * X:
+        return _prefix_max_entries(step_M, col_M, value_M, Q, base_X, h, floor)
+    delta = np.bincount(step_M * X + col_M, weights=value_M, minlength=Q * X).astype(np.float64, copy=False)
+    return _prefix_max(delta.reshape(Q, X), base_X, h, floor)
 
 
 def _block_max(blocks, Q: int, base_X: np.ndarray, h, floor: float) -> np.ndarray:
@@ -355,11 +368,10 @@ class PlacementPricer:
         local = src == dst
         tokens = calls = local_Z = None
         if prefix and self.max_compute:
-            d_tokens = np.bincount(step * W + dst, weights=sign * count, minlength=Q * W).astype(np.float64, copy=False)
+            entries = (step, dst, sign * count)
             if spread is not None:
-                hstep, hold_w, received = spread.computed()
-                d_tokens += np.bincount(hstep * W + hold_w, weights=received, minlength=Q * W)
-            compute = _prefix_max(d_tokens.reshape(Q, W), self.tokens0, self._device_time, -np.inf)
+                entries = tuple(np.concatenate(e) for e in zip(entries, spread.computed()))
+            compute = _prefix_max_sparse(*entries, Q, self.tokens0, self._device_time, -np.inf)
         else:
             computed_FW = np.bincount(k * W + dst, weights=count, minlength=2 * Q * W).astype(np.float64, copy=False)
             computed_FW = computed_FW.reshape(2 * Q, W)
@@ -384,13 +396,16 @@ class PlacementPricer:
         classes = _running(d_classes, self.classes0, start)
         active = classes > 0.5  # positive entries per latency class (integer counts)
         latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
-        d_traffic = self._on_links(Q, step, src, dst, sign * count * self.tok_bytes)
-        if spread is not None:
-            d_traffic += spread.traffic(Q, self.tok_bytes)
         if prefix and self.max_exchange:
-            busiest = _prefix_max(d_traffic, self.traffic0, self._link_time, 0.0)
+            entries = self._link_entries(step, src, dst, sign * count * self.tok_bytes)
+            if spread is not None:
+                entries = tuple(np.concatenate(e) for e in zip(entries, spread.link_entries(self.tok_bytes)))
+            busiest = _prefix_max_sparse(*entries, Q, self.traffic0, self._link_time, 0.0)
             a2a = cm.a2a_from_busiest(busiest, latency, active.any(-1))
         else:
+            d_traffic = self._on_links(Q, step, src, dst, sign * count * self.tok_bytes)
+            if spread is not None:
+                d_traffic += spread.traffic(Q, self.tok_bytes)
             traffic = _running(d_traffic, self.traffic0, start)
             a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
         if copies is None:
@@ -556,6 +571,13 @@ class PlacementPricer:
             self._earlier[order[again + 1]] = order[again]
         return prev
 
+    def _link_entries(self, step: np.ndarray, src: np.ndarray, dst: np.ndarray, value: np.ndarray) -> tuple:
+        """Bytes `value` from `src` to `dst` at each `step` as (step, link, bytes) on every hop of the route."""
+        hops = self.topology.route_WWH[src, dst]  # [n, H], padded with L
+        H, link = hops.shape[-1], hops.reshape(-1)
+        keep = link < self.L
+        return np.repeat(step, H)[keep], link[keep].astype(np.int64), np.repeat(value, H)[keep]
+
     def _on_links(self, Q: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, value: np.ndarray) -> np.ndarray:
         """Bytes `value` from `src` to `dst` at each `step`, summed on every link: `[Q, L]`."""
         hops = self.topology.route_WWH[src, dst]  # [n, H], padded with L
@@ -659,6 +681,16 @@ class _Spread:
         )
         value = np.concatenate([np.repeat(sign * self.out_f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
         return np.bincount(index, weights=value, minlength=Q * (self.L + 1)).reshape(Q, self.L + 1)[:, : self.L]
+
+    def link_entries(self, tok_bytes: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`traffic` as (step, link, bytes) entries: a source's two links out, a holder's two links in."""
+        step, sign = self._step_sign(self.out_k)
+        hstep, hsign = self._step_sign(self.hold_k)
+        link = np.concatenate([self.up.reshape(-1), self.down.reshape(-1)]).astype(np.int64)
+        at = np.concatenate([np.repeat(step, 2), np.repeat(hstep, 2)])
+        value = np.concatenate([np.repeat(sign * self.out_f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
+        keep = link < self.L
+        return at[keep], link[keep], value[keep]
 
     def computed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(step, holder, tokens) each holder computes of them (after the step +, before it −)."""
