@@ -17,14 +17,23 @@ something iff it has a positive count, so the latency is read from the number of
 expert, destination) counts on routes of each latency (integers: exact); the broadcasts are priced
 per owner from the number of experts each owner has held everywhere.
 
-At scale: a step's sources whose candidates it does not change are left out (their entries would
-cancel); where every node hangs from the root, the sources that spread over every holder of an
-expert are summed per holder instead of expanded per (source, holder); and a prefix search stops
-where every later prefix's copies alone cost more than the best priced one (`cheapest_prefixes`).
+At scale (1024 ranks x 1024 experts, a search of ~1000 steps): a step's sources whose candidates
+it does not change are left out (their entries would cancel); where every node hangs from the root,
+the sources that spread over every holder of an expert are summed per holder instead of expanded
+per (source, holder) — a state repeated (a step's state before it is an earlier step's after it) is
+split once, a one-holder state takes its sources' tokens whole, and the bytes out of a source that
+spreads before and after a step cancel — and the owners' link bytes are summed per node; a prefix
+search keeps running maxima block by block of steps instead of every prefix's `[Q + 1, X]` sums
+(`_prefix_max`: a price's slowest device and busiest link are maxima of elementwise terms of exact
+sums), and stops where every later prefix's copies alone cost more than the best priced one
+(`cheapest_prefixes`; the copies only as far as needed where they never fall from one prefix to the
+next). Token counts and bytes are whole numbers in float64, so every sum is exact in any order:
+prices equal the dense computation's to the bit, and a fractional flow takes the dense path.
 
 Shape suffixes: W ranks, E experts, L links (as `Topology` names them), Q steps (an expert and its
-new holders), F dispatched states (each step's new holders, then its previous ones: 2·Q), Z
-candidates, N nodes, X any; route-latency classes have no letter (`PlacementPricer.N` counts them).
+new holders), F dispatched states (each step's new holders, then its previous ones: 2·Q), O states
+split (not repeated, several holders), U states with one holder, M entries, B steps of a block, T columns a block touches, Z candidates, N
+nodes, X any; route-latency classes have no letter (`PlacementPricer.N` counts them).
 """
 
 from __future__ import annotations
@@ -625,11 +634,11 @@ class _Spread:
         computed_F = same_F == np.arange(Q2)
         # A state with one holder: it receives its sources' tokens whole.
         one = np.flatnonzero(computed_F & (n_F == 1))
-        alone_W1 = alone_WF[:, one]
+        alone_WU = alone_WF[:, one]
         received = np.zeros(hold_k.size)
-        received[offset_F[one]] = np.where(alone_W1, flow_WF[:, one].astype(np.int64), 0).sum(0)
+        received[offset_F[one]] = np.where(alone_WU, flow_WF[:, one].astype(np.int64), 0).sum(0)
         positive_F = np.zeros(Q2)
-        positive_F[one] = alone_W1.sum(0)
+        positive_F[one] = alone_WU.sum(0)
         # The others, state by state (its sources by rank): boolean masks read them in order.
         own = np.flatnonzero(computed_F & (n_F > 1))
         alone_OW = np.ascontiguousarray(alone_WF[:, own].T)

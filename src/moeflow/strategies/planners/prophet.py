@@ -10,9 +10,11 @@ the block-wise scheduler hiding the copies), and stop once the load is balanced 
 the steps that achieved the lowest predicted time.
 
 A step changes one expert, so the search keeps its state per expert and re-prices only that one:
-its column of the dispatch plan (`core.placement.dispatch_entries`) updates every device's load,
-each device's relievable experts wait in a heap by load; the steps found, every prefix is priced
-in one pass from the owners' terms and each step's change (`perf.placement_pricing`). The steps,
+its column of the dispatch plan (`core.placement.dispatch_entries`) updates every device's load
+(the experts no step changed stay on their owners, implicitly), each device's relievable experts
+wait in a heap by load; a step reads its expert's column of the flow and sorts only the senders
+without a copy. The steps found, every prefix is priced in one pass from the owners' terms and each
+step's change (`perf.placement_pricing`), the copies only as far as the bound needs them. The steps,
 prices and choice are those of the loop that recomputed and priced the whole plan at every step
 (tested against it on random and trace flows).
 
