@@ -32,8 +32,9 @@ prices equal the dense computation's to the bit, and a fractional flow takes the
 
 Shape suffixes: W ranks, E experts, L links (as `Topology` names them), Q steps (an expert and its
 new holders), F dispatched states (each step's new holders, then its previous ones: 2·Q), O states
-split (not repeated, several holders), U states with one holder, M entries, B steps of a block, T columns a block touches, Z candidates, N
-nodes, X any; route-latency classes have no letter (`PlacementPricer.N` counts them).
+split (not repeated, several holders), U states with one holder, M entries, B steps of a block, T
+columns a block touches, Z candidates, N nodes, X any; route-latency classes have no letter
+(`PlacementPricer.N` counts them).
 """
 
 from __future__ import annotations
