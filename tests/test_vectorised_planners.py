@@ -311,3 +311,40 @@ def test_owners_terms_by_node_equal_routing_every_pair():
         assert np.array_equal(pricer.traffic0, traffic) and np.array_equal(pricer.classes0, classes)
         checked += topo.nodes_under_root
     assert checked > 20
+
+
+def test_prefix_search_at_scale_prices_as_the_dense_sums():
+    """Searches of 100-300 steps on 64 ranks x 256 experts in 8 nodes (several blocks of
+    `_prefix_max`, spread and one-holder states, experts stepped once or many times): the prices of
+    `cheapest_prefixes` equal, to the bit, those of every prefix summed densely (`_running` on a
+    pricer told the flow is not whole), and the prefixes it leaves unpriced are dearer."""
+    from moeflow.sim.traces import synthetic_trace
+    from moeflow.strategies.planners.prophet_model import price_terms
+
+    rng = np.random.default_rng(10)
+    world, experts = 64, 256
+    cm = CostModel.from_preset(f"johnny@{world}")
+    shape = ExpertShape(1024, 4096)
+    owners = Placement.expert_parallel(experts, world)
+    trace = synthetic_trace("zipf", 4, 1, world, experts, 1024, 2, skew=1.2, seed=3)
+    for i, flow in enumerate(trace.flow_ILWE[:, 0].astype(float)):
+        once = i % 2 == 0
+        steps = int(rng.integers(100, 300))
+        chosen = rng.permutation(experts)[:steps] if once else rng.choice(experts, steps, p=flow.sum(0) / flow.sum())
+        holders = owners.holders_EW.copy()
+        rows = np.zeros((steps, world), dtype=bool)
+        for j, e in enumerate(chosen):
+            holders[e, rng.choice(world, int(rng.integers(1, 40 if once else 4)))] = True
+            rows[j] = holders[e]
+        for pricing in (Pricing(), Pricing(overlap=True, nonmoe_forward_s=1e-3)):
+
+            def price(t, pricing=pricing):
+                return price_terms(t, cm, shape, pricing)
+
+            fast = PlacementPricer(flow, owners.owner_E, cm, shape, cm.topology.node_of, whole=True)
+            dense = PlacementPricer(flow, owners.owner_E, cm, shape, cm.topology.node_of, whole=False)
+            dense.max_stages = False
+            expect = price(dense.prefixes(chosen, rows))
+            got = fast.cheapest_prefixes(chosen, rows, price, bounded=not pricing.overlap)
+            assert np.array_equal(got, expect[: got.size])
+            assert got.size == expect.size or expect[got.size :].min() > got.min()
