@@ -285,12 +285,14 @@ def test_window_estimate_is_the_stacked_mean():
             assert got.dtype == np.float64 and np.array_equal(got, expect)
 
 
-def test_owners_terms_by_node_equal_routing_every_pair():
+def test_owners_terms_by_node_equal_routing_every_pair(monkeypatch):
     """Where nodes hang from the root, `PlacementPricer` sums the owners' bytes per node (only the
     pairs inside a node routed): the same link bytes and latency-class counts, to the bit, as
     routing every pair (`Topology.link_traffic`); whole and fractional flows, any owners."""
     from moeflow.core.placement import send_by_owner
+    from moeflow.perf import placement_pricing
 
+    monkeypatch.setattr(placement_pricing, "BY_NODE_FROM", 0)  # per node at any size
     rng = np.random.default_rng(9)
     shape = ExpertShape(8, 16)
     checked = 0
@@ -313,14 +315,17 @@ def test_owners_terms_by_node_equal_routing_every_pair():
     assert checked > 20
 
 
-def test_prefix_search_at_scale_prices_as_the_dense_sums():
+def test_prefix_search_at_scale_prices_as_the_dense_sums(monkeypatch):
     """Searches of 100-300 steps on 64 ranks x 256 experts in 8 nodes (several blocks of
     `_prefix_max`, spread and one-holder states, experts stepped once or many times): the prices of
     `cheapest_prefixes` equal, to the bit, those of every prefix summed densely (`_running` on a
     pricer told the flow is not whole), and the prefixes it leaves unpriced are dearer."""
+    from moeflow.perf import placement_pricing
     from moeflow.sim.traces import synthetic_trace
     from moeflow.strategies.planners.prophet_model import price_terms
 
+    monkeypatch.setattr(placement_pricing, "RUNNING_MAX_FROM", 0)  # running maxima at any size
+    monkeypatch.setattr(placement_pricing, "BY_NODE_FROM", 0)
     rng = np.random.default_rng(10)
     world, experts = 64, 256
     cm = CostModel.from_preset(f"johnny@{world}")

@@ -207,7 +207,8 @@ class PlacementPricer:
         positive0[np.arange(W), np.arange(W)] -= np.bincount(
             self.owner, weights=self.flow[self.owner, experts] > 0, minlength=W
         ).astype(positive0.dtype)
-        if topo.nodes_under_root and node_of is not None and np.array_equal(node_W, topo.node_of):
+        by_node = W >= BY_NODE_FROM and topo.nodes_under_root and node_of is not None
+        if by_node and np.array_equal(node_W, topo.node_of):
             self._owners_by_node(send * self.tok_bytes, positive0, whole)
         else:
             self.traffic0 = topo.link_traffic(send * self.tok_bytes)
@@ -324,16 +325,16 @@ class PlacementPricer:
             return False
         if not self.cm.stage_on_busiest_link or (self.topology.latency_classes < 0).any():
             return False
-        sizes = np.arange(min(Q, self.E) + 2) * self.param_bytes
+        sizes = np.arange(3) * self.param_bytes  # a collective's time is affine in its bytes past 0
         return all((np.diff(self.cm.collective_times(kind, sizes)) >= 0).all() for kind in ("broadcast", "reduce"))
 
     def _cheapest_growing(self, experts: np.ndarray, rows: np.ndarray, price, detail: bool) -> np.ndarray:
         """`cheapest_prefixes` where the copies never fall from one prefix to the next
-        (`_copies_grow`): the copies' bound at a prefix is its own copies, so they are priced for the
-        first 2·`PRICED_FIRST` prefixes, and for all only if none of those costs more than the best
-        price (the same prefixes priced as with every prefix's copies known)."""
+        (`_copies_grow`): the copies' bound at a prefix is its own copies, so in a long search they
+        are priced for the first 2·`PRICED_FIRST` prefixes, and for all only if none of those costs
+        more than the best price (the same prefixes priced as with every prefix's copies known)."""
         Q = experts.size
-        known = min(Q, 2 * PRICED_FIRST)
+        known = Q if Q <= 4 * PRICED_FIRST else 2 * PRICED_FIRST
         copies = self._prefix_copies(experts[:known], rows[:known])
         priced = PRICED_FIRST
         while True:
@@ -374,7 +375,7 @@ class PlacementPricer:
         step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
         # One candidate's prefixes (a search) keep running maxima; several candidates, the detail
         # of Eq. 1 or a price that is not a maximum of sums: every candidate's terms in full.
-        prefix = not detail and int(start.sum()) == 1
+        prefix = not detail and int(start.sum()) == 1 and Q * max(W, self.L) >= RUNNING_MAX_FROM
         local = src == dst
         tokens = calls = local_Z = None
         if prefix and self.max_compute:
@@ -463,7 +464,7 @@ class PlacementPricer:
         L, N = self.L, self.N
         if k.size == 0:
             return np.zeros(Q + 1)
-        if self.max_stages and int(start.sum()) == 1:  # one candidate's prefixes: running maxima per stage
+        if self.max_stages and int(start.sum()) == 1 and Q * L >= RUNNING_MAX_FROM:  # a search: running maxima
             total = np.zeros(Q + 1)
             for s in (0, 1):
                 m = stage == s
@@ -604,9 +605,13 @@ class PlacementPricer:
 
 DIRECTIONS = ("materialize", "reduce")
 PRICED_FIRST = 32
+"""Prefixes priced before the copies' bound decides how many more (`cheapest_prefixes`)."""
 PREFIX_BLOCK = 64
 """Steps per block of `_prefix_max` (a block's dense part is PREFIX_BLOCK x X)."""
-"""Prefixes priced before the copies' bound decides how many more (`cheapest_prefixes`)."""
+RUNNING_MAX_FROM = 1 << 14
+"""Steps x columns from which a search keeps running maxima (below, the dense sums cost less)."""
+BY_NODE_FROM = 128
+"""Ranks from which the owners' terms are summed per node (below, routing every pair costs less)."""
 
 
 class _Spread:
