@@ -216,6 +216,8 @@ class PlacementPricer:
                 topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N
             )
         self.tree = copies_by_tree(topo.node_of, cost_model.backend)
+        self._copies_of: tuple | None = None
+        """(steps, holders, `_copies`) of the last prefix search's copies (`_prefix_copies`)."""
         self.inv_bw_L = 1.0 / topo.bandwidth_L
         # A prefix search keeps running maxima (`_prefix_max`) where a price is a maximum of per-device
         # or per-link terms of sums that are exact (whole counts and bytes: any order sums alike).
@@ -301,14 +303,10 @@ class PlacementPricer:
             return price(self.prefixes(experts, rows, detail))
         if self._copies_grow(experts, rows):
             return self._cheapest_growing(experts, rows, price, detail)
-        copies = self._prefix_copies(experts, rows)
-        floor = np.minimum.accumulate((copies[0] + copies[1])[::-1])[::-1]  # from each prefix on
+        floor = np.minimum.accumulate(self.copies_of_prefixes(experts, rows)[::-1])[::-1]  # from each prefix on
         priced = PRICED_FIRST
         while True:
-            start = np.zeros(priced, dtype=bool)
-            start[:1] = True
-            part = tuple(c[: priced + 1] for c in copies)  # the copies of the first prefixes: their rows
-            predicted = price(self._terms(experts[:priced], rows[:priced], start, detail, part))
+            predicted = price(self.prefixes(experts[:priced], rows[:priced], detail))
             beyond = np.flatnonzero(floor > predicted.min())
             last = int(beyond[0]) if beyond.size else experts.size
             if last <= priced:
@@ -335,28 +333,23 @@ class PlacementPricer:
         more than the best price (the same prefixes priced as with every prefix's copies known)."""
         Q = experts.size
         known = Q if Q <= 4 * PRICED_FIRST else 2 * PRICED_FIRST
-        copies = self._prefix_copies(experts[:known], rows[:known])
+        copies = self.copies_of_prefixes(experts[:known], rows[:known])
         priced = PRICED_FIRST
         while True:
-            start = np.zeros(priced, dtype=bool)
-            start[:1] = True
-            part = tuple(c[: priced + 1] for c in copies)
-            predicted = price(self._terms(experts[:priced], rows[:priced], start, detail, part))
+            predicted = price(self.prefixes(experts[:priced], rows[:priced], detail))
             while True:
-                beyond = np.flatnonzero(copies[0] + copies[1] > predicted.min())
+                beyond = np.flatnonzero(copies > predicted.min())
                 if beyond.size or known == Q:
                     break
                 known = Q
-                copies = self._prefix_copies(experts, rows)
+                copies = self.copies_of_prefixes(experts, rows)
             last = int(beyond[0]) if beyond.size else Q
             if last <= priced:
                 return predicted
             priced = last
 
     # ---- the work ------------------------------------------------------------------------------------
-    def _terms(
-        self, experts: np.ndarray, new_QW: np.ndarray, start: np.ndarray, detail: bool, copies: tuple | None = None
-    ) -> PlacementTerms:
+    def _terms(self, experts: np.ndarray, new_QW: np.ndarray, start: np.ndarray, detail: bool) -> PlacementTerms:
         W, Q = self.W, experts.size
         topo, cm, shape = self.topology, self.cm, self.shape
         owner_Q = self.owner[experts]
@@ -419,6 +412,7 @@ class PlacementPricer:
                 d_traffic += spread.traffic(Q, self.tok_bytes)
             traffic = _running(d_traffic, self.traffic0, start)
             a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
+        copies = self._known_copies(experts, new_QW) if int(start.sum()) == 1 else None
         if copies is None:
             copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
         trans, agg, trans_pf, agg_pf, n_copies = copies
@@ -506,13 +500,27 @@ class PlacementPricer:
         return trans + agg
 
     def _prefix_copies(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> tuple:
-        """`_copies` of every prefix of the steps (row c: the first c steps)."""
+        """`_copies` of every prefix of the steps (row c: the first c steps), kept for the prefixes
+        of these steps that a search prices next (`_known_copies`)."""
         experts = np.asarray(experts_Q, dtype=np.int64)
         start = np.zeros(experts.size, dtype=bool)
         start[:1] = True
         new_QW = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
         owner_Q = self.owner[experts]
-        return self._copies(experts, owner_Q, new_QW, self._previous(experts, owner_Q, new_QW, start), start)
+        copies = self._copies(experts, owner_Q, new_QW, self._previous(experts, owner_Q, new_QW, start), start)
+        self._copies_of = (experts, new_QW, copies)
+        return copies
+
+    def _known_copies(self, experts: np.ndarray, new_QW: np.ndarray) -> tuple | None:
+        """The copies of the prefixes of `experts` if the steps priced last began with them (a
+        prefix's running sums are the first rows of a longer order's), else None."""
+        known = self._copies_of
+        Q = experts.size
+        if known is None or known[0].size < Q or not np.array_equal(known[0][:Q], experts):
+            return None
+        if not np.array_equal(known[1][:Q], new_QW):
+            return None
+        return tuple(c[: Q + 1] for c in known[2])
 
     def _everywhere(self, owner_Q: np.ndarray, d_every_Q: np.ndarray, start: np.ndarray):
         """The broadcasts / reduces of the experts held everywhere, per candidate `[Q + 1]` each way.
