@@ -317,7 +317,7 @@ def test_owners_terms_by_node_equal_routing_every_pair(monkeypatch):
 
 def test_prefix_search_at_scale_prices_as_the_dense_sums(monkeypatch):
     """Searches of 100-300 steps on 64 ranks x 256 experts in 8 nodes (several blocks of
-    `_prefix_max`, spread and one-holder states, experts stepped once or many times): the prices of
+    `perf.prefix_max`, spread and one-holder states, experts stepped once or many times): the prices of
     `cheapest_prefixes` equal, to the bit, those of every prefix summed densely (`_running` on a
     pricer told the flow is not whole), and the prefixes it leaves unpriced are dearer."""
     from moeflow.perf import placement_pricing

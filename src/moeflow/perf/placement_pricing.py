@@ -20,21 +20,20 @@ per owner from the number of experts each owner has held everywhere.
 At scale (1024 ranks x 1024 experts, a search of ~1000 steps): a step's sources whose candidates
 it does not change are left out (their entries would cancel); where every node hangs from the root,
 the sources that spread over every holder of an expert are summed per holder instead of expanded
-per (source, holder) — a state repeated (a step's state before it is an earlier step's after it) is
-split once, a one-holder state takes its sources' tokens whole, and the bytes out of a source that
-spreads before and after a step cancel — and the owners' link bytes are summed per node; a prefix
-search keeps running maxima block by block of steps instead of every prefix's `[Q + 1, X]` sums
-(`_prefix_max`: a price's slowest device and busiest link are maxima of elementwise terms of exact
-sums), and stops where every later prefix's copies alone cost more than the best priced one
-(`cheapest_prefixes`; the copies only as far as needed where they never fall from one prefix to the
-next). Token counts and bytes are whole numbers in float64, so every sum is exact in any order:
-prices equal the dense computation's to the bit, and a fractional flow takes the dense path.
+per (source, holder) (`perf.spread_pricing`) — a state repeated (a step's state before it is an
+earlier step's after it) is split once, a one-holder state takes its sources' tokens whole, and the
+bytes out of a source that spreads before and after a step cancel — and the owners' link bytes are
+summed per node; a prefix search keeps running maxima block by block of steps instead of every
+prefix's `[Q + 1, X]` sums (`perf.prefix_max`: a price's slowest device and busiest link are maxima
+of elementwise terms of exact sums), and stops where every later prefix's copies alone cost more
+than the best priced one (`cheapest_prefixes`; the copies only as far as needed where they never
+fall from one prefix to the next). Token counts and bytes are whole numbers in float64, so every
+sum is exact in any order: prices equal the dense computation's to the bit, and a fractional flow
+takes the dense path.
 
 Shape suffixes: W ranks, E experts, L links (as `Topology` names them), Q steps (an expert and its
-new holders), F dispatched states (each step's new holders, then its previous ones: 2·Q), O states
-split (not repeated, several holders), U states with one holder, M entries, B steps of a block, T
-columns a block touches, Z candidates, N nodes, X any; route-latency classes have no letter
-(`PlacementPricer.N` counts them).
+new holders), F dispatched states (each step's new holders, then its previous ones: 2·Q), Z
+candidates, N nodes, X any; route-latency classes have no letter (`PlacementPricer.N` counts them).
 """
 
 from __future__ import annotations
@@ -46,6 +45,8 @@ import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner, tree_edges
+from moeflow.perf.prefix_max import prefix_max, prefix_max_entries, prefix_max_of_entries
+from moeflow.perf.spread_pricing import Spread
 
 
 @dataclass
@@ -82,82 +83,6 @@ def _running(delta_QX: np.ndarray, base_X: Any, start_Q: np.ndarray) -> np.ndarr
     out = np.empty((total.shape[0] + 1, *total.shape[1:]), dtype=np.result_type(total, np.asarray(base_X)))
     out[0] = base_X
     np.add(total, base_X, out=out[1:])
-    return out
-
-
-def _prefix_max(delta_QX: np.ndarray, base_X: np.ndarray, h, floor: float) -> np.ndarray:
-    """`[Q + 1]`: row c the largest of `floor` and `h(state, columns)` over the X columns, where the
-    state is `base_X` plus the deltas of the steps before c, and `h` is elementwise (a link's bytes
-    over its bandwidth, a device's compute time of its tokens) — the maximum of `h` over `_running`
-    of one candidate, without its dense `[Q + 1, X]`: the steps are read in blocks; a block's steps
-    change few columns, summed row by row from the state before the block, and the other columns'
-    largest value is the state's. The sums are `_running`'s to the bit where the values are whole
-    numbers (token counts, bytes): in floating point any order sums them alike."""
-    Q = delta_QX.shape[0]
-
-    def blocks():
-        for q0 in range(0, Q, PREFIX_BLOCK):
-            block = delta_QX[q0 : q0 + PREFIX_BLOCK]
-            touched = np.flatnonzero(block.any(0))
-            yield q0, block.shape[0], touched, block[:, touched]
-
-    return _block_max(blocks(), Q, base_X, h, floor)
-
-
-def _prefix_max_entries(
-    step_M: np.ndarray, col_M: np.ndarray, value_M: np.ndarray, Q: int, base_X: np.ndarray, h, floor: float
-) -> np.ndarray:
-    """`_prefix_max` of deltas given as entries `value_M[i]` at (step, column), where they are few
-    beside Q·X (a copy tree's edges, a search's changed links): each block's columns are those its
-    entries name (Q / `PREFIX_BLOCK` must fit 16 bits)."""
-    order = np.argsort((step_M // PREFIX_BLOCK).astype(np.int16), kind="stable")  # a radix sort by block
-    step, col, value = step_M[order], col_M[order], value_M[order]
-    bounds = np.searchsorted(step, np.arange(0, Q + PREFIX_BLOCK, PREFIX_BLOCK))
-
-    def blocks():
-        for b, q0 in enumerate(range(0, Q, PREFIX_BLOCK)):
-            B, lo, hi = min(PREFIX_BLOCK, Q - q0), bounds[b], bounds[b + 1]
-            touched, inverse = np.unique(col[lo:hi], return_inverse=True)
-            delta = np.bincount(
-                (step[lo:hi] - q0) * touched.size + inverse, weights=value[lo:hi], minlength=B * touched.size
-            )
-            yield q0, B, touched, delta.reshape(B, touched.size)
-
-    return _block_max(blocks(), Q, base_X, h, floor)
-
-
-def _prefix_max_sparse(
-    step_M: np.ndarray, col_M: np.ndarray, value_M: np.ndarray, Q: int, base_X: np.ndarray, h, floor: float
-) -> np.ndarray:
-    """`_prefix_max` of entries (step, column, value): read block by block where they are few beside
-    Q·X, else summed into the dense `[Q, X]` first."""
-    X = base_X.size
-    if step_M.size * 8 < Q * X:
-        return _prefix_max_entries(step_M, col_M, value_M, Q, base_X, h, floor)
-    delta = np.bincount(step_M * X + col_M, weights=value_M, minlength=Q * X).astype(np.float64, copy=False)
-    return _prefix_max(delta.reshape(Q, X), base_X, h, floor)
-
-
-def _block_max(blocks, Q: int, base_X: np.ndarray, h, floor: float) -> np.ndarray:
-    """The running maxima of `_prefix_max` from its blocks `(first step, steps, columns, deltas [B, T])`."""
-    X = base_X.size
-    state = np.array(base_X, dtype=np.float64)
-    h_X = h(state, np.arange(X))
-    out = np.empty(Q + 1)
-    out[0] = h_X.max(initial=floor)
-    free_X = np.ones(X, dtype=bool)
-    for q0, B, touched, delta in blocks:
-        if touched.size == 0:
-            out[q0 + 1 : q0 + 1 + B] = h_X.max(initial=floor)
-            continue
-        run = np.cumsum(delta, axis=0)
-        run += state[touched]
-        h_run = h(run, touched)
-        free_X[touched] = False
-        out[q0 + 1 : q0 + 1 + B] = np.maximum(h_run.max(1), h_X.max(where=free_X, initial=floor))
-        free_X[touched] = True
-        state[touched] = run[-1]
-        h_X[touched] = h_run[-1]
     return out
 
 
@@ -219,7 +144,7 @@ class PlacementPricer:
         self._copies_of: tuple | None = None
         """(steps, holders, `_copies`) of the last prefix search's copies (`_prefix_copies`)."""
         self.inv_bw_L = 1.0 / topo.bandwidth_L
-        # A prefix search keeps running maxima (`_prefix_max`) where a price is a maximum of per-device
+        # A prefix search keeps running maxima (`perf.prefix_max`) where a price is a maximum of per-device
         # or per-link terms of sums that are exact (whole counts and bytes: any order sums alike).
         self.max_compute = (
             whole and not cost_model.prices_gemm_calls and (cost_model.host_cores is None or cost_model.host_cores >= W)
@@ -375,7 +300,7 @@ class PlacementPricer:
             entries = (step, dst, sign * count)
             if spread is not None:
                 entries = tuple(np.concatenate(e) for e in zip(entries, spread.computed()))
-            compute = _prefix_max_sparse(*entries, Q, self.tokens0, self._device_time, -np.inf)
+            compute = prefix_max_of_entries(*entries, Q, self.tokens0, self._device_time, -np.inf)
         else:
             computed_FW = np.bincount(k * W + dst, weights=count, minlength=2 * Q * W).astype(np.float64, copy=False)
             computed_FW = computed_FW.reshape(2 * Q, W)
@@ -404,7 +329,7 @@ class PlacementPricer:
             entries = self._link_entries(step, src, dst, sign * count * self.tok_bytes)
             if spread is not None:
                 entries = tuple(np.concatenate(e) for e in zip(entries, spread.link_entries(self.tok_bytes)))
-            busiest = _prefix_max_sparse(*entries, Q, self.traffic0, self._link_time, 0.0)
+            busiest = prefix_max_of_entries(*entries, Q, self.traffic0, self._link_time, 0.0)
             a2a = cm.a2a_from_busiest(busiest, latency, active.any(-1))
         else:
             d_traffic = self._on_links(Q, step, src, dst, sign * count * self.tok_bytes)
@@ -469,12 +394,12 @@ class PlacementPricer:
                     hops = self.topology.route_WWH[src[m], dst[m]]  # [n, H], padded with L
                     if hops.size * 8 > Q * L:  # many edges a step: their bytes per step and link, dense
                         d_links = self._on_links(Q, step[m], src[m], dst[m], sign[m] * self.param_bytes)
-                        busiest = _prefix_max(d_links, np.zeros(L), self._link_time, 0.0)
+                        busiest = prefix_max(d_links, np.zeros(L), self._link_time, 0.0)
                     else:
                         H, link = hops.shape[-1], hops.reshape(-1)
                         on = link < L
                         at, value = np.repeat(step[m], H)[on], np.repeat(sign[m] * self.param_bytes, H)[on]
-                        busiest = _prefix_max_entries(at, link[on], value, Q, np.zeros(L), self._link_time, 0.0)
+                        busiest = prefix_max_entries(at, link[on], value, Q, np.zeros(L), self._link_time, 0.0)
                     total += np.where(active.any(-1), busiest + latency, 0.0)
             return total
         # Both stages' link bytes and route-latency counts side by side: one running sum.
@@ -546,9 +471,9 @@ class PlacementPricer:
             out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
         return out[0], out[1]
 
-    def _spread(self, flow_WF: np.ndarray, rows_FW: np.ndarray, earlier_Q: np.ndarray) -> _Spread | None:
+    def _spread(self, flow_WF: np.ndarray, rows_FW: np.ndarray, earlier_Q: np.ndarray) -> Spread | None:
         """The sources that spread over every holder of a state (their node holds none of them),
-        summed instead of expanded (`_Spread`); None when there are none. `earlier_Q[j]`: the step
+        summed instead of expanded (`perf.spread_pricing.Spread`); None when there are none. `earlier_Q[j]`: the step
         whose state after it is step j's before it (-1: none), computed once."""
         held_FN = self._per_node(rows_FW)
         alone_WF = ~held_FN[:, self._node_W].T & (flow_WF > 0)
@@ -559,7 +484,7 @@ class PlacementPricer:
         Q = earlier_Q.size
         same_F = np.arange(2 * Q)
         same_F[Q:] = np.where(earlier_Q >= 0, earlier_Q, same_F[Q:])
-        return _Spread(self, flow_WF, rows_FW, alone_WF, same_F)
+        return Spread(self, flow_WF, rows_FW, alone_WF, same_F)
 
     def _affected(self, new_QW: np.ndarray, prev_QW: np.ndarray) -> np.ndarray:
         """`[Q, W]`: the sources whose dispatch candidates a step changes — those on a node whose
@@ -614,115 +539,7 @@ class PlacementPricer:
 DIRECTIONS = ("materialize", "reduce")
 PRICED_FIRST = 32
 """Prefixes priced before the copies' bound decides how many more (`cheapest_prefixes`)."""
-PREFIX_BLOCK = 64
-"""Steps per block of `_prefix_max` (a block's dense part is PREFIX_BLOCK x X)."""
 RUNNING_MAX_FROM = 1 << 14
 """Steps x columns from which a search keeps running maxima (below, the dense sums cost less)."""
 BY_NODE_FROM = 128
 """Ranks from which the owners' terms are summed per node (below, routing every pair costs less)."""
-
-
-class _Spread:
-    """Sources on a node without a holder, each spreading its tokens over every holder of its state
-    (`dispatch_entries`' last case), summed instead of expanded into an entry per (source, holder):
-    where every node hangs from the root (`Topology.nodes_under_root`), such a source's tokens all
-    leave by its own link and its node's, and reach each holder by the holder's node's link and its
-    own; a holder's share is the same quotient from every source plus one from each source whose
-    remainder reaches it in ring order — a cyclic window of the holder list, added as differences."""
-
-    def __init__(
-        self,
-        pricer: PlacementPricer,
-        flow_WF: np.ndarray,
-        rows_FW: np.ndarray,
-        alone_WF: np.ndarray,
-        same_F: np.ndarray,
-    ):
-        """`same_F[F]`: a state with the same holders and sources alone as state F (F itself, or a
-        step's state before it that an earlier step's state after it repeats), whose split is F's."""
-        Q2, W = rows_FW.shape
-        self.alone_WF = alone_WF
-        hold_k, hold_w = np.nonzero(rows_FW)  # every state's holders by rank, state after state
-        n_F = np.bincount(hold_k, minlength=Q2)
-        offset_F = np.cumsum(n_F) - n_F
-        computed_F = same_F == np.arange(Q2)
-        # A state with one holder: it receives its sources' tokens whole.
-        one = np.flatnonzero(computed_F & (n_F == 1))
-        alone_WU = alone_WF[:, one]
-        received = np.zeros(hold_k.size)
-        received[offset_F[one]] = np.where(alone_WU, flow_WF[:, one].astype(np.int64), 0).sum(0)
-        positive_F = np.zeros(Q2)
-        positive_F[one] = alone_WU.sum(0)
-        # The others, state by state (its sources by rank): boolean masks read them in order.
-        own = np.flatnonzero(computed_F & (n_F > 1))
-        alone_OW = np.ascontiguousarray(alone_WF[:, own].T)
-        per_O = alone_OW.sum(1)
-        k = np.repeat(own, per_O)
-        f = np.ascontiguousarray(flow_WF[:, own].T)[alone_OW].astype(np.int64)  # whole assignments (a split needs them)
-        n = np.repeat(n_F[own], per_O)
-        # Holders below the source (a source alone holds none): its place in the ring of holders.
-        first = np.cumsum(rows_FW[own], axis=1, dtype=np.int32)[alone_OW]
-        base, rem = np.divmod(f, n)
-        # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders,
-        # counted as +1 where the window starts and -1 past its end (twice where it wraps round; a
-        # window of none starts and ends at one place).
-        M = hold_k.size
-        at = np.repeat(offset_F[own], per_O)
-        stop = first + rem
-        diff = np.bincount(at + first, minlength=M + 1) - np.bincount(at + np.minimum(stop, n), minlength=M + 1)
-        wrap = np.flatnonzero(stop > n)
-        diff += np.bincount(at[wrap], minlength=M + 1) - np.bincount(at[wrap] + stop[wrap] - n[wrap], minlength=M + 1)
-        received += np.bincount(k, weights=base, minlength=Q2)[hold_k] + np.cumsum(diff)[:-1]
-        positive_F += np.bincount(k, weights=np.minimum(n, f), minlength=Q2)  # holders reached
-        # A repeated state's holders receive what those of the state it repeats receive (same order).
-        self.received = received[offset_F[same_F][hold_k] + np.arange(M) - offset_F[hold_k]]
-        self.hold_k, self.hold_w = hold_k, hold_w
-        self.positive_F = positive_F[same_F]
-        topo = pricer.topology
-        # A source alone both before and after a step sends the same tokens out by the same two links:
-        # its bytes out cancel (exactly, with whole counts); those of the others are kept.
-        if pricer.max_exchange:
-            Q = Q2 // 2
-            both_WQ = alone_WF[:, :Q] & alone_WF[:, Q:]
-            src, k = np.nonzero(alone_WF & ~np.concatenate([both_WQ, both_WQ], axis=1))
-        else:
-            src, k = np.nonzero(alone_WF)
-        self.out_k, self.out_f = k, flow_WF[src, k].astype(np.int64)
-        self.up, self.down = topo.leave_W2[src], topo.enter_W2[hold_w]  # the four links between two nodes
-        self.cls = topo.cross_class
-        self.L, self.N, self.Q = len(topo.links), pricer.N, Q2 // 2
-
-    def _step_sign(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.where(k < self.Q, k, k - self.Q), np.where(k < self.Q, 1.0, -1.0)
-
-    def traffic(self, Q: int, tok_bytes: float) -> np.ndarray:
-        """Their bytes on every link `[Q, L]` (after the step minus before)."""
-        step, sign = self._step_sign(self.out_k)
-        hstep, hsign = self._step_sign(self.hold_k)
-        index = np.concatenate(
-            [(step[:, None] * (self.L + 1) + self.up).ravel(), (hstep[:, None] * (self.L + 1) + self.down).ravel()]
-        )
-        value = np.concatenate([np.repeat(sign * self.out_f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
-        return np.bincount(index, weights=value, minlength=Q * (self.L + 1)).reshape(Q, self.L + 1)[:, : self.L]
-
-    def link_entries(self, tok_bytes: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`traffic` as (step, link, bytes) entries: a source's two links out, a holder's two links in."""
-        step, sign = self._step_sign(self.out_k)
-        hstep, hsign = self._step_sign(self.hold_k)
-        link = np.concatenate([self.up.reshape(-1), self.down.reshape(-1)]).astype(np.int64)
-        at = np.concatenate([np.repeat(step, 2), np.repeat(hstep, 2)])
-        value = np.concatenate([np.repeat(sign * self.out_f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
-        keep = link < self.L
-        return at[keep], link[keep], value[keep]
-
-    def computed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(step, holder, tokens) each holder computes of them (after the step +, before it −)."""
-        hstep, hsign = self._step_sign(self.hold_k)
-        return hstep, self.hold_w, hsign * self.received
-
-    def classes(self, Q: int) -> np.ndarray:
-        """The change in positive (source, holder) counts per route latency `[Q, classes]`."""
-        step, sign = self._step_sign(np.arange(2 * self.Q))
-        return np.bincount(step * self.N + self.cls, weights=sign * self.positive_F, minlength=Q * self.N).reshape(
-            Q, self.N
-        )
