@@ -293,3 +293,94 @@ def test_auto_prices_every_proposal_as_the_loop_version():
             ref.layer_terms(flow, auto.planners["shadow"].proposed, cm, shape, cm.topology.node_of), rel=1e-9
         )
     assert len(chosen) > 1  # the trace and the random flows make it choose more than one planner
+
+
+def test_window_estimate_is_the_stacked_mean():
+    """`PlanAheadPlanner.estimate` from its running sum equals the mean of the stacked window to the
+    bit: whole counts (float and integer arrays), fractional flows entering and leaving the window."""
+    from moeflow.strategies.planners.base import PlanAheadPlanner
+
+    rng = np.random.default_rng(8)
+    for window in (1, 2, 3, 5, 10):
+        planner = PlanAheadPlanner(window, background=False)
+        for _ in range(40):
+            flow = rng.integers(0, 10**6, (6, 12))
+            kind = rng.integers(4)
+            if kind == 1:
+                flow = flow.astype(float)
+            elif kind == 2:
+                flow = flow / 3.0  # a mean of three replicas' flows
+            planner.observe(flow)
+            expect = np.mean(np.stack([np.asarray(f, dtype=np.float64) for f in planner.history]), axis=0)
+            got = planner.estimate()
+            assert got.dtype == np.float64 and np.array_equal(got, expect)
+
+
+def test_owners_terms_by_node_equal_routing_every_pair(monkeypatch):
+    """Where nodes hang from the root, `PlacementPricer` sums the owners' bytes per node (only the
+    pairs inside a node routed): the same link bytes and latency-class counts, to the bit, as
+    routing every pair (`Topology.link_traffic`); whole and fractional flows, any owners."""
+    from moeflow.core.placement import send_by_owner
+    from moeflow.perf import placement_pricing
+
+    monkeypatch.setattr(placement_pricing, "BY_NODE_FROM", 0)  # per node at any size
+    rng = np.random.default_rng(9)
+    shape = ExpertShape(8, 16)
+    checked = 0
+    for _ in range(60):
+        world = int(rng.choice([2, 4, 8, 16]))
+        experts = world * int(rng.integers(1, 4))
+        johnny = world >= 8 and rng.random() < 0.5
+        cm = CostModel.from_preset(f"johnny@{world}") if johnny else _cost_model(rng, world)
+        flow = _flow(rng, world, experts)
+        owner = rng.integers(0, world, experts) if rng.random() < 0.5 else np.arange(experts) // (experts // world)
+        pricer = PlacementPricer(flow, owner, cm, shape, cm.topology.node_of)
+        sent = flow.copy()
+        sent[owner, np.arange(experts)] = 0
+        topo = cm.topology
+        traffic = topo.link_traffic(send_by_owner(sent, owner) * pricer.tok_bytes)
+        positive = send_by_owner((sent > 0).astype(np.int64), owner)
+        classes = np.bincount(topo.latency_class_WW.reshape(-1), weights=positive.reshape(-1), minlength=pricer.N)
+        assert np.array_equal(pricer.traffic0, traffic) and np.array_equal(pricer.classes0, classes)
+        checked += topo.nodes_under_root
+    assert checked > 20
+
+
+def test_prefix_search_at_scale_prices_as_the_dense_sums(monkeypatch):
+    """Searches of 100-300 steps on 64 ranks x 256 experts in 8 nodes (several blocks of
+    `perf.prefix_max`, spread and one-holder states, experts stepped once or many times): the prices of
+    `cheapest_prefixes` equal, to the bit, those of every prefix summed densely (`_running` on a
+    pricer told the flow is not whole), and the prefixes it leaves unpriced are dearer."""
+    from moeflow.perf import placement_pricing
+    from moeflow.sim.traces import synthetic_trace
+    from moeflow.strategies.planners.prophet_model import price_terms
+
+    monkeypatch.setattr(placement_pricing, "RUNNING_MAX_FROM", 0)  # running maxima at any size
+    monkeypatch.setattr(placement_pricing, "BY_NODE_FROM", 0)
+    rng = np.random.default_rng(10)
+    world, experts = 64, 256
+    cm = CostModel.from_preset(f"johnny@{world}")
+    shape = ExpertShape(1024, 4096)
+    owners = Placement.expert_parallel(experts, world)
+    trace = synthetic_trace("zipf", 4, 1, world, experts, 1024, 2, skew=1.2, seed=3)
+    for i, flow in enumerate(trace.flow_ILWE[:, 0].astype(float)):
+        once = i % 2 == 0
+        steps = int(rng.integers(100, 300))
+        chosen = rng.permutation(experts)[:steps] if once else rng.choice(experts, steps, p=flow.sum(0) / flow.sum())
+        holders = owners.holders_EW.copy()
+        rows = np.zeros((steps, world), dtype=bool)
+        for j, e in enumerate(chosen):
+            holders[e, rng.choice(world, int(rng.integers(1, 40 if once else 4)))] = True
+            rows[j] = holders[e]
+        for pricing in (Pricing(), Pricing(overlap=True, nonmoe_forward_s=1e-3)):
+
+            def price(t, pricing=pricing):
+                return price_terms(t, cm, shape, pricing)
+
+            fast = PlacementPricer(flow, owners.owner_E, cm, shape, cm.topology.node_of, whole=True)
+            dense = PlacementPricer(flow, owners.owner_E, cm, shape, cm.topology.node_of, whole=False)
+            dense.max_stages = False
+            expect = price(dense.prefixes(chosen, rows))
+            got = fast.cheapest_prefixes(chosen, rows, price, bounded=not pricing.overlap)
+            assert np.array_equal(got, expect[: got.size])
+            assert got.size == expect.size or expect[got.size :].min() > got.min()

@@ -51,10 +51,12 @@ def send_by_owner(flow_WE: np.ndarray, owner_E: np.ndarray) -> np.ndarray:
         return flow.reshape(*flow.shape[:-1], W, E // W).sum(-1)
     order = np.argsort(owner, kind="stable")
     per_owner = np.bincount(owner, minlength=W)
-    send = np.zeros((*flow.shape[:-1], W), dtype=flow.dtype)
+    dtype = np.int64 if flow.dtype == bool else flow.dtype  # a mask's entries are counted
+    send = np.zeros((*flow.shape[:-1], W), dtype=dtype)
     if owner.size:  # each owner's experts summed as one run of columns (exact sums)
         owning = np.flatnonzero(per_owner)
-        send[..., owning] = np.add.reduceat(flow[..., order], (np.cumsum(per_owner) - per_owner)[owning], axis=-1)
+        starts = (np.cumsum(per_owner) - per_owner)[owning]
+        send[..., owning] = np.add.reduceat(flow[..., order], starts, axis=-1, dtype=dtype)
     return send
 
 
@@ -164,19 +166,22 @@ def dispatch_entries(
     node = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
     if node.shape != (W,):
         raise ValueError(f"node_of has {node.size} entries, expected one per rank ({W})")
-    held_WK = holders.T
-    sends_WK = flow > 0
-    local_s, local_k = np.nonzero(held_WK & sends_WK)
-    src, k = np.nonzero(sends_WK & ~held_WK)
+    # One pass over the flow and one over the holders; the rest reads their nonzero entries.
+    src, k = np.nonzero(flow > 0)
+    held = holders[k, src]
+    local_s, local_k = src[held], k[held]
+    src, k = src[~held], k[~held]
     local = (local_k, local_s, local_s, flow[local_s, local_k])
     if src.size == 0:
         return local
-    count_K = holders.sum(1)
+    all_k, all_w = np.nonzero(holders)  # every expert's holders by rank, expert after expert
+    count_K = np.bincount(all_k, minlength=K)
     if not count_K[k].all():
         raise ValueError(f"dispatch: experts {sorted(set(k[count_K[k] == 0].tolist()))} have tokens and no holder")
     # An expert with one holder takes every other source's tokens whole.
     single = count_K[k] == 1
-    sole_K = holders.argmax(1)
+    sole_K = np.zeros(K, dtype=np.int64)
+    sole_K[count_K > 0] = all_w[(np.cumsum(count_K) - count_K)[count_K > 0]]  # its lowest holder
     remote = (k[single], src[single], sole_K[k[single]], flow[src[single], k[single]])
     src, k = src[~single], k[~single]
     if src.size == 0:
@@ -185,9 +190,8 @@ def dispatch_entries(
     # k), then those of k on node n (segment K + k·N + n); `key` orders the members of every run,
     # the runs one after the other.
     N = int(node.max()) + 1
-    several = np.flatnonzero(count_K > 1)
-    hold_i, hold_w = np.nonzero(holders[several])
-    hold_k = several[hold_i]
+    several = count_K[all_k] > 1
+    hold_k, hold_w = all_k[several], all_w[several]
     near = np.lexsort((hold_w, node[hold_w], hold_k))
     members = np.concatenate([hold_w, hold_w[near]])
     segment = np.concatenate([hold_k, K + hold_k[near] * N + node[hold_w[near]]])
@@ -197,14 +201,19 @@ def dispatch_entries(
     n = np.where(near_n > 0, near_n, count_K[k])
     start = np.searchsorted(key, seg * W)
     first = np.searchsorted(key, seg * W + src) - start  # candidates before the source: its ring start
+    # A pair's split: `f // n` to each candidate and one more to the `f % n` that follow the source
+    # in ring order; one candidate takes the count as it is. Only the candidates that get something
+    # are expanded: all n when f >= n, else the first ceil(f) in ring order.
     f = flow[src, k]
-    pair = np.repeat(np.arange(src.size), n)
-    m = np.arange(pair.size) - np.repeat(np.cumsum(n) - n, n)  # place in the run
-    split = f[pair] // n[pair] + ((m - first[pair]) % n[pair] < f[pair] % n[pair])
-    count = np.where(n[pair] == 1, f[pair], split)  # one candidate takes the count as it is
-    keep = count > 0
-    pair, m = pair[keep], m[keep]
-    spread = (k[pair], src[pair], members[start[pair] + m], count[keep])
+    one = n == 1
+    base = np.where(one, f, f // n)
+    rem = np.where(one, 0, f % n)
+    expand = np.where(one | (base > 0), n, np.ceil(rem).astype(np.int64))
+    pair = np.repeat(np.arange(src.size), expand)
+    t = np.arange(pair.size) - np.repeat(np.cumsum(expand) - expand, expand)  # place after the ring start
+    m = first[pair] + t
+    m -= np.where(m >= n[pair], n[pair], 0)  # place in the run
+    spread = (k[pair], src[pair], members[start[pair] + m], base[pair] + (t < rem[pair]))
     return tuple(np.concatenate(parts) for parts in zip(local, remote, spread))
 
 
@@ -240,20 +249,28 @@ def dispatch_loads(
     (`dispatch_counts(...).sum(1)` and `.sum(0).T`)."""
     flow = _check_flow(flow_WE, placement)
     world, num_experts = placement.world_size, placement.num_experts
-    if placement.is_owners_only():
-        computed = np.zeros((world, num_experts), dtype=np.int64)
-        computed[placement.owner_E, np.arange(num_experts)] = flow.sum(0)
-        return send_by_owner(flow, placement.owner_E), computed
+    owner, experts = placement.owner_E, np.arange(num_experts)
     # Experts on their owners alone as under plain EP; those with copies through their entries.
-    copied = np.flatnonzero(placement.materialized_EW().any(1))
-    alone = flow.copy()
-    alone[:, copied] = 0
-    send, computed = dispatch_loads(alone, Placement.owners_only(placement.owner_E, world))
-    k, src, dst, count = dispatch_entries(flow[:, copied], placement.holders_EW[copied], node_of)
-    send += (
-        np.bincount(src * world + dst, weights=count, minlength=world * world).reshape(world, world).astype(np.int64)
+    copied = np.flatnonzero(placement.holders_EW.sum(1) > 1)  # the owner always holds its expert
+    send = send_by_owner(flow, owner)
+    computed = np.zeros((world, num_experts), dtype=np.int64)
+    computed[owner, experts] = flow.sum(0)
+    if copied.size == 0:
+        return send, computed
+    C = copied.size
+    flow_WC = flow[:, copied]
+    # What plain EP would have sent them out, then their entries (whole counts: the sums are exact).
+    unsent = np.bincount(
+        (np.arange(world)[:, None] * world + owner[copied]).ravel(), weights=flow_WC.ravel(), minlength=world * world
     )
-    np.add.at(computed, (dst, copied[k]), count)
+    np.subtract(send, unsent.reshape(world, world), out=send, casting="unsafe")
+    computed[owner[copied], copied] = 0
+    k, src, dst, count = dispatch_entries(flow_WC, placement.holders_EW[copied], node_of)
+    sent = np.bincount(src * world + dst, weights=count, minlength=world * world)
+    np.add(send, sent.reshape(world, world), out=send, casting="unsafe")
+    computed[:, copied] += (
+        np.bincount(dst * C + k, weights=count, minlength=world * C).reshape(world, C).astype(np.int64)
+    )
     return send, computed
 
 

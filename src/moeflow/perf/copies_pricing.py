@@ -124,6 +124,12 @@ class CopiesPricing:
         (docs/performance.md). Without a ``copies`` fit η = 1: the plain link model."""
         return self.stage_time_from_traffic(self.topology.link_traffic(bytes_WW))
 
+    @property
+    def stage_on_busiest_link(self) -> bool:
+        """Whether `stage_time_from_traffic` is the busiest link's bytes over its bandwidth (no
+        calibration of pairs sending both ways): a search may then take that maximum itself."""
+        return self._copies_eta == 1.0
+
     def stage_time_from_traffic(self, traffic_L: np.ndarray) -> np.ndarray:
         """`_tree_stage_time` of the bytes on every link ``[..., L]`` -> ``[...]`` seconds."""
         traffic_L = np.asarray(traffic_L, dtype=np.float64)

@@ -274,7 +274,13 @@ class CostModel(CopiesPricing, CostModelSources):
         """The all-to-all's time from what it puts on the links ``[..., L]``, the slowest route
         latency among the pairs that exchange bytes ``[...]`` and whether anything is sent at all
         ``[...]`` (`a2a_time_pairs`; planners that re-price a changed expert give these directly)."""
-        t = self._a2a_eta * (np.asarray(traffic_L) * self._inv_bw_L).max(axis=-1, initial=0.0)
+        busiest = (np.asarray(traffic_L) * self._inv_bw_L).max(axis=-1, initial=0.0)
+        return self.a2a_from_busiest(busiest, latency_s, sends, peers)
+
+    def a2a_from_busiest(self, busiest_s: Any, latency_s: Any, sends: Any, peers: int | None = None) -> np.ndarray:
+        """`a2a_from_traffic` from its busiest link's time ``max_l T_l / W_l`` ``[...]`` (a search that
+        keeps every link's bytes as running sums takes that maximum itself)."""
+        t = self._a2a_eta * np.asarray(busiest_s)
         if "a2a" in self.fits and self.a2a_calibration:
             W = self.topology.num_devices
             alpha = self.fits["a2a"].alpha_s * (1.0 if peers is None else min(peers, W - 1) / (W - 1))

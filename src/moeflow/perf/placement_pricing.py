@@ -17,10 +17,19 @@ something iff it has a positive count, so the latency is read from the number of
 expert, destination) counts on routes of each latency (integers: exact); the broadcasts are priced
 per owner from the number of experts each owner has held everywhere.
 
-At scale: a step's sources whose candidates it does not change are left out (their entries would
-cancel); where every node hangs from the root, the sources that spread over every holder of an
-expert are summed per holder instead of expanded per (source, holder); and a prefix search stops
-where every later prefix's copies alone cost more than the best priced one (`cheapest_prefixes`).
+At scale (1024 ranks x 1024 experts, a search of ~1000 steps): a step's sources whose candidates
+it does not change are left out (their entries would cancel); where every node hangs from the root,
+the sources that spread over every holder of an expert are summed per holder instead of expanded
+per (source, holder) (`perf.spread_pricing`) — a state repeated (a step's state before it is an
+earlier step's after it) is split once, a one-holder state takes its sources' tokens whole, and the
+bytes out of a source that spreads before and after a step cancel — and the owners' link bytes are
+summed per node; a prefix search keeps running maxima block by block of steps instead of every
+prefix's `[Q + 1, X]` sums (`perf.prefix_max`: a price's slowest device and busiest link are maxima
+of elementwise terms of exact sums), and stops where every later prefix's copies alone cost more
+than the best priced one (`cheapest_prefixes`; the copies only as far as needed where they never
+fall from one prefix to the next). Token counts and bytes are whole numbers in float64, so every
+sum is exact in any order: prices equal the dense computation's to the bit, and a fractional flow
+takes the dense path.
 
 Shape suffixes: W ranks, E experts, L links (as `Topology` names them), Q steps (an expert and its
 new holders), F dispatched states (each step's new holders, then its previous ones: 2·Q), Z
@@ -36,6 +45,8 @@ import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner, tree_edges
+from moeflow.perf.prefix_max import prefix_max, prefix_max_entries, prefix_max_of_entries
+from moeflow.perf.spread_pricing import Spread
 
 
 @dataclass
@@ -86,7 +97,9 @@ class PlacementPricer:
         cost_model: Any,
         shape: ExpertShape,
         node_of: Any = None,
+        whole: bool | None = None,
     ) -> None:
+        """`whole`: the flow is whole counts (None: checked)."""
         self.flow = np.asarray(flow_WE)
         self.owner = np.asarray(owner_E, dtype=np.int64)
         self.cm, self.shape = cost_model, shape
@@ -105,17 +118,70 @@ class PlacementPricer:
         self.tokens0 = np.bincount(self.owner, weights=colsum_E, minlength=W)
         self.local0 = np.bincount(self.owner, weights=self.flow[self.owner, experts], minlength=W)
         self.calls0 = np.bincount(self.owner, weights=colsum_E > 0, minlength=W)
-        sent = self.flow.copy()
-        sent[self.owner, experts] = 0
-        self.traffic0 = topo.link_traffic(send_by_owner(sent, self.owner) * self.tok_bytes)
-        positive0 = send_by_owner((sent > 0).astype(np.int64), self.owner)  # diagonal 0: sent
-        self.classes0 = np.bincount(topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N)
-        self.tree = copies_by_tree(topo.node_of, cost_model.backend)
+        if whole is None:
+            whole = self.flow.dtype.kind in "iub" or bool(np.array_equal(self.flow, np.rint(self.flow)))
         node_W = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
         _, self._node_W = np.unique(node_W, return_inverse=True)  # nodes numbered 0..N-1
         self._N = int(self._node_W.max()) + 1 if W else 1
         self._by_node = np.argsort(self._node_W, kind="stable")  # ranks node by node
         self._node_start = np.searchsorted(self._node_W[self._by_node], np.arange(self._N))
+        # What the owners send: a rank's tokens to itself take no link (its route is empty), and are
+        # left out of the positive entries that price the exchange's latency.
+        send = send_by_owner(self.flow, self.owner)
+        positive0 = send_by_owner(self.flow > 0, self.owner)
+        positive0[np.arange(W), np.arange(W)] -= np.bincount(
+            self.owner, weights=self.flow[self.owner, experts] > 0, minlength=W
+        ).astype(positive0.dtype)
+        by_node = W >= BY_NODE_FROM and topo.nodes_under_root and node_of is not None
+        if by_node and np.array_equal(node_W, topo.node_of):
+            self._owners_by_node(send * self.tok_bytes, positive0, whole)
+        else:
+            self.traffic0 = topo.link_traffic(send * self.tok_bytes)
+            self.classes0 = np.bincount(
+                topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N
+            )
+        self.tree = copies_by_tree(topo.node_of, cost_model.backend)
+        self._copies_of: tuple | None = None
+        """(steps, holders, `_copies`) of the last prefix search's copies (`_prefix_copies`)."""
+        self.inv_bw_L = 1.0 / topo.bandwidth_L
+        # A prefix search keeps running maxima (`perf.prefix_max`) where a price is a maximum of per-device
+        # or per-link terms of sums that are exact (whole counts and bytes: any order sums alike).
+        self.max_compute = (
+            whole and not cost_model.prices_gemm_calls and (cost_model.host_cores is None or cost_model.host_cores >= W)
+        )
+        self.max_exchange = whole
+        self.max_stages = cost_model.stage_on_busiest_link and float(self.param_bytes).is_integer()
+
+    def _owners_by_node(self, bytes_WW: np.ndarray, positive_WW: np.ndarray, whole: bool) -> None:
+        """`traffic0` and `classes0` where every node hangs from the root (`Topology.nodes_under_root`):
+        bytes between two nodes leave by their source's two links and enter by their destination's
+        two, on a route of one latency class (`cross_class`), so only the pairs inside a node are
+        routed one by one (W x ranks per node, not W x W). Sums of whole counts: exact in any order;
+        a fractional flow is routed pair by pair (`Topology.link_traffic`)."""
+        topo, W = self.topology, self.W
+        ranks = self._by_node
+        size = np.diff(np.append(self._node_start, W))
+        node_of_rank = self._node_W[ranks]
+        # Every ordered pair inside a node (the diagonal included): each rank with each of its node's.
+        reps = size[node_of_rank]
+        src = np.repeat(ranks, reps)
+        offset = np.arange(src.size) - np.repeat(np.cumsum(reps) - reps, reps)
+        dst = ranks[self._node_start[node_of_rank].repeat(reps) + offset]
+        cls = topo.latency_class_WW[src, dst]
+        positive = positive_WW[src, dst]
+        self.classes0 = np.bincount(cls, weights=positive, minlength=self.N)
+        self.classes0[topo.cross_class] += positive_WW.sum() - positive.sum()
+        if not whole:
+            self.traffic0 = topo.link_traffic(bytes_WW)
+            return
+        inside = bytes_WW[src, dst]
+        out_W = bytes_WW.sum(1) - np.bincount(src, weights=inside, minlength=W)
+        in_W = bytes_WW.sum(0) - np.bincount(dst, weights=inside, minlength=W)
+        hops = topo.route_WWH[src, dst]
+        L = self.L
+        index = np.concatenate([topo.leave_W2.reshape(-1), topo.enter_W2.reshape(-1), hops.reshape(-1)])
+        value = np.concatenate([np.repeat(out_W, 2), np.repeat(in_W, 2), np.repeat(inside, hops.shape[-1])])
+        self.traffic0 = np.bincount(index, weights=value, minlength=L + 1)[:L]
 
     # ---- candidates ------------------------------------------------------------------------------
     def prefixes(self, experts_Q: np.ndarray, holders_QW: np.ndarray, detail: bool = False) -> PlacementTerms:
@@ -160,12 +226,49 @@ class PlacementPricer:
         rows = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
         if not bounded or experts.size <= PRICED_FIRST:
             return price(self.prefixes(experts, rows, detail))
+        if self._copies_grow(experts, rows):
+            return self._cheapest_growing(experts, rows, price, detail)
         floor = np.minimum.accumulate(self.copies_of_prefixes(experts, rows)[::-1])[::-1]  # from each prefix on
         priced = PRICED_FIRST
         while True:
             predicted = price(self.prefixes(experts[:priced], rows[:priced], detail))
             beyond = np.flatnonzero(floor > predicted.min())
             last = int(beyond[0]) if beyond.size else experts.size
+            if last <= priced:
+                return predicted
+            priced = last
+
+    def _copies_grow(self, experts: np.ndarray, rows: np.ndarray) -> bool:
+        """Whether every prefix's copies cost at least the previous prefix's: each step gives a new
+        expert copies (none twice, its owner kept), so it only adds tree edges or a broadcast; a
+        stage costs its busiest link (`CostModel.stage_on_busiest_link`) plus its slowest route, and
+        a broadcast or reduce costs no less for more bytes."""
+        Q = experts.size
+        if np.unique(experts).size != Q or not rows[np.arange(Q), self.owner[experts]].all():
+            return False
+        if not self.cm.stage_on_busiest_link or (self.topology.latency_classes < 0).any():
+            return False
+        sizes = np.arange(3) * self.param_bytes  # a collective's time is affine in its bytes past 0
+        return all((np.diff(self.cm.collective_times(kind, sizes)) >= 0).all() for kind in ("broadcast", "reduce"))
+
+    def _cheapest_growing(self, experts: np.ndarray, rows: np.ndarray, price, detail: bool) -> np.ndarray:
+        """`cheapest_prefixes` where the copies never fall from one prefix to the next
+        (`_copies_grow`): the copies' bound at a prefix is its own copies, so in a long search they
+        are priced for the first 2·`PRICED_FIRST` prefixes, and for all only if none of those costs
+        more than the best price (the same prefixes priced as with every prefix's copies known)."""
+        Q = experts.size
+        known = Q if Q <= 4 * PRICED_FIRST else 2 * PRICED_FIRST
+        copies = self.copies_of_prefixes(experts[:known], rows[:known])
+        priced = PRICED_FIRST
+        while True:
+            predicted = price(self.prefixes(experts[:priced], rows[:priced], detail))
+            while True:
+                beyond = np.flatnonzero(copies > predicted.min())
+                if beyond.size or known == Q:
+                    break
+                known = Q
+                copies = self.copies_of_prefixes(experts, rows)
+            last = int(beyond[0]) if beyond.size else Q
             if last <= priced:
                 return predicted
             priced = last
@@ -183,42 +286,70 @@ class PlacementPricer:
         if not cm.prices_gemm_calls:
             flow_WQ = np.where(self._affected(new_QW, prev_QW).T, flow_WQ, 0)
         flow_WF, rows_FW = np.concatenate([flow_WQ, flow_WQ], axis=1), np.concatenate([new_QW, prev_QW])
-        spread = self._spread(flow_WF, rows_FW) if topo.nodes_under_root else None
+        spread = self._spread(flow_WF, rows_FW, self._earlier) if topo.nodes_under_root else None
         if spread is not None:
             flow_WF = np.where(spread.alone_WF, 0, flow_WF)
         k, src, dst, count = dispatch_entries(flow_WF, rows_FW, self.node_of)
-        computed_FW = np.bincount(k * W + dst, weights=count, minlength=2 * Q * W).reshape(2 * Q, W)
-        if spread is not None:
-            computed_FW += np.bincount(
-                spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * Q * W
-            ).reshape(2 * Q, W)
+        step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
+        # One candidate's prefixes (a search) keep running maxima; several candidates, the detail
+        # of Eq. 1 or a price that is not a maximum of sums: every candidate's terms in full.
+        prefix = not detail and int(start.sum()) == 1 and Q * max(W, self.L) >= RUNNING_MAX_FROM
         local = src == dst
-        tokens = _running(computed_FW[:Q] - computed_FW[Q:], self.tokens0, start)
-        calls = None  # experts with tokens per device: priced only with a fitted GEMM launch
-        if cm.prices_gemm_calls:
-            calls = _running((computed_FW[:Q] > 0).astype(np.int64) - (computed_FW[Q:] > 0), self.calls0, start)
-        local_Z = None
+        tokens = calls = local_Z = None
+        if prefix and self.max_compute:
+            entries = (step, dst, sign * count)
+            if spread is not None:
+                entries = tuple(np.concatenate(e) for e in zip(entries, spread.computed()))
+            compute = prefix_max_of_entries(*entries, Q, self.tokens0, self._device_time, -np.inf)
+        else:
+            computed_FW = np.bincount(k * W + dst, weights=count, minlength=2 * Q * W).astype(np.float64, copy=False)
+            computed_FW = computed_FW.reshape(2 * Q, W)
+            if spread is not None:
+                computed_FW += np.bincount(
+                    spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * Q * W
+                ).reshape(2 * Q, W)
+            tokens = _running(computed_FW[:Q] - computed_FW[Q:], self.tokens0, start)
+            if cm.prices_gemm_calls:  # experts with tokens per device: priced only with a fitted GEMM launch
+                calls = _running((computed_FW[:Q] > 0).astype(np.int64) - (computed_FW[Q:] > 0), self.calls0, start)
+            gemm_calls = None if calls is None else calls * shape.gemms
+            compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
         if detail:
             local_FW = np.bincount(k[local] * W + dst[local], weights=count[local], minlength=2 * Q * W)
             local_Z = _running(local_FW[: Q * W].reshape(Q, W) - local_FW[Q * W :].reshape(Q, W), self.local0, start)
         # The exchange: the remote entries' bytes on every link, and their count per route latency.
         remote = ~local
-        k, src, dst, count = k[remote], src[remote], dst[remote], count[remote]
-        step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
-        d_traffic = self._on_links(Q, step, src, dst, sign * count * self.tok_bytes)
+        step, sign, src, dst, count = step[remote], sign[remote], src[remote], dst[remote], count[remote]
         d_classes = self._per_class(Q, step, src, dst, sign)
         if spread is not None:
-            d_traffic += spread.traffic(Q, self.tok_bytes)
             d_classes += spread.classes(Q)
-        traffic = _running(d_traffic, self.traffic0, start)
         classes = _running(d_classes, self.classes0, start)
-        trans, agg, trans_pf, agg_pf, copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
-        gemm_calls = None if calls is None else calls * shape.gemms
-        compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
         active = classes > 0.5  # positive entries per latency class (integer counts)
         latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
-        a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
-        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_Z, copies)
+        if prefix and self.max_exchange:
+            entries = self._link_entries(step, src, dst, sign * count * self.tok_bytes)
+            if spread is not None:
+                entries = tuple(np.concatenate(e) for e in zip(entries, spread.link_entries(self.tok_bytes)))
+            busiest = prefix_max_of_entries(*entries, Q, self.traffic0, self._link_time, 0.0)
+            a2a = cm.a2a_from_busiest(busiest, latency, active.any(-1))
+        else:
+            d_traffic = self._on_links(Q, step, src, dst, sign * count * self.tok_bytes)
+            if spread is not None:
+                d_traffic += spread.traffic(Q, self.tok_bytes)
+            traffic = _running(d_traffic, self.traffic0, start)
+            a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
+        copies = self._known_copies(experts, new_QW) if int(start.sum()) == 1 else None
+        if copies is None:
+            copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
+        trans, agg, trans_pf, agg_pf, n_copies = copies
+        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_Z, n_copies)
+
+    def _device_time(self, tokens: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """A device's forward expert time of `tokens` (elementwise: `CostModel.slowest` is then a max)."""
+        return self.cm.expert_forward_time(tokens, self.shape) + self.cm.elementwise_time(tokens, self.shape)
+
+    def _link_time(self, traffic: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Bytes on links `cols` over their bandwidth (`CostModel.link_time_from_traffic` before its max)."""
+        return traffic * self.inv_bw_L[cols]
 
     def _copies(self, experts, owner_Q, new_QW, prev_QW, start):
         """Copies out and back per candidate `[Q + 1]` (and as the prefetch sends them), and their
@@ -252,6 +383,25 @@ class PlacementPricer:
         L, N = self.L, self.N
         if k.size == 0:
             return np.zeros(Q + 1)
+        if self.max_stages and int(start.sum()) == 1 and Q * L >= RUNNING_MAX_FROM:  # a search: running maxima
+            total = np.zeros(Q + 1)
+            for s in (0, 1):
+                m = stage == s
+                if m.any():
+                    run = _running(self._per_class(Q, step[m], src[m], dst[m], sign[m]), np.zeros(N), start)
+                    active = run > 0.5
+                    latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
+                    hops = self.topology.route_WWH[src[m], dst[m]]  # [n, H], padded with L
+                    if hops.size * 8 > Q * L:  # many edges a step: their bytes per step and link, dense
+                        d_links = self._on_links(Q, step[m], src[m], dst[m], sign[m] * self.param_bytes)
+                        busiest = prefix_max(d_links, np.zeros(L), self._link_time, 0.0)
+                    else:
+                        H, link = hops.shape[-1], hops.reshape(-1)
+                        on = link < L
+                        at, value = np.repeat(step[m], H)[on], np.repeat(sign[m] * self.param_bytes, H)[on]
+                        busiest = prefix_max_entries(at, link[on], value, Q, np.zeros(L), self._link_time, 0.0)
+                    total += np.where(active.any(-1), busiest + latency, 0.0)
+            return total
         # Both stages' link bytes and route-latency counts side by side: one running sum.
         deltas = [np.zeros((Q, L + N)), np.zeros((Q, L + N))]
         for s in (0, 1):
@@ -271,13 +421,31 @@ class PlacementPricer:
     def copies_of_prefixes(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> np.ndarray:
         """Copies out and back `[Q + 1]` of every prefix of the steps (as `prefixes` prices them, the
         rest left out): a lower bound of each prefix's price."""
+        trans, agg, *_ = self._prefix_copies(experts_Q, holders_QW)
+        return trans + agg
+
+    def _prefix_copies(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> tuple:
+        """`_copies` of every prefix of the steps (row c: the first c steps), kept for the prefixes
+        of these steps that a search prices next (`_known_copies`)."""
         experts = np.asarray(experts_Q, dtype=np.int64)
         start = np.zeros(experts.size, dtype=bool)
         start[:1] = True
         new_QW = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
         owner_Q = self.owner[experts]
-        trans, agg, *_ = self._copies(experts, owner_Q, new_QW, self._previous(experts, owner_Q, new_QW, start), start)
-        return trans + agg
+        copies = self._copies(experts, owner_Q, new_QW, self._previous(experts, owner_Q, new_QW, start), start)
+        self._copies_of = (experts, new_QW, copies)
+        return copies
+
+    def _known_copies(self, experts: np.ndarray, new_QW: np.ndarray) -> tuple | None:
+        """The copies of the prefixes of `experts` if the steps priced last began with them (a
+        prefix's running sums are the first rows of a longer order's), else None."""
+        known = self._copies_of
+        Q = experts.size
+        if known is None or known[0].size < Q or not np.array_equal(known[0][:Q], experts):
+            return None
+        if not np.array_equal(known[1][:Q], new_QW):
+            return None
+        return tuple(c[: Q + 1] for c in known[2])
 
     def _everywhere(self, owner_Q: np.ndarray, d_every_Q: np.ndarray, start: np.ndarray):
         """The broadcasts / reduces of the experts held everywhere, per candidate `[Q + 1]` each way.
@@ -303,15 +471,20 @@ class PlacementPricer:
             out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
         return out[0], out[1]
 
-    def _spread(self, flow_WF: np.ndarray, rows_FW: np.ndarray) -> _Spread | None:
+    def _spread(self, flow_WF: np.ndarray, rows_FW: np.ndarray, earlier_Q: np.ndarray) -> Spread | None:
         """The sources that spread over every holder of a state (their node holds none of them),
-        summed instead of expanded (`_Spread`); None when there are none."""
+        summed instead of expanded (`perf.spread_pricing.Spread`); None when there are none. `earlier_Q[j]`: the step
+        whose state after it is step j's before it (-1: none), computed once."""
         held_FN = self._per_node(rows_FW)
-        several_F = rows_FW.sum(1) > 1  # one holder takes the tokens whole: `dispatch_entries` is as cheap
-        alone_WF = ~held_FN[:, self._node_W].T & (flow_WF > 0) & several_F
+        alone_WF = ~held_FN[:, self._node_W].T & (flow_WF > 0)
+        if not self.max_exchange:  # a fractional count goes whole to a single holder: `dispatch_entries`
+            alone_WF &= rows_FW.sum(1) > 1
         if not alone_WF.any():
             return None
-        return _Spread(self, flow_WF, rows_FW, alone_WF)
+        Q = earlier_Q.size
+        same_F = np.arange(2 * Q)
+        same_F[Q:] = np.where(earlier_Q >= 0, earlier_Q, same_F[Q:])
+        return Spread(self, flow_WF, rows_FW, alone_WF, same_F)
 
     def _affected(self, new_QW: np.ndarray, prev_QW: np.ndarray) -> np.ndarray:
         """`[Q, W]`: the sources whose dispatch candidates a step changes — those on a node whose
@@ -332,83 +505,41 @@ class PlacementPricer:
         Q = experts.size
         prev = np.zeros((Q, self.W), dtype=bool)
         prev[np.arange(Q), owner_Q] = True
+        self._earlier = np.full(Q, -1)  # the step whose holders `prev` repeats (-1: the owner's)
         candidate = np.cumsum(start)
         key = candidate * self.E + experts
         if np.unique(key).size < Q:  # an expert changed twice in one candidate
             order = np.lexsort((np.arange(Q), key))
             again = np.flatnonzero(key[order][1:] == key[order][:-1])
             prev[order[again + 1]] = new_QW[order[again]]
+            self._earlier[order[again + 1]] = order[again]
         return prev
+
+    def _link_entries(self, step: np.ndarray, src: np.ndarray, dst: np.ndarray, value: np.ndarray) -> tuple:
+        """Bytes `value` from `src` to `dst` at each `step` as (step, link, bytes) on every hop of the route."""
+        hops = self.topology.route_WWH[src, dst]  # [n, H], padded with L
+        H, link = hops.shape[-1], hops.reshape(-1)
+        keep = link < self.L
+        return np.repeat(step, H)[keep], link[keep].astype(np.int64), np.repeat(value, H)[keep]
 
     def _on_links(self, Q: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, value: np.ndarray) -> np.ndarray:
         """Bytes `value` from `src` to `dst` at each `step`, summed on every link: `[Q, L]`."""
         hops = self.topology.route_WWH[src, dst]  # [n, H], padded with L
         index = step[:, None] * (self.L + 1) + hops
         sums = np.bincount(index.reshape(-1), weights=np.repeat(value, hops.shape[-1]), minlength=Q * (self.L + 1))
+        sums = sums.astype(np.float64, copy=False)  # no entries: bincount counts in integers
         return sums.reshape(Q, self.L + 1)[:, : self.L]
 
     def _per_class(self, Q: int, step: np.ndarray, src: np.ndarray, dst: np.ndarray, sign: np.ndarray) -> np.ndarray:
         """The change in the number of positive entries on routes of each latency: `[Q, classes]`."""
         index = step * self.N + self.topology.latency_class_WW[src, dst]
-        return np.bincount(index, weights=sign, minlength=Q * self.N).reshape(Q, self.N)
+        return np.bincount(index, weights=sign, minlength=Q * self.N).astype(np.float64, copy=False).reshape(Q, self.N)
 
 
 DIRECTIONS = ("materialize", "reduce")
 PRICED_FIRST = 32
 """Prefixes priced before the copies' bound decides how many more (`cheapest_prefixes`)."""
-
-
-class _Spread:
-    """Sources on a node without a holder, each spreading its tokens over every holder of its state
-    (`dispatch_entries`' last case), summed instead of expanded into an entry per (source, holder):
-    where every node hangs from the root (`Topology.nodes_under_root`), such a source's tokens all
-    leave by its own link and its node's, and reach each holder by the holder's node's link and its
-    own; a holder's share is the same quotient from every source plus one from each source whose
-    remainder reaches it in ring order — a cyclic window of the holder list, added as differences."""
-
-    def __init__(self, pricer: PlacementPricer, flow_WF: np.ndarray, rows_FW: np.ndarray, alone_WF: np.ndarray):
-        Q2, W = rows_FW.shape
-        src, k = np.nonzero(alone_WF)
-        f = flow_WF[src, k].astype(np.int64)  # whole assignments (a split needs them)
-        self.alone_WF = alone_WF
-        hold_k, hold_w = np.nonzero(rows_FW)  # every state's holders by rank, state after state
-        n_F = np.bincount(hold_k, minlength=Q2)
-        offset_F = np.cumsum(n_F) - n_F
-        n = n_F[k]
-        first = np.searchsorted(hold_k * W + hold_w, k * W + src) - offset_F[k]  # holders below the source
-        base, rem = f // n, f % n
-        # Each source's remainder: one more on the cyclic window [first, first + rem) of its holders.
-        stop = first + rem
-        wrap = stop > n
-        at = offset_F[k]
-        index = np.concatenate([at + first, at + np.where(wrap, n, stop), at[wrap], at[wrap] + (stop - n)[wrap]])
-        step = np.concatenate([np.ones(k.size), -np.ones(k.size), np.ones(wrap.sum()), -np.ones(wrap.sum())])
-        diff = np.bincount(index, weights=step, minlength=hold_k.size + 1)
-        self.received = np.bincount(k, weights=base, minlength=Q2)[hold_k] + np.cumsum(diff)[:-1]
-        self.hold_k, self.hold_w = hold_k, hold_w
-        self.src, self.k, self.f = src, k, f
-        self.positive = np.minimum(n, f)  # holders that get anything from the source
-        topo = pricer.topology
-        self.up, self.down = topo.leave_W2[src], topo.enter_W2[hold_w]  # the four links between two nodes
-        self.cls = topo.cross_class
-        self.L, self.N, self.Q = len(topo.links), pricer.N, Q2 // 2
-
-    def _step_sign(self, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.where(k < self.Q, k, k - self.Q), np.where(k < self.Q, 1.0, -1.0)
-
-    def traffic(self, Q: int, tok_bytes: float) -> np.ndarray:
-        """Their bytes on every link `[Q, L]` (after the step minus before)."""
-        step, sign = self._step_sign(self.k)
-        hstep, hsign = self._step_sign(self.hold_k)
-        index = np.concatenate(
-            [(step[:, None] * (self.L + 1) + self.up).ravel(), (hstep[:, None] * (self.L + 1) + self.down).ravel()]
-        )
-        value = np.concatenate([np.repeat(sign * self.f, 2), np.repeat(hsign * self.received, 2)]) * tok_bytes
-        return np.bincount(index, weights=value, minlength=Q * (self.L + 1)).reshape(Q, self.L + 1)[:, : self.L]
-
-    def classes(self, Q: int) -> np.ndarray:
-        """The change in positive (source, holder) counts per route latency `[Q, classes]`."""
-        step, sign = self._step_sign(self.k)
-        return np.bincount(step * self.N + self.cls, weights=sign * self.positive, minlength=Q * self.N).reshape(
-            Q, self.N
-        )
+RUNNING_MAX_FROM = 1 << 14
+"""Steps x columns from which a search keeps running maxima (below, the dense sums cost less)."""
+BY_NODE_FROM = 128
+"""Ranks from which the owners' terms are summed per node (below, routing every pair costs less)."""

@@ -129,6 +129,10 @@ class PlanAheadPlanner(Planner):
 
     def __init__(self, window: int, background: bool = True) -> None:
         self.history: deque[np.ndarray] = deque(maxlen=window)
+        self._whole: deque[bool] = deque(maxlen=window)
+        """Whether each flow of the window is whole counts (a mean of data-parallel replicas' flows may not be)."""
+        self._sum_WE: np.ndarray | None = None
+        """The window's sum while every flow in it is whole counts (None: not kept, or to be summed again)."""
         self.prefetch: PrefetchWindow | None = None
         """Set by the block-wise prefetch: copies are priced as it hides them (Eq. 8)."""
         self.last: Any = None
@@ -143,8 +147,14 @@ class PlanAheadPlanner(Planner):
         raise NotImplementedError
 
     def estimate(self) -> np.ndarray:
-        """The next iteration's flow: the mean of the window."""
-        return np.mean(np.stack(self.history), axis=0)
+        """The next iteration's flow: the mean of the window. Counts are whole numbers in float64,
+        so the running sum `observe` keeps is exact and its mean the window's to the bit; a window
+        holding a fractional flow is averaged whole (`np.mean` of the stack)."""
+        if not all(self._whole):
+            return np.mean(np.stack(self.history), axis=0)
+        if self._sum_WE is None:
+            self._sum_WE = np.sum(np.stack(self.history), axis=0)
+        return self._sum_WE / len(self.history)
 
     def pricing(self) -> Pricing:
         """How its searches price copies: hidden by the prefetch's measured window (Eq. 8), or in full."""
@@ -166,7 +176,19 @@ class PlanAheadPlanner(Planner):
         self.prefetch = window
 
     def observe(self, flow_WE: np.ndarray) -> None:
-        self.history.append(np.asarray(flow_WE, dtype=np.float64))
+        """Add a flow to the window and to its running sum (one add and one subtract a call, where
+        stacking the window costs `window` passes over W·E)."""
+        raw = np.asarray(flow_WE)
+        flow = raw.astype(np.float64, copy=False)
+        whole = raw.dtype.kind in "iub" or bool(np.array_equal(flow, np.rint(flow)))
+        if self._sum_WE is not None and len(self.history) == self.history.maxlen:
+            self._sum_WE -= self.history[0]  # the oldest leaves the window
+        self.history.append(flow)
+        self._whole.append(whole)
+        if not whole:
+            self._sum_WE = None
+        elif self._sum_WE is not None:
+            self._sum_WE += flow
 
     def next_placement(self) -> Placement | None:
         plan = self.next_plan.result()

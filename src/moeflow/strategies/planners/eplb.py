@@ -192,7 +192,7 @@ def eplb_plan(
     for k, (e, d) in enumerate(placed):
         holders[e, d] = True
         rows[k] = holders[e]
-    pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of)
+    pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of, whole=True)
     predicted_s = pricer.cheapest_prefixes(
         experts, rows, lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
     )

@@ -220,7 +220,7 @@ def fssdp_plan(
     order = np.argsort(-load_E, kind="stable")
     copied = order[holders[order].sum(1) > 1]
     # Prefix k: the first k copied experts with their copies (`perf.placement_pricing`).
-    pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of)
+    pricer = PlacementPricer(np.rint(flow), placement.owner_E, cost_model, shape, node_of, whole=True)
     predicted = pricer.cheapest_prefixes(
         copied, holders[copied], lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
     )

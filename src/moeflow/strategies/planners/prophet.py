@@ -10,9 +10,11 @@ the block-wise scheduler hiding the copies), and stop once the load is balanced 
 the steps that achieved the lowest predicted time.
 
 A step changes one expert, so the search keeps its state per expert and re-prices only that one:
-its column of the dispatch plan (`core.placement.dispatch_entries`) updates every device's load,
-each device's relievable experts wait in a heap by load; the steps found, every prefix is priced
-in one pass from the owners' terms and each step's change (`perf.placement_pricing`). The steps,
+its column of the dispatch plan (`core.placement.dispatch_entries`) updates every device's load
+(the experts no step changed stay on their owners, implicitly), each device's relievable experts
+wait in a heap by load; a step reads its expert's column of the flow and sorts only the senders
+without a copy. The steps found, every prefix is priced in one pass from the owners' terms and each
+step's change (`perf.placement_pricing`), the copies only as far as the bound needs them. The steps,
 prices and choice are those of the loop that recomputed and priced the whole plan at every step
 (tested against it on random and trace flows).
 
@@ -143,9 +145,9 @@ def prophet_search(
         raise ValueError(f"cost model has {cost_model.topology.num_devices} devices, the expert-parallel group {W}")
     node_of = cost_model.topology.node_of
     tokens = np.rint(flow)  # what the dispatch plan sends
-    steps, rows = _search_steps(flow, tokens.astype(np.int64), owner_E, node_of, options)
+    steps, rows = _search_steps(flow, tokens, owner_E, node_of, options)
     experts = np.array([e for e, _ in steps], dtype=np.int64)
-    pricer = PlacementPricer(tokens, owner_E, cost_model, shape, node_of)
+    pricer = PlacementPricer(tokens, owner_E, cost_model, shape, node_of, whole=True)
     pricing = options.pricing()
     predicted = pricer.cheapest_prefixes(
         experts, rows, lambda t: price_terms(t, cost_model, shape, pricing), *prune_by_copies(pricing)
@@ -166,23 +168,23 @@ def _search_steps(
     """Algorithm 1's steps: (expert, devices it is sent to) and the expert's holders after each.
 
     The state is kept per expert and updated for the one expert a step changes: its computed tokens
-    per device (the dispatch plan's column, `dispatch_entries`), hence every device's load H; its
-    load on its owner; whether it still has senders without a copy ("open"). A step takes the
-    heaviest device that owns an open expert with load (ties: the lower device), and on it the
-    heaviest such expert (ties: the lower id: each device's open experts in a heap) — what `_relief`
-    of the loop version finds by scanning every device and expert."""
+    per device (the dispatch plan's column, `dispatch_entries`; the owner's alone until a step
+    changes it), hence every device's load H; its load on its owner; whether it still has senders
+    without a copy ("open"). A step takes the heaviest device that owns an open expert with load
+    (ties: the lower device), and on it the heaviest such expert (ties: the lower id: each device's
+    open experts in a heap) — what `_relief` of the loop version finds by scanning every device and
+    expert. `tokens_WE`: the flow rounded to whole assignments (what the plan sends)."""
     W, E = tokens_WE.shape
     experts = np.arange(E)
     holders = np.zeros((E, W), dtype=bool)
     holders[experts, owner_E] = True
-    tokens_EW = np.ascontiguousarray(tokens_WE.T)
-    flow_EW = np.ascontiguousarray(flow_WE.T)
-    waiting_EW = (flow_EW > 0) & ~holders  # senders without a copy
-    computed_EW = np.zeros((E, W), dtype=np.int64)  # tokens each device computes of each expert
-    computed_EW[experts, owner_E] = tokens_EW.sum(1)
-    H_W = computed_EW.sum(0)
-    at_owner = computed_EW[experts, owner_E].tolist()
-    open_E = (waiting_EW.any(1) & (computed_EW[experts, owner_E] > 0)).tolist()
+    waiting_WE = flow_WE > 0  # senders without a copy (a step reads its expert's column)
+    waiting_WE[owner_E, experts] = False
+    total_E = tokens_WE.sum(0).astype(np.int64)  # whole counts: exact
+    H_W = np.bincount(owner_E, weights=total_E, minlength=W).astype(np.int64)  # every expert on its owner
+    computed: dict[int, np.ndarray] = {}  # the experts a step changed: tokens each device computes of it
+    at_owner = total_E.tolist()
+    open_E = (waiting_WE.any(0) & (total_E > 0)).tolist()
     heaps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
     for e in np.flatnonzero(open_E).tolist():
         heaps[owner_E[e]].append((-at_owner[e], e))
@@ -193,22 +195,28 @@ def _search_steps(
     threshold = options.balance_alpha * flow_WE.sum() / E
     steps = []
     while open_devices and H_W.max() - H_W.min() >= threshold:  # some device can be relieved; Eq. 7
-        device = int(np.argmax(H_W + closed_W))
+        device = int((H_W + closed_W).argmax())
         _, e = heapq.heappop(heaps[device])
-        order = np.argsort(-flow_EW[e], kind="stable")  # its senders, most tokens first (ties: lower rank)
-        senders = order[waiting_EW[e, order]]
+        waiting_now = waiting_WE[:, e].nonzero()[0]  # by rank
+        senders = waiting_now[(-flow_WE[waiting_now, e]).argsort(kind="stable")]  # most tokens first
         to = senders[: max(1, senders.size - options.keep_out)]
-        holders[e, to] = True
-        waiting_EW[e, to] = False
         waiting = senders[to.size :]  # the senders still without a copy
-        if waiting.size and (tokens_EW[e, waiting] > 0).any():
+        if waiting.size:  # the expert stays open: its holders and waiting senders are read again
+            holders[e, to] = True
+            waiting_WE[to, e] = False
+        tokens_W = np.rint(flow_WE[:, e]).astype(np.int64)
+        if waiting.size and (tokens_W[waiting] > 0).any():
             # Some senders still send it away: the plan's column for the new holders.
-            _, _, dst, count = dispatch_entries(tokens_WE[:, [e]], holders[[e]], node_of)
+            _, _, dst, count = dispatch_entries(tokens_W[:, None], holders[[e]], node_of)
             column = np.bincount(dst, weights=count, minlength=W).astype(np.int64)
         else:  # every sender holds it: each computes its own
-            column = tokens_EW[e]
-        H_W += column - computed_EW[e]
-        computed_EW[e] = column
+            column = tokens_W
+        H_W += column
+        if e in computed:
+            H_W -= computed[e]
+        else:
+            H_W[owner_E[e]] -= total_E[e]
+        computed[e] = column
         at_owner[e] = int(column[owner_E[e]])
         if waiting.size and at_owner[e] > 0:  # still open: back on its device's heap
             heapq.heappush(heaps[device], (-at_owner[e], e))

@@ -140,6 +140,6 @@ def price_placement(
 ) -> float:
     """The predicted time (seconds, forward + backward) of one layer running `flow_WE` (rounded to
     whole assignments) on `placement`: Eq. 6, or Eq. 8 with `pricing.overlap` (`price_terms`)."""
-    pricer = PlacementPricer(np.rint(flow_WE), placement.owner_E, cost_model, shape, node_of)
+    pricer = PlacementPricer(np.rint(flow_WE), placement.owner_E, cost_model, shape, node_of, whole=True)
     terms = pricer.placements([placement.holders_EW], detail=pricing.model == "paper")
     return float(price_terms(terms, cost_model, shape, pricing)[0])
