@@ -32,9 +32,6 @@ from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms, _run
 class EverywherePricer(PlacementPricer):
     """`PlacementPricer` with the shadow steps' prices computed directly (module docstring)."""
 
-    _broadcasts_of: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    """(experts of the longest order priced, its broadcasts, its reduces)."""
-
     def _direct(self, experts: np.ndarray, new_QW: np.ndarray, start: np.ndarray, detail: bool) -> bool:
         """Whether the steps are one prefix of distinct experts, each held everywhere after it."""
         return (
@@ -68,35 +65,21 @@ class EverywherePricer(PlacementPricer):
         sign = -np.ones(k.size)
         traffic = _running(self._on_links(Q, k, src, dst, sign * count * self.tok_bytes), self.traffic0, start)
         classes = _running(self._per_class(Q, k, src, dst, sign), self.classes0, start)
-        trans, agg = self._broadcasts(experts)
-        copies = np.arange(Q + 1) * (W - 1)
+        copies = self._known_copies(experts, new_QW)  # the search's bound priced them for the whole order
+        trans, agg, _, _, n_copies = (
+            copies if copies is not None else self._copies(experts, owner_Q, new_QW, prev_QW, start)
+        )
         compute = cm.slowest(cm.expert_forward_time(tokens, shape, None) + cm.elementwise_time(tokens, shape))
         active = classes > 0.5
         latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
         a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
-        return PlacementTerms(compute, a2a, trans, agg, trans, agg, tokens, None, copies)
+        return PlacementTerms(compute, a2a, trans, agg, trans, agg, tokens, None, n_copies)
 
-    def copies_of_prefixes(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> np.ndarray:
-        experts = np.asarray(experts_Q, dtype=np.int64)
-        new_QW = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
-        start = np.zeros(experts.size, dtype=bool)
-        start[:1] = True
+    def _copies(self, experts, owner_Q, new_QW, prev_QW, start):
+        """Each step's expert held everywhere, before only by its owner: one broadcast out and one
+        reduce back per owner (`_everywhere`), no copy tree (module docstring); else the general's."""
+        Q = experts.size
         if not self._direct(experts, new_QW, start, False):
-            return super().copies_of_prefixes(experts, new_QW)
-        trans, agg = self._broadcasts(experts)
-        return trans + agg
-
-    def _broadcasts(self, experts_Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Every prefix's broadcasts out and reduces back `[Q + 1]` each (`_everywhere`); a search
-        prices its bound on the whole order, then prefixes of it: their running sums are the first
-        entries of the whole order's, so the order is priced once."""
-        whole = self._broadcasts_of
-        Q = experts_Q.size
-        if whole is None or whole[0].size < Q or not np.array_equal(whole[0][:Q], experts_Q):
-            start = np.zeros(Q, dtype=bool)
-            start[:1] = True
-            whole = self._broadcasts_of = (
-                experts_Q,
-                *self._everywhere(self.owner[experts_Q], np.ones(Q, np.int64), start),
-            )
-        return whole[1][: Q + 1], whole[2][: Q + 1]
+            return super()._copies(experts, owner_Q, new_QW, prev_QW, start)
+        trans, agg = self._everywhere(owner_Q, np.ones(Q, dtype=np.int64), start)
+        return trans, agg, trans, agg, np.arange(Q + 1) * (self.W - 1)
