@@ -43,8 +43,10 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 2.0])
     parser.add_argument("--profile", default=None, help="default: results/profile-testbed[-2x1].json")
+    parser.add_argument("--ceiling", action="store_true", help="also plain EP on perfectly even routing")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, help="`moeflow bench` variants")
     args = parser.parse_args()
-    result = bench_on_testbed(__file__, args, 4, VARIANTS)
+    result = bench_on_testbed(__file__, args, 4, args.variants, ("--ceiling",) if args.ceiling else ())
     mib = 2.0**20
     print(
         f"{'routing':<18}{'variant':<46}{'ms':>8}{'vs EP':>7}{'copies':>7}{'model ms':>9}"

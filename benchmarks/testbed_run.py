@@ -63,17 +63,18 @@ def ensure_profile(
     return path
 
 
-def bench_on_testbed(script: str, args, blocks: int, variants: list[str]) -> dict:
+def bench_on_testbed(script: str, args, blocks: int, variants: list[str], extra: tuple[str, ...] = ()) -> dict:
     """`moeflow bench` of `variants` (`--blocks`, the Zipf `args.skews` and the SmartMoE trace
-    replayed) on the 2-node testbed with its own profile (`args`: out, ranks_per_node,
-    bandwidth_mbit, iterations, skews, profile); writes `args.out` with the command and returns it."""
+    replayed; `extra`: more `moeflow bench` arguments) on the 2-node testbed with its own profile
+    (`args`: out, ranks_per_node, bandwidth_mbit, iterations, skews, profile); writes `args.out` with
+    the command and returns it."""
     suffix = "" if args.ranks_per_node == 2 else f"-2x{args.ranks_per_node}"
     profile = ensure_profile(
         Path(args.profile or f"results/profile-testbed{suffix}.json"), args.bandwidth_mbit, 2, args.ranks_per_node
     )
     bench = ["bench", "--cost-model", str(profile), "--tokens", "2048", "--d-model", "256", "--d-hidden", "1024"]
     bench += ["--experts", "2", "--blocks", str(blocks), "--iterations", str(args.iterations), "--skews"]
-    bench += [f"{s:g}" for s in args.skews] + ["--trace", "smartmoe", "--trace-replay", "--variants", *variants]
+    bench += [f"{s:g}" for s in args.skews] + ["--trace", "smartmoe", "--trace-replay", *extra, "--variants", *variants]
     raw = Path(args.out).with_suffix(".raw.json")
     on_testbed([*bench, "--out", str(raw)], 2, args.ranks_per_node, args.bandwidth_mbit)
     result = {"command": user_command(script), **json.loads(raw.read_text())}
