@@ -55,6 +55,7 @@ def main() -> int:
     for r in result["rows"]:
         strategy = "/".join([r["strategy"], *(f"{k}={v}" for k, v in r["options"])])
         variant = f"{strategy}:{r['schedule']}" + ("+prefetch" if r["prefetch"] else "")
+        variant += " (even routing)" if r.get("ceiling") else ""
         model = r["model_predicted_s"]
         reshards = " ".join(f"({x['moved']}, {1e3 * x['seconds']:.0f})" for x in r["reshards"])
         print(
