@@ -349,13 +349,13 @@ def test_owners_terms_by_node_equal_routing_every_pair(monkeypatch):
 def test_prefix_search_at_scale_prices_as_the_dense_sums(monkeypatch):
     """Searches of 100-300 steps on 64 ranks x 256 experts in 8 nodes (several blocks of
     `perf.prefix_max`, spread and one-holder states, experts stepped once or many times): the prices of
-    `cheapest_prefixes` equal, to the bit, those of every prefix summed densely (`_running` on a
+    `cheapest_prefixes` equal, to the bit, those of every prefix summed densely (`running_sums` on a
     pricer told the flow is not whole), and the prefixes it leaves unpriced are dearer."""
-    from moeflow.perf import placement_pricing
+    from moeflow.perf import placement_pricing, prefix_max
     from moeflow.sim.traces import synthetic_trace
     from moeflow.strategies.planners.prophet_model import price_terms
 
-    monkeypatch.setattr(placement_pricing, "RUNNING_MAX_FROM", 0)  # running maxima at any size
+    monkeypatch.setattr(prefix_max, "RUNNING_MAX_FROM", 0)  # running maxima at any size
     monkeypatch.setattr(placement_pricing, "BY_NODE_FROM", 0)
     rng = np.random.default_rng(10)
     world, experts = 64, 256

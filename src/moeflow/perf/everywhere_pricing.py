@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from moeflow.core.placement import dispatch_entries
-from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms, _running
+from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms
+from moeflow.perf.prefix_max import running_sums
 
 
 class EverywherePricer(PlacementPricer):
@@ -59,12 +60,12 @@ class EverywherePricer(PlacementPricer):
         k, src, dst, count = dispatch_entries(flow_WQ, prev_QW, self.node_of)
         before_QW = np.bincount(k * W + dst, weights=count, minlength=Q * W).reshape(Q, W)
         after_QW = np.where(flow_WQ > 0, flow_WQ, 0).T  # every source its own tokens
-        tokens = _running(after_QW - before_QW, self.tokens0, start)
+        tokens = running_sums(after_QW - before_QW, self.tokens0, start)
         remote = src != dst
         k, src, dst, count = k[remote], src[remote], dst[remote], count[remote]
         sign = -np.ones(k.size)
-        traffic = _running(self._on_links(Q, k, src, dst, sign * count * self.tok_bytes), self.traffic0, start)
-        classes = _running(self._per_class(Q, k, src, dst, sign), self.classes0, start)
+        traffic = running_sums(self._on_links(Q, k, src, dst, sign * count * self.tok_bytes), self.traffic0, start)
+        classes = running_sums(self._per_class(Q, k, src, dst, sign), self.classes0, start)
         copies = self._known_copies(experts, new_QW)  # the search's bound priced them for the whole order
         trans, agg, _, _, n_copies = (
             copies if copies is not None else self._copies(experts, owner_Q, new_QW, prev_QW, start)

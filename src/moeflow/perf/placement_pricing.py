@@ -15,7 +15,8 @@ Two parts of a price are not sums: the start-up latency of an exchange is the sl
 the pairs that exchange anything, and a copies broadcast costs per owner. A pair exchanges
 something iff it has a positive count, so the latency is read from the number of positive (source,
 expert, destination) counts on routes of each latency (integers: exact); the broadcasts are priced
-per owner from the number of experts each owner has held everywhere.
+per owner from the number of experts each owner has held everywhere. The copies' terms are
+`perf.placement_copies` (this class's base).
 
 At scale (1024 ranks x 1024 experts, a search of ~1000 steps): a step's sources whose candidates
 it does not change are left out (their entries would cancel); where every node hangs from the root,
@@ -44,8 +45,10 @@ from typing import Any
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner, tree_edges
-from moeflow.perf.prefix_max import prefix_max, prefix_max_entries, prefix_max_of_entries
+from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner
+from moeflow.perf import prefix_max as running
+from moeflow.perf.placement_copies import PlacementCopies
+from moeflow.perf.prefix_max import prefix_max_of_entries, running_sums
 from moeflow.perf.spread_pricing import Spread
 
 
@@ -72,21 +75,7 @@ class PlacementTerms:
     """Copies beyond the owners."""
 
 
-def _running(delta_QX: np.ndarray, base_X: Any, start_Q: np.ndarray) -> np.ndarray:
-    """Row 0: `base_X`; row j + 1: `base_X` plus the deltas of its candidate's steps up to j (the
-    running sum restarts where `start_Q` is True: a new candidate's first step)."""
-    total = np.cumsum(delta_QX, axis=0)
-    first = np.flatnonzero(start_Q)
-    if first.size > 1:
-        before = np.concatenate([np.zeros((1, *total.shape[1:]), total.dtype), total[:-1]])
-        total = total - before[np.repeat(first, np.diff(np.append(first, len(start_Q))))]
-    out = np.empty((total.shape[0] + 1, *total.shape[1:]), dtype=np.result_type(total, np.asarray(base_X)))
-    out[0] = base_X
-    np.add(total, base_X, out=out[1:])
-    return out
-
-
-class PlacementPricer:
+class PlacementPricer(PlacementCopies):
     """The terms of placements on `flow_WE` (module docstring). Built once per flow: the owners'
     terms; then `prefixes` (every prefix of a list of steps) or `placements` (each its own)."""
 
@@ -293,7 +282,7 @@ class PlacementPricer:
         step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
         # One candidate's prefixes (a search) keep running maxima; several candidates, the detail
         # of Eq. 1 or a price that is not a maximum of sums: every candidate's terms in full.
-        prefix = not detail and int(start.sum()) == 1 and Q * max(W, self.L) >= RUNNING_MAX_FROM
+        prefix = not detail and int(start.sum()) == 1 and Q * max(W, self.L) >= running.RUNNING_MAX_FROM
         local = src == dst
         tokens = calls = local_Z = None
         if prefix and self.max_compute:
@@ -308,21 +297,23 @@ class PlacementPricer:
                 computed_FW += np.bincount(
                     spread.hold_k * W + spread.hold_w, weights=spread.received, minlength=2 * Q * W
                 ).reshape(2 * Q, W)
-            tokens = _running(computed_FW[:Q] - computed_FW[Q:], self.tokens0, start)
+            tokens = running_sums(computed_FW[:Q] - computed_FW[Q:], self.tokens0, start)
             if cm.prices_gemm_calls:  # experts with tokens per device: priced only with a fitted GEMM launch
-                calls = _running((computed_FW[:Q] > 0).astype(np.int64) - (computed_FW[Q:] > 0), self.calls0, start)
+                calls = running_sums((computed_FW[:Q] > 0).astype(np.int64) - (computed_FW[Q:] > 0), self.calls0, start)
             gemm_calls = None if calls is None else calls * shape.gemms
             compute = cm.slowest(cm.expert_forward_time(tokens, shape, gemm_calls) + cm.elementwise_time(tokens, shape))
         if detail:
             local_FW = np.bincount(k[local] * W + dst[local], weights=count[local], minlength=2 * Q * W)
-            local_Z = _running(local_FW[: Q * W].reshape(Q, W) - local_FW[Q * W :].reshape(Q, W), self.local0, start)
+            local_Z = running_sums(
+                local_FW[: Q * W].reshape(Q, W) - local_FW[Q * W :].reshape(Q, W), self.local0, start
+            )
         # The exchange: the remote entries' bytes on every link, and their count per route latency.
         remote = ~local
         step, sign, src, dst, count = step[remote], sign[remote], src[remote], dst[remote], count[remote]
         d_classes = self._per_class(Q, step, src, dst, sign)
         if spread is not None:
             d_classes += spread.classes(Q)
-        classes = _running(d_classes, self.classes0, start)
+        classes = running_sums(d_classes, self.classes0, start)
         active = classes > 0.5  # positive entries per latency class (integer counts)
         latency = np.where(active, topo.latency_classes, 0.0).max(-1, initial=0.0)
         if prefix and self.max_exchange:
@@ -335,7 +326,7 @@ class PlacementPricer:
             d_traffic = self._on_links(Q, step, src, dst, sign * count * self.tok_bytes)
             if spread is not None:
                 d_traffic += spread.traffic(Q, self.tok_bytes)
-            traffic = _running(d_traffic, self.traffic0, start)
+            traffic = running_sums(d_traffic, self.traffic0, start)
             a2a = cm.a2a_from_traffic(traffic, latency, active.any(-1))
         copies = self._known_copies(experts, new_QW) if int(start.sum()) == 1 else None
         if copies is None:
@@ -350,126 +341,6 @@ class PlacementPricer:
     def _link_time(self, traffic: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """Bytes on links `cols` over their bandwidth (`CostModel.link_time_from_traffic` before its max)."""
         return traffic * self.inv_bw_L[cols]
-
-    def _copies(self, experts, owner_Q, new_QW, prev_QW, start):
-        """Copies out and back per candidate `[Q + 1]` (and as the prefetch sends them), and their
-        number: the copy trees of the partial sets (`core.placement.tree_edges`) and the experts held
-        everywhere by owner — broadcasts / reduces, or on gloo across nodes (`self.tree`) in the
-        same trees; the prefetch sends those by broadcast / reduce beside the partial sets' trees."""
-        Q, W = experts.size, self.W
-        own_QW = np.zeros((Q, W), dtype=bool)
-        own_QW[np.arange(Q), owner_Q] = True
-        extra_new, extra_prev = new_QW & ~own_QW, prev_QW & ~own_QW
-        every_new = new_QW.all(1) & extra_new.any(1)
-        every_prev = prev_QW.all(1) & extra_prev.any(1)
-        every_trans, every_agg = self._everywhere(owner_Q, every_new.astype(np.int64) - every_prev, start)
-        copies = _running((extra_new.sum(1) - extra_prev.sum(1))[:, None], np.zeros(1, np.int64), start)[:, 0]
-        owner_F = np.concatenate([owner_Q, owner_Q])
-        every_F = np.concatenate([every_new, every_prev])
-        partial_FW = np.where(every_F[:, None], np.concatenate([own_QW, own_QW]), np.concatenate([new_QW, prev_QW]))
-        trees = self._stages(Q, partial_FW, owner_F, self.topology.node_of, start)
-        trans, agg = every_trans + trees, every_agg + trees  # as the prefetch sends them
-        if self.tree:  # as `materialize` sends them: everything through the trees, at once
-            every = self._stages(Q, np.concatenate([new_QW, prev_QW]), owner_F, self.topology.node_of, start)
-            return every, every, trans, agg, copies
-        return trans, agg, trans, agg, copies
-
-    def _stages(self, Q: int, rows_FW: np.ndarray, owner_F: np.ndarray, node_of, start: np.ndarray) -> np.ndarray:
-        """The copy trees of the states `rows_FW` (Q after the steps, then Q before) priced per
-        candidate `[Q + 1]`: per stage its busiest link (`CostModel.stage_time_from_traffic`) and
-        slowest active route, the stages one after the other."""
-        k, src, dst, stage = tree_edges(rows_FW, owner_F, node_of)
-        step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
-        L, N = self.L, self.N
-        if k.size == 0:
-            return np.zeros(Q + 1)
-        if self.max_stages and int(start.sum()) == 1 and Q * L >= RUNNING_MAX_FROM:  # a search: running maxima
-            total = np.zeros(Q + 1)
-            for s in (0, 1):
-                m = stage == s
-                if m.any():
-                    run = _running(self._per_class(Q, step[m], src[m], dst[m], sign[m]), np.zeros(N), start)
-                    active = run > 0.5
-                    latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
-                    hops = self.topology.route_WWH[src[m], dst[m]]  # [n, H], padded with L
-                    if hops.size * 8 > Q * L:  # many edges a step: their bytes per step and link, dense
-                        d_links = self._on_links(Q, step[m], src[m], dst[m], sign[m] * self.param_bytes)
-                        busiest = prefix_max(d_links, np.zeros(L), self._link_time, 0.0)
-                    else:
-                        H, link = hops.shape[-1], hops.reshape(-1)
-                        on = link < L
-                        at, value = np.repeat(step[m], H)[on], np.repeat(sign[m] * self.param_bytes, H)[on]
-                        busiest = prefix_max_entries(at, link[on], value, Q, np.zeros(L), self._link_time, 0.0)
-                    total += np.where(active.any(-1), busiest + latency, 0.0)
-            return total
-        # Both stages' link bytes and route-latency counts side by side: one running sum.
-        deltas = [np.zeros((Q, L + N)), np.zeros((Q, L + N))]
-        for s in (0, 1):
-            m = stage == s
-            if m.any():
-                deltas[s][:, :L] = self._on_links(Q, step[m], src[m], dst[m], sign[m] * self.param_bytes)
-                deltas[s][:, L:] = self._per_class(Q, step[m], src[m], dst[m], sign[m])
-        run = _running(np.concatenate(deltas, axis=1), np.zeros(2 * (L + N)), start)
-        total = np.zeros(Q + 1)
-        for s in (0, 1):
-            part = run[:, s * (L + N) : (s + 1) * (L + N)]
-            active = part[:, L:] > 0.5
-            latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
-            total += np.where(active.any(-1), self.cm.stage_time_from_traffic(part[:, :L]) + latency, 0.0)
-        return total
-
-    def copies_of_prefixes(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> np.ndarray:
-        """Copies out and back `[Q + 1]` of every prefix of the steps (as `prefixes` prices them, the
-        rest left out): a lower bound of each prefix's price."""
-        trans, agg, *_ = self._prefix_copies(experts_Q, holders_QW)
-        return trans + agg
-
-    def _prefix_copies(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> tuple:
-        """`_copies` of every prefix of the steps (row c: the first c steps), kept for the prefixes
-        of these steps that a search prices next (`_known_copies`)."""
-        experts = np.asarray(experts_Q, dtype=np.int64)
-        start = np.zeros(experts.size, dtype=bool)
-        start[:1] = True
-        new_QW = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
-        owner_Q = self.owner[experts]
-        copies = self._copies(experts, owner_Q, new_QW, self._previous(experts, owner_Q, new_QW, start), start)
-        self._copies_of = (experts, new_QW, copies)
-        return copies
-
-    def _known_copies(self, experts: np.ndarray, new_QW: np.ndarray) -> tuple | None:
-        """The copies of the prefixes of `experts` if the steps priced last began with them (a
-        prefix's running sums are the first rows of a longer order's), else None."""
-        known = self._copies_of
-        Q = experts.size
-        if known is None or known[0].size < Q or not np.array_equal(known[0][:Q], experts):
-            return None
-        if not np.array_equal(known[1][:Q], new_QW):
-            return None
-        return tuple(c[: Q + 1] for c in known[2])
-
-    def _everywhere(self, owner_Q: np.ndarray, d_every_Q: np.ndarray, start: np.ndarray):
-        """The broadcasts / reduces of the experts held everywhere, per candidate `[Q + 1]` each way.
-        A step changes one owner's count by one: one broadcast's price changes, `f(n + 1) − f(n)`."""
-        cm, W, Q = self.cm, self.W, owner_Q.size
-        if Q == 0:
-            return np.zeros(1), np.zeros(1)
-        # Each owner's count before and after every step (running per owner within its candidate).
-        candidate = np.cumsum(start)
-        key = candidate * W + owner_Q
-        order = np.lexsort((np.arange(Q), key))
-        run = np.cumsum(d_every_Q[order])
-        first = np.r_[True, key[order][1:] != key[order][:-1]]
-        run -= np.repeat((run - d_every_Q[order])[first], np.diff(np.r_[np.flatnonzero(first), Q]))
-        after = np.empty(Q, dtype=np.int64)
-        after[order] = run
-        before = after - d_every_Q
-        out = []
-        for direction in DIRECTIONS:
-            kind = "broadcast" if direction == "materialize" else "reduce"
-            top = int(max(after.max(initial=0), before.max(initial=0)))
-            price = cm.collective_times(kind, np.arange(top + 1) * self.param_bytes)
-            out.append(_running((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
-        return out[0], out[1]
 
     def _spread(self, flow_WF: np.ndarray, rows_FW: np.ndarray, earlier_Q: np.ndarray) -> Spread | None:
         """The sources that spread over every holder of a state (their node holds none of them),
@@ -536,10 +407,7 @@ class PlacementPricer:
         return np.bincount(index, weights=sign, minlength=Q * self.N).astype(np.float64, copy=False).reshape(Q, self.N)
 
 
-DIRECTIONS = ("materialize", "reduce")
 PRICED_FIRST = 32
 """Prefixes priced before the copies' bound decides how many more (`cheapest_prefixes`)."""
-RUNNING_MAX_FROM = 1 << 14
-"""Steps x columns from which a search keeps running maxima (below, the dense sums cost less)."""
 BY_NODE_FROM = 128
 """Ranks from which the owners' terms are summed per node (below, routing every pair costs less)."""

@@ -16,10 +16,28 @@ block touches.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 PREFIX_BLOCK = 64
 """Steps per block (a block's dense part is PREFIX_BLOCK x X)."""
+RUNNING_MAX_FROM = 1 << 14
+"""Steps x columns from which a search keeps running maxima (below, the dense sums cost less)."""
+
+
+def running_sums(delta_QX: np.ndarray, base_X: Any, start_Q: np.ndarray) -> np.ndarray:
+    """Row 0: `base_X`; row j + 1: `base_X` plus the deltas of its candidate's steps up to j (the
+    running sum restarts where `start_Q` is True: a new candidate's first step)."""
+    total = np.cumsum(delta_QX, axis=0)
+    first = np.flatnonzero(start_Q)
+    if first.size > 1:
+        before = np.concatenate([np.zeros((1, *total.shape[1:]), total.dtype), total[:-1]])
+        total = total - before[np.repeat(first, np.diff(np.append(first, len(start_Q))))]
+    out = np.empty((total.shape[0] + 1, *total.shape[1:]), dtype=np.result_type(total, np.asarray(base_X)))
+    out[0] = base_X
+    np.add(total, base_X, out=out[1:])
+    return out
 
 
 def prefix_max(delta_QX: np.ndarray, base_X: np.ndarray, h, floor: float) -> np.ndarray:
