@@ -39,7 +39,7 @@ from moeflow.core import dispatch
 from moeflow.core.checks import check_layer_input, finite_number, positive_int
 from moeflow.core.exchange import ExchangeBlock
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.experts import GroupedExperts, SharedExperts
+from moeflow.core.experts import GroupedExperts, shared_experts_of
 from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.core.registry import LayerContext
@@ -176,7 +176,15 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
             dispatch=(dispatch, dispatch_options),
         )
         self.experts = GroupedExperts(num_experts, d_model, d_hidden, kind=expert, options=expert_options)
-        self.shared_experts = self._shared(num_shared_experts, shared_d_hidden, shared_experts, expert_options)
+        self.shared_experts = shared_experts_of(
+            num_shared_experts,
+            shared_d_hidden,
+            shared_experts,
+            self.d_model,
+            self.d_hidden,
+            self.experts.kind,
+            expert_options,
+        )
         self.hooks = layer_hooks(hooks, dispatch_dtype)
         observers = [c for c in (self.planner, self.schedule) if c.observes_time]
         if observers:  # what `auto` learns from (`strategies.timing`): first, its copies' span outermost
@@ -199,24 +207,6 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         self._bind(Placement.expert_parallel(num_experts, 1))
         if group is not None:
             self.to_expert_parallel(group)
-
-    def _shared(self, count: int, d_hidden: int | None, module: nn.Module | None, options) -> nn.Module | None:
-        """The shared experts: moeflow's own (`count` of them), a given module, or None."""
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"num_shared_experts={count!r} must be an int >= 0")
-        if module is not None:
-            if count or d_hidden is not None:
-                raise ValueError("shared_experts= (a module) excludes num_shared_experts and shared_d_hidden")
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"shared_experts={type(module).__name__}: expected an nn.Module [T, D] -> [T, D]")
-            return module
-        if d_hidden is not None:
-            positive_int("shared_d_hidden", d_hidden)
-            if not count:
-                raise ValueError(f"shared_d_hidden={d_hidden} needs num_shared_experts >= 1 (got 0)")
-        if not count:
-            return None
-        return SharedExperts(self.d_model, d_hidden or count * self.d_hidden, self.experts.kind, options)
 
     def _build_axes(self, ctx: LayerContext, **axes: tuple[Any, Any]) -> None:
         """One component per axis, by name from its registry (with its options) or as an object."""

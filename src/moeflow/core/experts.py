@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeflow.core.checks import positive_int
 from moeflow.core.expert_shape import EXPERT_KINDS
 from moeflow.core.expert_sharding import ForwardOnMemberZero
 from moeflow.core.registry import parse_options
@@ -372,3 +373,25 @@ class SharedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, d_model={self.d_model}, d_hidden={self.d_hidden}"
+
+
+def shared_experts_of(
+    count: int, d_hidden: int | None, module: nn.Module | None, d_model: int, routed_d_hidden: int, kind: str, options
+) -> nn.Module | None:
+    """A layer's shared experts from its arguments: moeflow's own (`count` of them, `d_hidden` wide
+    together, default `count` × the routed experts' width), a given module, or None."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"num_shared_experts={count!r} must be an int >= 0")
+    if module is not None:
+        if count or d_hidden is not None:
+            raise ValueError("shared_experts= (a module) excludes num_shared_experts and shared_d_hidden")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"shared_experts={type(module).__name__}: expected an nn.Module [T, D] -> [T, D]")
+        return module
+    if d_hidden is not None:
+        positive_int("shared_d_hidden", d_hidden)
+        if not count:
+            raise ValueError(f"shared_d_hidden={d_hidden} needs num_shared_experts >= 1 (got 0)")
+    if not count:
+        return None
+    return SharedExperts(d_model, d_hidden or count * routed_d_hidden, kind, options)
