@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import numpy as np
 
-from testbed_run import run_workers, write_result
+from testbed_run import run_workers, time_copies, write_result
 
 CASES = {
     "1 holder, other node": [(0, [2])],
@@ -41,14 +40,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
 
-    from moeflow.bench.interleave import balanced_order
     from moeflow.core.experts import GroupedExperts
     from moeflow.core.launch import init_distributed
     from moeflow.core.placement import Placement
-    from moeflow.core.sparse_collectives import materialize
 
     init_distributed("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -65,20 +61,8 @@ def worker(args: argparse.Namespace) -> None:
             extra[e, holders] = True
         placement = base.with_holders(extra)
         held = np.flatnonzero(placement.holders_EW[:, rank])
-        times = {"tree": [], "owner": []}
-        for it in range(args.warmup + args.repeats):
-            for variant, layout in balanced_order((("tree", node_of), ("owner", None)), it):
-                dist.barrier()
-                start = time.perf_counter()
-                out = materialize(weights, placement, dist.group.WORLD, experts.expert_ids, held, layout)
-                sum(w.sum() for w in out.values()).backward()
-                dist.barrier()
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                if it >= args.warmup:
-                    times[variant].append(float(elapsed))
-                for w in weights.values():
-                    w.grad = None
+        layouts = {"tree": node_of, "owner": None}
+        times = time_copies(weights, placement, experts.expert_ids, held, layouts, args.warmup, args.repeats)
         row = {
             "case": case,
             "copies": int(extra.sum()),

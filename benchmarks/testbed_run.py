@@ -104,3 +104,32 @@ def write_result(script: str, path: str | Path, result: dict) -> None:
 def user_command(script: str) -> str:
     """The command the user typed, for a worker's JSON (without the --worker the launcher added)."""
     return f"python benchmarks/{Path(script).name} " + " ".join(a for a in sys.argv[1:] if a != "--worker")
+
+
+def time_copies(weights: dict, placement, expert_ids, held_J, layouts: dict, warmup: int, repeats: int) -> dict:
+    """On a worker: the slowest rank's seconds of `materialize` forward and its gradient sums back,
+    for each node layout of `layouts` (name -> `node_of`, or None: copies straight from the owner),
+    the variants interleaved in a balanced order each iteration, `warmup` untimed first."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from moeflow.bench.interleave import balanced_order
+    from moeflow.core.sparse_collectives import materialize
+
+    times = {name: [] for name in layouts}
+    for it in range(warmup + repeats):
+        for variant, layout in balanced_order(tuple(layouts.items()), it):
+            dist.barrier()
+            start = time.perf_counter()
+            out = materialize(weights, placement, dist.group.WORLD, expert_ids, held_J, layout)
+            sum(w.sum() for w in out.values()).backward()
+            dist.barrier()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if it >= warmup:
+                times[variant].append(float(elapsed))
+            for w in weights.values():
+                w.grad = None
+    return times
