@@ -377,7 +377,7 @@ def test_prefix_search_at_scale_prices_as_the_dense_sums(monkeypatch):
             rows[j] = holders[e]
         for pricing in (Pricing(), Pricing(overlap=True, nonmoe_forward_s=1e-3)):
 
-            def price(t, pricing=pricing):
+            def price(t, pricing=pricing, cm=cm):
                 return price_terms(t, cm, shape, pricing)
 
             fast = PlacementPricer(flow, owners.owner_E, cm, shape, cm.topology.node_of, whole=True)
