@@ -325,9 +325,9 @@ def test_share_of_the_force_balanced_ceiling_sweep_and_progress(capsys, tmp_path
 
 
 def test_cli_simulate_copy_chunks_prices_the_trees_pipelined(capsys):
-    """`--copy-chunks N` prices the copy trees in Hecate §4.1's chunk pipeline: on hecate_b (PCIe
-    inside the nodes: a slow second stage) EPLB's copies cost less in 4 pieces than whole, for the
-    same replicas; a bad value is a one-line error."""
+    """`--copy-chunks N` prices the copy trees in Hecate §4.1's chunk pipeline: on hecate_b (nodes of
+    8: relays forward inside them) EPLB's copies cost less in 4 pieces than whole, for the same
+    replicas; a bad value is a one-line error."""
     argv = ["simulate", "--cluster", "hecate_b", "--trace", "zipf", "--skew", "1.2", "--iterations", "3"]
     argv += ["--experts", "32", "--strategy", "eplb", "--schedule", "sync", "--json"]
     rows = {}
