@@ -245,12 +245,11 @@ class _Materialize(torch.autograd.Function):
 def reduce_partials(plan: _Transfers, grad_YP: torch.Tensor, group) -> dict[int, torch.Tensor]:
     """reduce_to_owner along the trees reversed, then one reduce per collective bundle: per bundle
     this rank owns or relays, the sum of its holders' gradients (`[len(experts), P]`; the owner's
-    own gradient excluded). Sums in a fixed order: own rows, then each sender's in edge order."""
+    own gradient excluded). Sums in a fixed order: own rows, then each sender's in edge order.
+    `grad_YP` is consumed: a relay sums into its rows in place, piece by piece (no copy of them)."""
     me = plan.me
     partial = {
-        b: grad_YP.new_zeros((len(bundle.experts), grad_YP.shape[1]))
-        if bundle.owner == me
-        else grad_YP[plan.rows(b)].clone()  # summed into in place, piece by piece
+        b: grad_YP.new_zeros((len(bundle.experts), grad_YP.shape[1])) if bundle.owner == me else grad_YP[plan.rows(b)]
         for b, bundle in enumerate(plan.bundles)
     }
     reduce_rounds(plan, partial, group)  # a relay sums its node-mates' before sending on
