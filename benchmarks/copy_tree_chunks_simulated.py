@@ -1,14 +1,19 @@
-"""What a chunk pipeline in the copy trees would save, before building it (Hecate §4.1's relays
-forwarding chunk j while they receive chunk j + 1), simulated on the papers' clusters.
+"""What the chunk pipeline in the copy trees saves (Hecate §4.1's relays forwarding chunk j while
+they receive chunk j + 1, `core.copy_rounds`), simulated on the papers' clusters.
 
 `core.sparse_collectives` sends a partial replica set along its tree in two stages (owner → one
-relay per other node, then relay → its node's holders), the second after the first has arrived
-whole. With c chunks the stages overlap: stage 1's chunk r travels beside stage 2's chunk r − 1,
-c + 1 rounds, each the slower of the two plus its latency. This prices both for the placements
-each strategy makes on a workload (`moeflow simulate`'s planners, the same plans) — the trees of
-partial sets only (sets held everywhere move by broadcast / reduce) — forward and backward, per
-iteration. It is an upper bound on the end-to-end gain: under the block-wise prefetch much of the
-copies' time is already hidden.
+relay per other node, then relay → its node's holders); with `moe.copy_chunks` c > 1 the stages
+overlap: stage 1's piece r travels beside stage 2's piece r − 1, c + 1 rounds, each the slower of
+the two plus its latency. This prices the trees with the cost model's own pricing
+(`CostModel.tree_stage_terms`, `copies_pricing.pipelined_trees`: the numbers `copies_time` and the
+planners use with `copy_chunks` c) for the placements each strategy makes on a workload
+(`moeflow simulate`'s planners with the block-wise prefetch's window, planned with c = 1 so that
+every c prices the same placements) — the trees of partial sets only (sets held everywhere move by
+broadcast / reduce) — forward and backward, per iteration. It is an upper bound on the end-to-end
+gain: under the block-wise prefetch (which sends each stage whole) much of the copies' time is
+already hidden. Beside it, the whole iteration as `moeflow simulate --schedule sync --copy-chunks c`
+prices it without the prefetch (copies on the critical path, the planners choosing on the
+pipelined prices).
 
     .venv/bin/python benchmarks/copy_tree_chunks_simulated.py --out results/chunks.json
 
@@ -23,10 +28,10 @@ import sys
 
 import numpy as np
 
-from moeflow.core.placement import tree_edges
 from moeflow.core.registry import LayerContext
+from moeflow.perf.copies_pricing import pipelined_trees
 from moeflow.sim.planning import plan_replay
-from moeflow.sim.simulator import routed_flow
+from moeflow.sim.simulator import routed_flow, simulate
 from moeflow.sim.workload import add_workload_arguments, workload_from_args
 from moeflow.strategies import PLANNERS
 from moeflow.strategies.planners.base import PrefetchWindow
@@ -41,32 +46,12 @@ RUNS = {
 }
 
 
-def stage_times(cm, holders_EW: np.ndarray, owner_E: np.ndarray, param_bytes: float) -> list[tuple[float, float]]:
-    """(link time, latency) of each stage of the partial sets' trees (`CostModel._trees_time`'s terms)."""
-    topo = cm.topology
+def trees_time(cm, holders_EW: np.ndarray, owner_E: np.ndarray, param_bytes: float, chunks: int) -> float:
+    """One direction of the partial sets' trees in `chunks` pieces, as the cost model prices them."""
     W = holders_EW.shape[1]
     everywhere_E = holders_EW.all(1)
     partial_EW = np.where(everywhere_E[:, None], np.eye(W, dtype=bool)[owner_E], holders_EW)
-    _, src, dst, stage = tree_edges(partial_EW, owner_E, topo.node_of)
-    out = []
-    for s in (0, 1):
-        m = stage == s
-        if not m.any():
-            out.append((0.0, 0.0))
-            continue
-        hops = topo.route_WWH[src[m], dst[m]].reshape(-1)
-        traffic_L = np.bincount(hops, minlength=len(topo.links) + 1)[:-1] * param_bytes
-        out.append((float(cm.stage_time_from_traffic(traffic_L)), float(topo.path_latency_WW[src[m], dst[m]].max())))
-    return out
-
-
-def pipelined(stages: list[tuple[float, float]], chunks: int) -> float:
-    """Two stages in `chunks` rounds each (module docstring); one stage alone is sent whole."""
-    (t1, l1), (t2, l2) = stages
-    if not (t1 and t2) or chunks == 1:
-        return t1 + l1 + t2 + l2
-    a, b = t1 / chunks + l1, t2 / chunks + l2
-    return a + (chunks - 1) * max(a, b) + b
+    return float(pipelined_trees(*cm.tree_stage_terms(param_bytes, partial_EW, owner_E), chunks))
 
 
 def run(args: list[str], strategies: list[str]) -> dict:
@@ -87,10 +72,24 @@ def run(args: list[str], strategies: list[str]) -> dict:
         total = dict.fromkeys(CHUNKS, 0.0)
         for i in range(I):
             for li in range(L):
-                stages = stage_times(cm, plans.holders[i, li], plans.owners[i, li], param_bytes)
-                for c in CHUNKS:
-                    total[c] += 2 * pipelined(stages, c)  # forward copies and backward sums
+                for c in CHUNKS:  # forward copies and backward sums (the same links reversed)
+                    total[c] += 2 * trees_time(cm, plans.holders[i, li], plans.owners[i, li], param_bytes, c)
         out[name] = {f"chunks_{c}_ms": 1e3 * v / I for c, v in total.items()}
+    return out
+
+
+def iterations(args: list[str], strategies: list[str]) -> dict:
+    """Mean simulated iteration (ms) per strategy and c, `moeflow simulate --schedule sync
+    --copy-chunks c` without the prefetch: the copies on the critical path, the planners choosing
+    them on the pipelined prices."""
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser)
+    out: dict = {name: {} for name in strategies}
+    for c in CHUNKS:
+        argv = [*args, "--strategy", ",".join(strategies), "--schedule", "sync", "--copy-chunks", str(c)]
+        trace, cm, layer, names, schedules = workload_from_args(parser.parse_args(argv))
+        for result in simulate(trace, cm, layer, names, schedules):
+            out[result.strategy][f"chunks_{c}_ms"] = 1e3 * float(result.total_I.mean())
     return out
 
 
@@ -99,12 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default="fssdp,eplb")
     parser.add_argument("--out", default="results/copy_tree_chunks.json")
     args = parser.parse_args(argv)
-    result = {label: run(run_args, args.strategies.split(",")) for label, run_args in RUNS.items()}
-    for label, rows in result.items():
-        for name, row in rows.items():
-            print(f"{label:<24}{name:<8}" + "".join(f"{k[:-3]:>11} {v:8.1f}" for k, v in row.items()))
+    strategies = args.strategies.split(",")
+    result = {label: run(run_args, strategies) for label, run_args in RUNS.items()}
+    whole = {label: iterations(run_args, strategies) for label, run_args in RUNS.items()}
+    for title, table in (("copy trees, ms per iteration", result), ("iteration (sync), ms", whole)):
+        print(title)
+        for label, rows in table.items():
+            for name, row in rows.items():
+                print(f"{label:<24}{name:<8}" + "".join(f"{k[:-3]:>11} {v:8.1f}" for k, v in row.items()))
+    document = {"command": " ".join(sys.argv), "trees_ms_per_iteration": result, "iteration_ms_sync": whole}
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "trees_ms_per_iteration": result}, f, indent=1)
+        json.dump(document, f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -106,10 +106,13 @@ def user_command(script: str) -> str:
     return f"python benchmarks/{Path(script).name} " + " ".join(a for a in sys.argv[1:] if a != "--worker")
 
 
-def time_copies(weights: dict, placement, expert_ids, held_J, layouts: dict, warmup: int, repeats: int) -> dict:
+def time_copies(
+    weights: dict, placement, expert_ids, held_J, layouts: dict, warmup: int, repeats: int, chunks: dict | None = None
+) -> dict:
     """On a worker: the slowest rank's seconds of `materialize` forward and its gradient sums back,
     for each node layout of `layouts` (name -> `node_of`, or None: copies straight from the owner),
-    the variants interleaved in a balanced order each iteration, `warmup` untimed first."""
+    the variants interleaved in a balanced order each iteration, `warmup` untimed first. `chunks`:
+    name -> the copy trees' pieces of that variant (`materialize`'s `chunks`; 1 where not named)."""
     import time
 
     import torch
@@ -123,7 +126,8 @@ def time_copies(weights: dict, placement, expert_ids, held_J, layouts: dict, war
         for variant, layout in balanced_order(tuple(layouts.items()), it):
             dist.barrier()
             start = time.perf_counter()
-            out = materialize(weights, placement, dist.group.WORLD, expert_ids, held_J, layout)
+            pieces = (chunks or {}).get(variant, 1)
+            out = materialize(weights, placement, dist.group.WORLD, expert_ids, held_J, layout, pieces)
             sum(w.sum() for w in out.values()).backward()
             dist.barrier()
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)

@@ -6,7 +6,10 @@ gloo), for partial and full holder sets, bundles of several experts, and a rank 
 expert and holds no copy; and the block-wise prefetch sending the trees stage by stage (a
 two-block model with copies planned ahead equals plain EP). The tree's results equal the
 point-to-point ones exactly in forward and within float tolerance in backward (the sums run in
-another order), and repeat bit for bit.
+another order), and repeat bit for bit. The chunk pipeline (`core.copy_rounds`, Hecate §4.1) gives
+the whole messages' copies and owners' gradients bit for bit for 2, 3 and 8 pieces, messages
+narrower than the pieces included (on 2 × 2 nodes; on 2 ranks no tree has a second stage and the
+messages go whole).
 
 Shape suffixes: E experts, W ranks, J experts held by this rank, X the per-expert dims of a parameter (`SHAPES`)."""
 
@@ -30,6 +33,9 @@ from .multirank_prophet import TwoBlocks, _batch
 
 SHAPES = {"w": (3, 4), "b": (5,)}
 """Per-expert parameter shapes (the X dims)."""
+NARROW = {"w": (2,), "b": (1,)}
+"""Per-expert shapes of a message 3 columns wide: narrower than 8 pieces (empty pieces)."""
+CHUNKS = (2, 3, 8)
 
 
 def _cases(world: int) -> list[Placement]:
@@ -64,12 +70,12 @@ def _cases(world: int) -> list[Placement]:
     return out
 
 
-def _run(placement: Placement, node_of, weights_E: dict, grads_EW: dict, me: int):
+def _run(placement: Placement, node_of, weights_E: dict, grads_EW: dict, me: int, chunks: int = 1):
     """Held weights and the owner's gradients of the local rows under `node_of`."""
     owned = [int(e) for e in np.flatnonzero(placement.owner_E == me)]
     local = {n: w[owned].clone().requires_grad_() for n, w in weights_E.items()}
     held_J = np.flatnonzero(placement.holders_EW[:, me])
-    held = materialize(local, placement, dist.group.WORLD, owned, held_J, node_of)
+    held = materialize(local, placement, dist.group.WORLD, owned, held_J, node_of, chunks)
     loss = sum((held[n] * grads_EW[n][held_J, me]).sum() for n in held)
     loss.backward()
     return {n: h.detach() for n, h in held.items()}, {n: p.grad for n, p in local.items()}, owned, held_J
@@ -77,7 +83,7 @@ def _run(placement: Placement, node_of, weights_E: dict, grads_EW: dict, me: int
 
 def check_sparse_collectives(rank: int, world: int) -> None:
     layouts = [None, [r * 2 // world for r in range(world)]]  # one node; 1 x 2 or 2 x 2
-    inter_node_edges = 0
+    inter_node_edges, pipelined = 0, 0
     for c, placement in enumerate(_cases(world)):
         E = placement.num_experts
         gen = torch.Generator().manual_seed(c)
@@ -106,10 +112,35 @@ def check_sparse_collectives(rank: int, world: int) -> None:
         for n in SHAPES:  # the trees give the point-to-point results
             assert torch.equal(results[0][0][n], results[1][0][n])
             torch.testing.assert_close(results[0][1][n], results[1][1][n], **TOL)
-    # Not vacuous: copies crossed nodes through the trees; each (bundle, node) entered once.
-    total = torch.tensor([float(inter_node_edges)])
+        pipelined += _check_chunks(placement, layouts[1], weights_E, grads_EW, rank, c)
+    # Not vacuous: copies crossed nodes through the trees; each (bundle, node) entered once; on
+    # 2 x 2 nodes relays forwarded pieces.
+    total = torch.tensor([float(inter_node_edges), float(pipelined)])
     dist.all_reduce(total)
-    assert total.item() > 0
+    assert total[0].item() > 0
+    assert (total[1].item() > 0) == (world == 4)
+
+
+def _check_chunks(placement: Placement, node_of, weights_E: dict, grads_EW: dict, rank: int, case: int) -> int:
+    """The chunk pipeline's copies and owners' gradients equal the whole messages' bit for bit, for
+    `weights_E` and for messages narrower than the pieces; 1 if this rank sent or received pieces."""
+    E, world = placement.num_experts, len(node_of)
+    gen = torch.Generator().manual_seed(100 + case)
+    narrow_E = {n: torch.randn((E, *s), generator=gen) for n, s in NARROW.items()}
+    narrow_EW = {n: torch.randn((E, world, *s), generator=gen) for n, s in NARROW.items()}
+    for weights, grads in ((weights_E, grads_EW), (narrow_E, narrow_EW)):
+        whole_held, whole_grads, *_ = _run(placement, node_of, weights, grads, rank)
+        for chunks in CHUNKS:
+            held, grads_c, *_ = _run(placement, node_of, weights, grads, rank, chunks)
+            for n in weights:
+                what = f"case {case} {n} chunks {chunks} shape {tuple(weights[n].shape)}"
+                assert torch.equal(held[n], whole_held[n]), what
+                assert torch.equal(grads_c[n], whole_grads[n]), what
+    plan = _transfers(placement, rank, node_of, "gloo", CHUNKS[-1])
+    assert plan.chunks in (1, CHUNKS[-1])
+    if world == 2:  # 2 x 1 nodes: no relay forwards anything, the messages go whole
+        assert plan.chunks == 1
+    return int(plan.chunks > 1 and any(plan.stages))
 
 
 class AheadCopies(PlanAheadPlanner):

@@ -135,3 +135,24 @@ def test_component_options_tables_from_toml_and_set_validated_against_the_compon
     for overrides, message in bad:
         with pytest.raises(ValueError, match=message):
             load_config(None, overrides)
+
+
+def test_copy_chunks_reach_the_layer_and_the_cost_model_its_planners_price_with():
+    """`moe.copy_chunks` (Hecate §4.1's chunk pipeline): a `--set` override, checked in one line,
+    handed to every MoE layer and to the cost model its planner prices the copy trees with."""
+    from moeflow.perf.costmodel import CostModel
+    from moeflow.perf.topology import Topology
+    from moeflow.training.model import build_moe_layer
+
+    assert load_config("configs/tiny.toml", []).moe.copy_chunks == 1
+    cfg = load_config("configs/tiny.toml", ["moe.copy_chunks=4", "moe.strategy=fssdp"])
+    assert cfg.moe.copy_chunks == 4
+    cm = CostModel(Topology.from_spec([[0, 1], [2, 3]], [1e9, 1e10]), 1e12)
+    layer = build_moe_layer(16, cfg.moe, cm)
+    assert layer.copy_chunks == 4 and layer.cost_model.copy_chunks == 4 and cm.copy_chunks == 1
+    for bad in ("0", "-2"):
+        with pytest.raises(ValueError, match=rf"^moe\.copy_chunks must be an integer >= 1, got {bad}$"):
+            load_config("configs/tiny.toml", [f"moe.copy_chunks={bad}"])
+    for bad in ("2.5", "true"):
+        with pytest.raises((ValueError, TypeError), match=r"moe\.copy_chunks"):
+            load_config("configs/tiny.toml", [f"moe.copy_chunks={bad}"])

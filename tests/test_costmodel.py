@@ -253,12 +253,16 @@ def test_processor_sharing_on_a_shared_host():
         CostModel(topo, 1.0, host_cores=0)
 
 
-@pytest.mark.parametrize("preset, backend", [("johnny", None), ("hecate_a", None), ("johnny", "gloo")])
-def test_placement_pricer_prices_copies_as_copies_time(preset, backend):
+@pytest.mark.parametrize(
+    "preset, backend, chunks",
+    [("johnny", None, 1), ("hecate_a", None, 1), ("johnny", "gloo", 1), ("johnny", None, 4), ("johnny", "gloo", 3)],
+)
+def test_placement_pricer_prices_copies_as_copies_time(preset, backend, chunks):
     """The vectorised pricer's copies (trees per stage, deltas per step) equal `copies_time` of each
-    placement, as run and as the prefetch sends them, on nodes of 8 with NCCL and on gloo."""
+    placement, as run and as the prefetch sends them, on nodes of 8 with NCCL and on gloo, with the
+    trees in one piece or in the chunk pipeline (`copy_chunks`)."""
     rng = np.random.default_rng(0)
-    cm = CostModel.from_preset(preset)
+    cm = CostModel.from_preset(preset).with_copy_chunks(chunks)
     cm.backend = backend or cm.backend
     W = cm.topology.num_devices
     owner = plain_ep_owners(2 * W, W)
@@ -276,3 +280,74 @@ def test_placement_pricer_prices_copies_as_copies_time(preset, backend):
             (terms.agg_prefetched_s, "reduce", False),
         ]:
             assert got[c] == pytest.approx(cm.copies_time(size, holders, owner, direction, tree), rel=1e-9, abs=1e-12)
+
+
+def _trees_time_before_the_pipeline(cm, param_bytes, holders_EW, owner_E) -> float:
+    """`CostModel._trees_time` as it was before the chunk pipeline: the stages one after the other."""
+    from moeflow.core.placement import tree_edges
+
+    topo = cm.topology
+    _, src, dst, stage = tree_edges(holders_EW, owner_E, topo.node_of)
+    total = 0.0
+    for s in (0, 1):
+        m = stage == s
+        if m.any():
+            hops = topo.route_WWH[src[m], dst[m]].reshape(-1)
+            traffic_L = np.bincount(hops, minlength=len(topo.links) + 1)[:-1] * float(param_bytes)
+            total += float(cm.stage_time_from_traffic(traffic_L)) + float(topo.path_latency_WW[src[m], dst[m]].max())
+    return total
+
+
+def test_copy_chunks_price_the_trees_pipelined_by_hand():
+    """Hecate §4.1's chunk pipeline (`core.copy_rounds`) priced as it runs: c + 1 rounds, each the
+    slower stage's piece: (t1/c + l1) + (c - 1)·max(t1/c + l1, t2/c + l2) + (t2/c + l2); c = 1 is
+    today's t1 + l1 + t2 + l2, to the bit; a tree with one stage is sent (and priced) whole; the
+    prefetch (`tree=False`) sends each stage whole whatever c."""
+    topo = Topology.from_spec([[0, 1], [2, 3]], [1e9, 1e10], [2e-4, 1e-5])
+    whole = CostModel(topo, 1e12)
+    piped = CostModel(topo, 1e12, copy_chunks=4)
+    owner = np.arange(4)
+    holders = np.eye(4, dtype=bool)
+    holders[0, [2, 3]] = True  # 0 -> relay 2 (across the uplink), then 2 -> 3 inside node 1
+    t1, t2 = 1e6 / 1e9, 1e6 / 1e10
+    l1, l2 = float(topo.path_latency_WW[0, 2]), float(topo.path_latency_WW[2, 3])
+    assert l1 > l2 > 0
+    a, b = t1 / 4 + l1, t2 / 4 + l2
+    for direction in ("materialize", "reduce"):
+        assert whole.copies_time(1e6, holders, owner, direction) == pytest.approx(t1 + l1 + t2 + l2, rel=1e-12)
+        assert piped.copies_time(1e6, holders, owner, direction) == pytest.approx(a + 3 * max(a, b) + b, rel=1e-12)
+        assert piped.copies_time(1e6, holders, owner, direction, tree=False) == whole.copies_time(
+            1e6, holders, owner, direction
+        )
+    assert float(piped.materialize_time(1e6, holders, owner)) == pytest.approx(a + 3 * max(a, b) + b, rel=1e-12)
+    # Equal stages (both bound by the ranks' 1e9 links): 5 pieces' time for 8, the pipeline's best.
+    slow_second = CostModel(Topology.from_spec([[0, 1], [2, 3]], [1e10, 1e9]), 1e12, copy_chunks=4)
+    assert slow_second.copies_time(1e6, holders, owner) == pytest.approx(5 * 1e-3 / 4, rel=1e-12)
+    holders[0, 3] = False  # one holder on node 1: no second stage, the messages go whole
+    assert piped.copies_time(1e6, holders, owner) == whole.copies_time(1e6, holders, owner)
+    assert piped.copies_time(1e6, holders, owner) == pytest.approx(t1 + l1, rel=1e-12)
+    assert whole.with_copy_chunks(1) is whole and whole.with_copy_chunks(4).copy_chunks == 4
+    for bad in (0, -1, 2.0, True, "4"):
+        with pytest.raises(ValueError, match=f"^copy_chunks must be an integer >= 1, got {bad!r}$".replace("(", r"\(")):
+            CostModel(topo, 1e12, copy_chunks=bad)
+
+
+@pytest.mark.parametrize("preset, backend", [("johnny", None), ("hecate_b", None), ("johnny", "gloo")])
+def test_copy_chunks_one_prices_the_trees_as_before(preset, backend):
+    """c = 1 gives the trees' price of before the pipeline to the bit; c = 4 changes it only where
+    a tree has a second stage."""
+    rng = np.random.default_rng(3)
+    cm = CostModel.from_preset(preset)
+    cm.backend = backend or cm.backend
+    W = cm.topology.num_devices
+    owner = plain_ep_owners(2 * W, W)
+    changed = 0
+    for p in (0.0, 0.02, 0.1, 0.4):
+        holders = np.eye(W, dtype=bool)[owner] | (rng.random((2 * W, W)) < p)
+        before = _trees_time_before_the_pipeline(cm, 3e6, holders, owner)
+        assert cm._trees_time(3e6, holders, owner, cm.copy_chunks) == before
+        stages = cm.tree_stage_terms(3e6, holders, owner)
+        piped = cm.with_copy_chunks(4)._trees_time(3e6, holders, owner, 4)
+        assert (piped != before) == (stages[0][2] and stages[1][2])
+        changed += piped != before
+    assert changed

@@ -322,3 +322,23 @@ def test_share_of_the_force_balanced_ceiling_sweep_and_progress(capsys, tmp_path
     assert "--trace-iterations='5': expected START:STOP" in capsys.readouterr().err
     assert main([*argv, "--sweep", "johnny@12"]) == 2
     assert "--sweep='johnny@12'" in capsys.readouterr().err
+
+
+def test_cli_simulate_copy_chunks_prices_the_trees_pipelined(capsys):
+    """`--copy-chunks N` prices the copy trees in Hecate §4.1's chunk pipeline: on hecate_b (nodes of
+    8: relays forward inside them) EPLB's copies cost less in 4 pieces than whole, for the same
+    replicas; a bad value is a one-line error."""
+    argv = ["simulate", "--cluster", "hecate_b", "--trace", "zipf", "--skew", "1.2", "--iterations", "3"]
+    argv += ["--experts", "32", "--strategy", "eplb", "--schedule", "sync", "--json"]
+    rows = {}
+    for chunks in (1, 4):
+        assert main([*argv, "--copy-chunks", str(chunks)]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["copy_chunks"] == chunks
+        (rows[chunks],) = out["results"]
+    assert rows[4]["replicated_experts_per_layer"] == rows[1]["replicated_experts_per_layer"] > 0
+    assert rows[4]["other_comm_s"] < rows[1]["other_comm_s"]
+    assert rows[4]["compute_s"] == rows[1]["compute_s"] and rows[4]["a2a_s"] == rows[1]["a2a_s"]
+    assert main([*argv, "--copy-chunks", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "moeflow simulate: error: --copy-chunks must be an integer >= 1, got 0"

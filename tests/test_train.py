@@ -201,6 +201,7 @@ def test_routing_trace_resume_keeps_steps_up_to_the_checkpoint(tmp_path):
         (["--set", "moe.nonsense=1"], "moe.nonsense"),
         (["--set", "train.steps=ten"], "train.steps"),
         (["--set", "moe.gate=nonsense"], "gate='nonsense'"),
+        (["--set", "moe.copy_chunks=0"], "moe.copy_chunks must be an integer >= 1, got 0"),
         (["--nproc", "3"], "--nproc 3"),
         (["--nproc", "8"], "--nproc 8"),
         (["--nproc", "0"], "--nproc"),

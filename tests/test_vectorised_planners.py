@@ -350,7 +350,8 @@ def test_prefix_search_at_scale_prices_as_the_dense_sums(monkeypatch):
     """Searches of 100-300 steps on 64 ranks x 256 experts in 8 nodes (several blocks of
     `perf.prefix_max`, spread and one-holder states, experts stepped once or many times): the prices of
     `cheapest_prefixes` equal, to the bit, those of every prefix summed densely (`running_sums` on a
-    pricer told the flow is not whole), and the prefixes it leaves unpriced are dearer."""
+    pricer told the flow is not whole), and the prefixes it leaves unpriced are dearer; with the
+    copy trees in one piece and in the chunk pipeline (`copy_chunks` 4)."""
     from moeflow.perf import placement_pricing, prefix_max
     from moeflow.sim.traces import synthetic_trace
     from moeflow.strategies.planners.prophet_model import price_terms
@@ -363,8 +364,10 @@ def test_prefix_search_at_scale_prices_as_the_dense_sums(monkeypatch):
     shape = ExpertShape(1024, 4096)
     owners = Placement.expert_parallel(experts, world)
     trace = synthetic_trace("zipf", 4, 1, world, experts, 1024, 2, skew=1.2, seed=3)
+    piped = cm.with_copy_chunks(4)  # the last two searches price the trees in the chunk pipeline
     for i, flow in enumerate(trace.flow_ILWE[:, 0].astype(float)):
         once = i % 2 == 0
+        cm = piped if i >= 2 else cm
         steps = int(rng.integers(100, 300))
         chosen = rng.permutation(experts)[:steps] if once else rng.choice(experts, steps, p=flow.sum(0) / flow.sum())
         holders = owners.holders_EW.copy()
@@ -374,7 +377,7 @@ def test_prefix_search_at_scale_prices_as_the_dense_sums(monkeypatch):
             rows[j] = holders[e]
         for pricing in (Pricing(), Pricing(overlap=True, nonmoe_forward_s=1e-3)):
 
-            def price(t, pricing=pricing):
+            def price(t, pricing=pricing, cm=cm):
                 return price_terms(t, cm, shape, pricing)
 
             fast = PlacementPricer(flow, owners.owner_E, cm, shape, cm.topology.node_of, whole=True)

@@ -107,6 +107,8 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         node_of: node index of every EP rank (dispatch prefers holders on the same node; copies of
             experts held everywhere travel a two-level tree across nodes); defaults to the cost
             model's topology.
+        copy_chunks: column pieces of each copy-tree message (`core.copy_rounds`, Hecate §4.1), as
+            the planners price them; None: the cost model's (else 1). Same numbers for any value.
         cost_model: `moeflow.perf.costmodel.CostModel` of the run's cluster, for planners and
             topology-aware objectives. It describes the cluster, never the model: where the
             expert-parallel group has another size (a single process sampling from a trained run, a
@@ -136,6 +138,7 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         dispatch_dtype: str | None = None,
         check_finite: bool = False,
         node_of: Sequence[int] | None = None,
+        copy_chunks: int | None = None,
         cost_model: Any = None,
         expert_options: Mapping[str, Any] | None = None,
         num_shared_experts: int = 0,
@@ -161,6 +164,11 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         self.balance_weight = finite_number("balance_weight", balance_weight, low=0.0)
         self.z_loss_weight = finite_number("z_loss_weight", z_loss_weight, low=0.0)
         self.check_finite = check_finite
+        self.copy_chunks = positive_int(
+            "copy_chunks", getattr(cost_model, "copy_chunks", 1) if copy_chunks is None else copy_chunks
+        )
+        if copy_chunks is not None and cost_model is not None:  # its planners price the trees as they run
+            cost_model = cost_model.with_copy_chunks(self.copy_chunks)
         shape = ExpertShape(d_model, d_hidden, expert)
         ctx = LayerContext(num_experts, top_k, shape, cost_model, self.balance_weight, capacity_factor)
         if capacity_factor is not None and routing_kind(gate) == "soft":

@@ -11,8 +11,8 @@ Pro-Prophet §V through `MoEHook.wrap_copies`), builds the compute the schedule 
 activation checkpointing), and after the combine frees the copies and gathers them again for
 backward where the planner re-materializes (`core.rematerialize`, Hecate §4.2).
 
-It reads from the layer: `experts`, `hooks`, `group`, `esp_group`, `node_of`, `planner`, `recompute`,
-and writes `_held` and `held_bytes`.
+It reads from the layer: `experts`, `hooks`, `group`, `esp_group`, `node_of`, `copy_chunks`, `planner`,
+`recompute`, and writes `_held` and `held_bytes`.
 
 Shape suffixes: D d_model, R rows received by this rank, S source ranks, J experts held (computed) by
 this rank this iteration, T tokens on this rank.
@@ -83,7 +83,8 @@ class HeldExperts:
     def _gather(self, placement: Placement, held_J: np.ndarray) -> dict[str, torch.Tensor]:
         """The sparse all-gather of `placement`'s held weights (owned rows and copies, `held_J` order)."""
         weights = self.experts.weights()
-        return materialize(weights, placement, self.group, self.experts.expert_ids, held_J, self.node_of)
+        experts = self.experts
+        return materialize(weights, placement, self.group, experts.expert_ids, held_J, self.node_of, self.copy_chunks)
 
     def _release_copies(self, y_TD: torch.Tensor, placement: Placement, me: int) -> torch.Tensor:
         """Re-materialization (`core.rematerialize`, the planner's `rematerialize` option): free the

@@ -6,6 +6,7 @@ moeflow simulate --cluster results/profile.json --trace runs/demo/routing.npz --
     --option schedule.group_size=1
 moeflow simulate --cluster fsmoe_a --trace zipf --strategy ep --schedule sync --degrees 1,2,4,8,auto
 moeflow simulate --cluster johnny --trace smartmoe --trace-iterations 125: --progress
+moeflow simulate --cluster hecate_b --trace smartmoe --strategy fssdp,eplb --copy-chunks 4
 moeflow simulate --trace smartmoe --sweep johnny,johnny@64,hecate_a,trevor --out results/sweep.json
 moeflow simulate --cluster hecate_a --trace zipf --ep-size 8 --strategy ep,shadow,eplb --overlap-allreduce
 moeflow simulate --cluster hecate_a --trace zipf --ep-size 8 --parallel-experts fsdp --strategy fssdp \
@@ -124,6 +125,7 @@ def _simulate(args, cluster: str | None = None, fit_experts: bool = False) -> tu
         "parallel_experts": layout.experts,
         "overlap_allreduce": layout.overlap_allreduce,
         "prefetch": layer.prefetch,
+        "copy_chunks": cost_model.copy_chunks,
         "overlap_attention": layer.overlap_attention,
         "nonmoe_forward_s": layer.nonmoe_forward_s,
         "mean_load_imbalance": float(trace.load_imbalance().mean()),

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from moeflow.core import dispatch
+from moeflow.core.copy_rounds import batched_p2p
 from moeflow.core.placement import Placement
-from moeflow.core.sparse_collectives import batched_p2p
 
 
 def _state_tensors(param: nn.Parameter, optimizer: torch.optim.Optimizer | None) -> list[str]:

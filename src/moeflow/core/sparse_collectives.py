@@ -11,14 +11,17 @@ A bundle whose holders are every rank of the group moves by one broadcast / redu
 ring with NCCL, FasterMoE Eq. 8); any other bundle, and on gloo across nodes (`copies_by_tree`)
 every bundle, moves along `placement.copy_tree`: one transfer into each destination node, then
 fanned out inside it by a relay; its reduction is the mirror image (the node's holders summed at the
-relay, one transfer out, summed at the owner). All trees of a layer go together, stage by stage:
-two rounds of batched point-to-point (`batch_isend_irecv`, which works for arbitrary subsets
-without subgroups), then the broadcasts / reduces. Sums run in a fixed order (a relay's own
-gradient, then its node-mates' by rank; at the owner the same over its node and the relays), so the
-result is deterministic. A relay forwards a bundle whole once it has arrived (no chunk pipeline).
+relay, one transfer out, summed at the owner). All trees of a layer go together in rounds of
+batched point-to-point (`batch_isend_irecv`, which works for arbitrary subsets without subgroups),
+then the broadcasts / reduces. With `chunks` c > 1 the messages travel in c column pieces and a
+relay forwards piece j while it receives piece j + 1 (Hecate §4.1's chunk pipeline,
+`core.copy_rounds`: c + 1 rounds, each stage 1's next piece beside stage 2's previous); c = 1 sends
+each stage whole, one round after the other. Sums run in a fixed order (a relay's own gradient,
+then its node-mates' by rank; at the owner the same over its node and the relays), whatever c, so
+the result is deterministic and the same bit for bit for every c.
 
 Shape suffixes: O experts owned by this rank, J experts held (computed) by this rank, P flattened
-parameters of one expert, Y copies received by this rank (one message each).
+parameters of one expert, Y copies received by this rank (one message each), K rows of one bundle.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moeflow.core.copy_rounds import copy_rounds, reduce_rounds
 from moeflow.core.placement import Placement, copies_by_tree, copy_tree
 
 
@@ -63,6 +67,9 @@ class _Transfers:
     """Experts whose copies arrive here, in the row order of the received buffer."""
     row_start: dict[int, int]
     """Bundle index -> its first row in the received buffer (bundles this rank holds, not owns)."""
+    chunks: int = 1
+    """Column pieces of every tree message (`core.copy_rounds`); 1 where no tree of the placement has
+    a second stage (nothing to overlap), the same on every rank."""
 
     def rows(self, b: int) -> slice:
         """Rows of the received buffer that hold bundle `b`'s experts (a bundle this rank holds)."""
@@ -89,26 +96,33 @@ def bundles_of(placement: Placement) -> list[Bundle]:
     ]
 
 
-def _transfers(placement: Placement, me: int, node_of: Sequence[int] | None, backend: str) -> _Transfers:
+def _transfers(
+    placement: Placement, me: int, node_of: Sequence[int] | None, backend: str, chunks: int = 1
+) -> _Transfers:
     """This rank's part of the placement's copies (module docstring): the bundles it owns or holds,
-    their tree edges that involve it, and the bundles moved by a collective."""
+    their tree edges that involve it, and the bundles moved by a collective; `chunks` pieces per
+    tree message where some tree has a second stage (`core.copy_rounds`)."""
     everywhere_tree = copies_by_tree(node_of, backend)
-    mine = [b for b in bundles_of(placement) if b.owner == me or me in b.holders]
     stages: list[list[tuple[int, int, int]]] = [[], []]
-    collective = []
-    for i, bundle in enumerate(mine):
+    mine, collective, relayed = [], [], False
+    for bundle in bundles_of(placement):
         if bundle.everywhere and not everywhere_tree:
-            collective.append(i)
+            if bundle.owner == me or me in bundle.holders:
+                collective.append(len(mine))
+                mine.append(bundle)
             continue
         tree = copy_tree(bundle.owner, bundle.holders, node_of)
-        for stage, edges in zip(stages, tree):
-            stage += [(i, src, dst) for src, dst in edges if me in (src, dst)]
+        relayed = relayed or bool(tree[1])  # every rank sees every tree: all agree on the pieces
+        if bundle.owner == me or me in bundle.holders:
+            for stage, edges in zip(stages, tree):
+                stage += [(len(mine), src, dst) for src, dst in edges if me in (src, dst)]
+            mine.append(bundle)
     received, row_start = [], {}
     for i, bundle in enumerate(mine):
         if bundle.owner != me:
             row_start[i] = len(received)
             received += bundle.experts
-    return _Transfers(me, mine, stages, collective, received, row_start)
+    return _Transfers(me, mine, stages, collective, received, row_start, chunks if relayed else 1)
 
 
 def prefetch_transfers(placement: Placement, me: int, node_of: Sequence[int] | None) -> _Transfers:
@@ -116,14 +130,6 @@ def prefetch_transfers(placement: Placement, me: int, node_of: Sequence[int] | N
     sets along their trees, experts held everywhere one asynchronous broadcast / reduce per bundle
     (never through the trees, as on gloo across nodes in `materialize`)."""
     return _transfers(placement, me, node_of, "nccl")
-
-
-def batched_p2p(send: list[tuple[int, torch.Tensor]], recv: list[tuple[int, torch.Tensor]], group) -> None:
-    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for peer, t in send]
-    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for peer, t in recv]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
 
 
 @dataclass
@@ -212,19 +218,16 @@ class _Materialize(torch.autograd.Function):
         flat_sent = layout.flat_sent(list(local_params))
         recv_YP = flat_sent.new_empty((len(plan.received), sum(layout.widths)))
         sent_index = layout.sent_index
+        owned = {
+            b: flat_sent[[sent_index[r] for r in layout.rows(plan.bundles[b].experts)]] for b in plan.owned
+        }  # gathered once, sent in pieces
 
         def message(b: int) -> torch.Tensor:
-            """Bundle b: the owner's rows on the owner, the received rows elsewhere."""
-            if plan.bundles[b].owner == plan.me:
-                return flat_sent[[sent_index[r] for r in layout.rows(plan.bundles[b].experts)]]
-            return recv_YP[plan.rows(b)]
+            """Bundle b `[K, P]`: the owner's rows on the owner, the received rows elsewhere."""
+            return owned[b] if b in owned else recv_YP[plan.rows(b)]
 
-        for stage in plan.stages:  # a relay forwards in stage 2 what it received in stage 1
-            batched_p2p(
-                [(dst, message(b)) for b, src, dst in stage if src == plan.me],
-                [(src, recv_YP[plan.rows(b)]) for b, src, dst in stage if dst == plan.me],
-                group,
-            )
+        # A relay forwards what it received: whole in a second round, or piece by piece (Hecate §4.1).
+        copy_rounds(plan, message, lambda b: recv_YP[plan.rows(b)], group)
         for b in plan.collective:
             dist.broadcast(message(b), src=dist.get_global_rank(group, plan.bundles[b].owner), group=group)
         return held_from_flat(layout, list(local_params), recv_YP)
@@ -242,17 +245,14 @@ class _Materialize(torch.autograd.Function):
 def reduce_partials(plan: _Transfers, grad_YP: torch.Tensor, group) -> dict[int, torch.Tensor]:
     """reduce_to_owner along the trees reversed, then one reduce per collective bundle: per bundle
     this rank owns or relays, the sum of its holders' gradients (`[len(experts), P]`; the owner's
-    own gradient excluded). Sums in a fixed order: own rows, then each sender's in edge order."""
+    own gradient excluded). Sums in a fixed order: own rows, then each sender's in edge order.
+    `grad_YP` is consumed: a relay sums into its rows in place, piece by piece (no copy of them)."""
     me = plan.me
     partial = {
         b: grad_YP.new_zeros((len(bundle.experts), grad_YP.shape[1])) if bundle.owner == me else grad_YP[plan.rows(b)]
         for b, bundle in enumerate(plan.bundles)
     }
-    for stage in reversed(plan.stages):  # a relay sums its node-mates' before sending on
-        inbox = [(b, dst, torch.empty_like(partial[b])) for b, src, dst in stage if src == me]
-        batched_p2p([(src, partial[b]) for b, src, dst in stage if dst == me], [(d, buf) for _, d, buf in inbox], group)
-        for b, _, buf in inbox:
-            partial[b] = partial[b] + buf
+    reduce_rounds(plan, partial, group)  # a relay sums its node-mates' before sending on
     for b in plan.collective:
         buf = partial[b].clone()
         dist.reduce(buf, dst=dist.get_global_rank(group, plan.bundles[b].owner), op=dist.ReduceOp.SUM, group=group)
@@ -267,6 +267,7 @@ def materialize(
     expert_ids: Sequence[int],
     held_J: np.ndarray,
     node_of: Sequence[int] | None = None,
+    chunks: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Weights `[J, ...]` of the experts this rank holds (in `held_J` order), differentiable:
     owned experts (`expert_ids`: the global id of each local row) are this rank's own rows; the
@@ -277,11 +278,15 @@ def materialize(
     transfer into each node that holds a copy; experts held everywhere go through the tree too when
     the ranks span nodes on gloo (`placement.copies_by_tree`), else by broadcast / reduce. Every rank
     of the group must call this, in the same order and with the same `node_of`, whenever the
-    placement has any copy.
+    placement has any copy. `chunks` (>= 1, the same on every rank): column pieces of each tree
+    message, a relay forwarding one while it receives the next (`core.copy_rounds`, Hecate §4.1);
+    the results are the same bit for bit for every value.
     """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
     names = list(weights)
     local = [weights[n] for n in names]
-    plan = _transfers(placement, dist.get_rank(group), node_of, dist.get_backend(group))
+    plan = _transfers(placement, dist.get_rank(group), node_of, dist.get_backend(group), chunks)
     layout = flat_layout(weights, plan, expert_ids, held_J)
     return dict(zip(names, _Materialize.apply(plan, group, layout, *local)))
 

@@ -3,8 +3,13 @@ reduce their gradients back (FasterMoE §4.1 shadowing, Hecate §3's sparse all-
 topology-aware copy trees, Pro-Prophet's Trans). A part of `CostModel` (its base class), kept apart
 because planners of three systems price placements with it.
 
-It reads from the cost model: `topology`, `backend`, `link_time`, `_latency`, `collective_time` and
-`_copies_eta` (the calibration on the profile's `copies` fit, set in `CostModel.__post_init__`).
+It reads from the cost model: `topology`, `backend`, `copy_chunks`, `link_time`, `_latency`,
+`collective_time` and `_copies_eta` (the calibration on the profile's `copies` fit, set in
+`CostModel.__post_init__`).
+
+The two stages of the trees run one after the other, or with `copy_chunks` c > 1 as the chunk
+pipeline of `core.copy_rounds` runs them (Hecate §4.1: a relay forwards piece j while it receives
+piece j + 1): c + 1 rounds, each the slower of its two stages' pieces (`pipelined_trees`).
 
 Shape suffixes: E experts, W devices, L directed links (as `Topology` names them); ``...`` = any
 leading batch dims.
@@ -15,6 +20,28 @@ from __future__ import annotations
 import numpy as np
 
 from moeflow.core.placement import copies_by_tree, tree_edges, tree_flows, tree_stage_bytes
+
+
+def check_copy_chunks(name: str, chunks) -> int:
+    """`chunks` if it is an integer >= 1, else a one-line ValueError naming `name` and the value."""
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {chunks!r}")
+    return int(chunks)
+
+
+def pipelined_trees(first: tuple, second: tuple, chunks: int) -> np.ndarray:
+    """The copy trees' time from their stages' terms `(link time, latency, active)` (arrays of one
+    shape, or floats): each stage whole, one after the other (c = 1: t₁ + l₁ + t₂ + l₂, an empty
+    stage 0), or with both stages active and c = `chunks` > 1 the chunk pipeline of
+    `core.copy_rounds` (Hecate §4.1) — stage 1's piece r beside stage 2's piece r − 1 in c + 1
+    rounds: (t₁/c + l₁) + (c − 1)·max(t₁/c + l₁, t₂/c + l₂) + (t₂/c + l₂). A single stage is sent
+    whole by the engine (nothing to overlap), so it is priced whole."""
+    (t1, l1, a1), (t2, l2, a2) = first, second
+    whole = np.where(a1, t1 + l1, 0.0) + np.where(a2, t2 + l2, 0.0)
+    if chunks == 1:
+        return whole
+    piece1, piece2 = np.divide(t1, chunks) + l1, np.divide(t2, chunks) + l2
+    return np.where(np.logical_and(a1, a2), piece1 + (chunks - 1) * np.maximum(piece1, piece2) + piece2, whole)
 
 
 class CopiesPricing:
@@ -34,12 +61,13 @@ class CopiesPricing:
         return self._stages_time(tree_stage_bytes(holders_EW, owner_E, node_of, param_bytes))
 
     def _stages_time(self, bytes_SWW: np.ndarray) -> np.ndarray:
-        """Stages run one after the other: each its `_tree_stage_time` plus latency, 0 if empty."""
-        total = np.zeros(bytes_SWW.shape[:-3])
-        for s in range(bytes_SWW.shape[-3]):
+        """The two stages, each its `_tree_stage_time` plus latency (0 if empty), one after the other
+        or in `copy_chunks` pieces (`pipelined_trees`)."""
+        terms = []
+        for s in (0, 1):
             f = bytes_SWW[..., s, :, :]
-            total = total + np.where(f.any(axis=(-2, -1)), self._tree_stage_time(f) + self._latency(f), 0.0)
-        return total
+            terms.append((self._tree_stage_time(f), self._latency(f), f.any(axis=(-2, -1))))
+        return np.zeros(bytes_SWW.shape[:-3]) + pipelined_trees(*terms, self.copy_chunks)
 
     def copies_time(
         self,
@@ -61,7 +89,9 @@ class CopiesPricing:
         than the links' rates), applied to the bytes that cross others going the other way
         (`_tree_stage_time`). ``tree=False``: as the block-wise prefetch of ``strategies.prefetch``
         sends them — partial sets along their trees, experts held everywhere one broadcast / reduce
-        per owner whatever the backend (launched asynchronously beside the trees)."""
+        per owner whatever the backend (launched asynchronously beside the trees), each stage whole
+        (the prefetch has no chunk pipeline: `strategies.prefetch`); else the trees in
+        `copy_chunks` pieces (`pipelined_trees`)."""
         if direction not in ("materialize", "reduce"):
             raise ValueError(f"direction={direction!r}: expected 'materialize' or 'reduce'")
         holders = np.asarray(holders_EW, dtype=bool)
@@ -75,21 +105,30 @@ class CopiesPricing:
             per_owner = np.bincount(owner[everywhere_E], minlength=W)
             t = float(self.everywhere_copies_time(param_bytes, per_owner, direction, False))
             holders = np.where(everywhere_E[:, None], owner_onehot_EW, holders)
-        return t + self._trees_time(param_bytes, holders, owner)
+        chunks = 1 if tree is False else self.copy_chunks
+        return t + self._trees_time(param_bytes, holders, owner, chunks)
 
-    def _trees_time(self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray) -> float:
-        """`materialize_time` of one placement, from the trees' edges (no dense `[W, W]` flows)."""
+    def _trees_time(self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray, chunks: int = 1) -> float:
+        """`materialize_time` of one placement, from the trees' edges (no dense `[W, W]` flows), the
+        messages in `chunks` pieces (`pipelined_trees`)."""
+        return float(pipelined_trees(*self.tree_stage_terms(param_bytes, holders_EW, owner_E), chunks))
+
+    def tree_stage_terms(self, param_bytes: float, holders_EW: np.ndarray, owner_E: np.ndarray) -> list[tuple]:
+        """(link time, latency, active) of each stage of one placement's copy trees: its busiest link
+        (`stage_time_from_traffic`) and its slowest route's latency, 0 where the stage is empty."""
         topo = self.topology
         _, src, dst, stage = tree_edges(holders_EW, owner_E, topo.node_of)
-        total = 0.0
+        terms = []
         for s in (0, 1):
             m = stage == s
-            if m.any():
-                hops = topo.route_WWH[src[m], dst[m]].reshape(-1)  # link ids, padded with L
-                traffic_L = np.bincount(hops, minlength=len(topo.links) + 1)[:-1] * float(param_bytes)
-                latency = float(topo.path_latency_WW[src[m], dst[m]].max())
-                total += float(self.stage_time_from_traffic(traffic_L)) + latency
-        return total
+            if not m.any():
+                terms.append((0.0, 0.0, False))
+                continue
+            hops = topo.route_WWH[src[m], dst[m]].reshape(-1)  # link ids, padded with L
+            traffic_L = np.bincount(hops, minlength=len(topo.links) + 1)[:-1] * float(param_bytes)
+            latency = float(topo.path_latency_WW[src[m], dst[m]].max())
+            terms.append((float(self.stage_time_from_traffic(traffic_L)), latency, True))
+        return terms
 
     def everywhere_copies_time(
         self, param_bytes: float, per_owner_W: np.ndarray, direction: str, tree: bool

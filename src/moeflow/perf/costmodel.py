@@ -27,6 +27,7 @@ them: public names); ``...`` = any leading batch dims
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ import numpy as np
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import copies_by_tree, tree_flows
 from moeflow.perf.alpha_beta import OP_KINDS, AlphaBeta
-from moeflow.perf.copies_pricing import CopiesPricing
+from moeflow.perf.copies_pricing import CopiesPricing, check_copy_chunks
 from moeflow.perf.costmodel_sources import GEMM_PEAK_FRACTION, GROUP_FIT_KINDS, CostModelSources
 from moeflow.perf.topology import Topology
 
@@ -75,8 +76,14 @@ class CostModel(CopiesPricing, CostModelSources):
     """η, forward and backward: the share of what FSMoE's pipelined block overlaps that this machine
     hides (``moeflow profile``'s chunk sweep, ``profiling.chunk_profile.overlap_share``; 1: the paper's
     assumption, and the default)."""
+    copy_chunks: int = 1
+    """Column pieces of every message in the copy trees (`core.copy_rounds`, Hecate §4.1's chunk
+    pipeline: a relay forwards piece j while it receives piece j + 1), as `materialize` runs them
+    (the MoE layer's `copy_chunks`); `copies_time` prices the trees with it (`pipelined_trees`).
+    1: each stage sent whole, one after the other."""
 
     def __post_init__(self) -> None:
+        check_copy_chunks("copy_chunks", self.copy_chunks)
         if not (self.gemm_flops_per_s > 0 and math.isfinite(self.gemm_flops_per_s)):
             raise ValueError(f"gemm_flops_per_s={self.gemm_flops_per_s!r}: must be a positive finite number")
         if self.host_cores is not None and (not isinstance(self.host_cores, int) or self.host_cores < 1):
@@ -119,6 +126,10 @@ class CostModel(CopiesPricing, CostModelSources):
             self._copies_eta = self.fits["copies"].beta_s_per_unit / per_byte
 
     # ---- building blocks --------------------------------------------------------------------
+    def with_copy_chunks(self, chunks: int) -> CostModel:
+        """This model pricing the copy trees in `chunks` pieces (itself if it already does)."""
+        return self if chunks == self.copy_chunks else dataclasses.replace(self, copy_chunks=chunks)
+
     def link_time(self, bytes_WW: np.ndarray) -> np.ndarray:
         """FasterMoE Eq. 2: ``max_l T_l / W_l`` for flows ``[..., W, W]`` of bytes -> ``[...]`` seconds."""
         return self.link_time_from_traffic(self.topology.link_traffic(bytes_WW))

@@ -6,7 +6,9 @@ A step changes one expert's holders, so its copies change by that expert's tree 
 after (`core.placement.tree_edges`) and, for an expert held everywhere, by one broadcast and one
 reduce of its owner's count (`_everywhere`: `f(n + 1) − f(n)`); the candidates are running sums of
 those changes, each tree stage priced as its busiest link plus its slowest active route
-(`CostModel.stage_time_from_traffic`), in a search by running maxima (`perf.prefix_max`). A search
+(`CostModel.stage_time_from_traffic`), in a search by running maxima (`perf.prefix_max`), the two
+stages one after the other or, for `materialize` with the cost model's `copy_chunks` > 1, in the
+chunk pipeline (`copies_pricing.pipelined_trees`, Hecate §4.1). A search
 prices its bound on the copies of the whole order, then prefixes of it: the copies are kept for
 them (`_prefix_copies`, `_known_copies`).
 
@@ -23,6 +25,7 @@ import numpy as np
 
 from moeflow.core.placement import tree_edges
 from moeflow.perf import prefix_max as running
+from moeflow.perf.copies_pricing import pipelined_trees
 from moeflow.perf.prefix_max import prefix_max, prefix_max_entries, running_sums
 
 DIRECTIONS = ("materialize", "reduce")
@@ -47,24 +50,31 @@ class PlacementCopies:
         owner_F = np.concatenate([owner_Q, owner_Q])
         every_F = np.concatenate([every_new, every_prev])
         partial_FW = np.where(every_F[:, None], np.concatenate([own_QW, own_QW]), np.concatenate([new_QW, prev_QW]))
-        trees = self._stages(Q, partial_FW, owner_F, self.topology.node_of, start)
+        terms = self._stages(Q, partial_FW, owner_F, self.topology.node_of, start)
+        trees = pipelined_trees(*terms, 1)  # the prefetch sends each stage whole (`strategies.prefetch`)
         trans, agg = every_trans + trees, every_agg + trees  # as the prefetch sends them
+        chunks = self.cm.copy_chunks  # `materialize` sends the trees in pieces (`core.copy_rounds`)
         if self.tree:  # as `materialize` sends them: everything through the trees, at once
-            every = self._stages(Q, np.concatenate([new_QW, prev_QW]), owner_F, self.topology.node_of, start)
+            full = self._stages(Q, np.concatenate([new_QW, prev_QW]), owner_F, self.topology.node_of, start)
+            every = pipelined_trees(*full, chunks)
             return every, every, trans, agg, copies
-        return trans, agg, trans, agg, copies
+        if chunks == 1:
+            return trans, agg, trans, agg, copies
+        piped = pipelined_trees(*terms, chunks)
+        return every_trans + piped, every_agg + piped, trans, agg, copies
 
-    def _stages(self, Q: int, rows_FW: np.ndarray, owner_F: np.ndarray, node_of, start: np.ndarray) -> np.ndarray:
-        """The copy trees of the states `rows_FW` (Q after the steps, then Q before) priced per
-        candidate `[Q + 1]`: per stage its busiest link (`CostModel.stage_time_from_traffic`) and
-        slowest active route, the stages one after the other."""
+    def _stages(self, Q: int, rows_FW: np.ndarray, owner_F: np.ndarray, node_of, start: np.ndarray) -> list[tuple]:
+        """The copy trees of the states `rows_FW` (Q after the steps, then Q before) per candidate:
+        each stage's (busiest link `[Q + 1]` (`CostModel.stage_time_from_traffic`), slowest active
+        route `[Q + 1]`, active `[Q + 1]`), for `copies_pricing.pipelined_trees`."""
         k, src, dst, stage = tree_edges(rows_FW, owner_F, node_of)
         step, sign = np.where(k < Q, k, k - Q), np.where(k < Q, 1.0, -1.0)
         L, N = self.L, self.N
+        idle = (np.zeros(Q + 1), np.zeros(Q + 1), np.zeros(Q + 1, dtype=bool))
         if k.size == 0:
-            return np.zeros(Q + 1)
+            return [idle, idle]
         if self.max_stages and int(start.sum()) == 1 and Q * L >= running.RUNNING_MAX_FROM:  # a search: running maxima
-            total = np.zeros(Q + 1)
+            terms = [idle, idle]
             for s in (0, 1):
                 m = stage == s
                 if m.any():
@@ -80,8 +90,8 @@ class PlacementCopies:
                         on = link < L
                         at, value = np.repeat(step[m], H)[on], np.repeat(sign[m] * self.param_bytes, H)[on]
                         busiest = prefix_max_entries(at, link[on], value, Q, np.zeros(L), self._link_time, 0.0)
-                    total += np.where(active.any(-1), busiest + latency, 0.0)
-            return total
+                    terms[s] = (busiest, latency, active.any(-1))
+            return terms
         # Both stages' link bytes and route-latency counts side by side: one running sum.
         deltas = [np.zeros((Q, L + N)), np.zeros((Q, L + N))]
         for s in (0, 1):
@@ -90,13 +100,13 @@ class PlacementCopies:
                 deltas[s][:, :L] = self._on_links(Q, step[m], src[m], dst[m], sign[m] * self.param_bytes)
                 deltas[s][:, L:] = self._per_class(Q, step[m], src[m], dst[m], sign[m])
         run = running_sums(np.concatenate(deltas, axis=1), np.zeros(2 * (L + N)), start)
-        total = np.zeros(Q + 1)
+        terms = []
         for s in (0, 1):
             part = run[:, s * (L + N) : (s + 1) * (L + N)]
             active = part[:, L:] > 0.5
             latency = np.where(active, self.topology.latency_classes, 0.0).max(-1, initial=0.0)
-            total += np.where(active.any(-1), self.cm.stage_time_from_traffic(part[:, :L]) + latency, 0.0)
-        return total
+            terms.append((self.cm.stage_time_from_traffic(part[:, :L]), latency, active.any(-1)))
+        return terms
 
     def copies_of_prefixes(self, experts_Q: np.ndarray, holders_QW: np.ndarray) -> np.ndarray:
         """Copies out and back `[Q + 1]` of every prefix of the steps (as `prefixes` prices them, the

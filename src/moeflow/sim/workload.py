@@ -77,6 +77,14 @@ def add_workload_arguments(parser: Any) -> None:
         help="Pro-Prophet block-wise prefetch: copies of planners that plan ahead hide behind the block before",
     )
     parser.add_argument(
+        "--copy-chunks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="price the copy trees as sent in N column pieces, a relay forwarding one while it receives the next "
+        "(Hecate §4.1's chunk pipeline, moe.copy_chunks; 1: each stage whole)",
+    )
+    parser.add_argument(
         "--overlap-attention",
         action="store_true",
         help="Hecate §3.2/§4.2: copies of planners that plan ahead (FSSDP's spAG, spRS, re-gather) hide behind "
@@ -138,6 +146,10 @@ def workload_from_args(
         cost_model = CostModel.resolve(cluster, args.gemm_flops)
     except ValueError as exc:
         raise ValueError(f"{flag}={cluster!r}: {exc}") from None
+    chunks = getattr(args, "copy_chunks", 1)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"--copy-chunks must be an integer >= 1, got {chunks!r}")
+    cost_model = cost_model.with_copy_chunks(chunks)  # the planners choose on the prices the trees run at
     W = cost_model.topology.num_devices
     if args.trace in SYNTHETIC:
         experts = args.experts if args.experts is not None else 2 * W

@@ -30,6 +30,12 @@ the received parameters enter autograd through `_Prefetched`, whose backward han
 gradients to Agg and returns the owned experts' own gradients; the owners add the received sums
 into `.grad` when Agg completes. Numbers equal those of the unscheduled layer (tested).
 
+No chunk pipeline here (Hecate §4.1's, which `materialize` runs with `copy_chunks`, `core.copy_rounds`):
+a relay's second stage is posted by the compute thread, and only at the marks, so it cannot forward
+piece j when it lands while piece j + 1 comes in — posted together, the pieces would share the
+links as one message does. Each part's stages go whole, and are priced so (`copies_time(tree=False)`);
+the two parts already let the first part's second stage run before the second part is posted.
+
 Call `finish()` after backward (`all_reduce_gradients` does) so that every Agg has landed before
 gradients are reduced or the optimizer steps.
 

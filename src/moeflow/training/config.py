@@ -164,6 +164,10 @@ class MoEConfig:
     prefetch: bool = False
     """Pro-Prophet §V block-wise prefetch (`moeflow.strategies.prefetch.BlockPrefetch`): copies of the experts of a
     planner that plans ahead (`prophet`) travel during the block before, their gradient sums during its backward."""
+    copy_chunks: int = 1
+    """Column pieces of every message in the copy trees of expert copies (Hecate §4.1's chunk pipeline, `MoELayer`'s
+    `copy_chunks`: a relay forwards piece j while it receives piece j + 1); planners and `moeflow simulate
+    --copy-chunks` price the trees with it. Same numbers for every value; 1: each stage sent whole."""
     dispatch_dtype: str | None = None
     """Send dispatched rows and expert outputs in this precision (`bfloat16`, `float16`;
     `float8_e4m3fn` on nccl), restoring the compute dtype on arrival; None: the compute dtype."""
@@ -202,6 +206,7 @@ class MoEConfig:
             check_positive("moe", shared_d_hidden=self.shared_d_hidden)
             if not shared:
                 raise ValueError(f"moe.shared_d_hidden={self.shared_d_hidden} needs moe.num_shared_experts >= 1")
+        check_int_at_least("moe.copy_chunks", self.copy_chunks)
         if self.dispatch_dtype is not None and self.dispatch_dtype not in WIRE_DTYPES:
             raise ValueError(f"moe.dispatch_dtype={self.dispatch_dtype!r}: expected one of {sorted(WIRE_DTYPES)}")
         if self.capacity_factor is not None and routing_kind(self.gate) == "soft":

@@ -138,6 +138,7 @@ def layer_kwargs(moe: MoEConfig, cost_model) -> dict[str, Any]:
         z_loss_weight=moe.z_loss_weight,
         capacity_factor=moe.capacity_factor,
         dispatch_dtype=moe.dispatch_dtype,
+        copy_chunks=moe.copy_chunks,
         cost_model=cost_model,
         **{k: v for k, v in options.items() if k != "gate_options"},
     )

@@ -91,6 +91,7 @@ def build_moe_layer(d_model: int, moe: MoEConfig, cost_model: CostModel | None =
         balance_weight=moe.balance_weight,
         z_loss_weight=moe.z_loss_weight,
         dispatch_dtype=moe.dispatch_dtype,
+        copy_chunks=moe.copy_chunks,
         cost_model=cost_model,
         **moe.layer_options(),
     )

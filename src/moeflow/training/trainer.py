@@ -124,6 +124,8 @@ class Trainer(TrainerCheckpoints):
         # warn_only: an op without a deterministic kernel warns instead of stopping the run.
         torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
         cost_model = CostModel.resolve(cfg.moe.cost_model) if cfg.moe.cost_model else None  # read once
+        if cost_model is not None:  # one model for every layer, pricing the trees as they run
+            cost_model = cost_model.with_copy_chunks(cfg.moe.copy_chunks)
         num_experts, d_hidden = cfg.moe.num_experts, cfg.moe.d_hidden
         if cfg.model.is_hf:  # the model's blocks decide (`training.hf_model`)
             from moeflow.training.hf_model import hf_experts
