@@ -42,6 +42,7 @@ import numpy as np
 from moeflow.core.checks import finite_number
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.perf.everywhere_pricing import EverywherePricer
 from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms
 from moeflow.strategies.planners.base import Planner, PrefetchWindow
 from moeflow.strategies.planners.prophet_model import overlapped_copies
@@ -189,18 +190,22 @@ class AutoPlanner(Planner):
         turn = self.searching[self.calls % len(self.searching)] if self.searching else None
         self.replanned = [n for n in self.searching if n == turn or not turns]
         self.calls += 1
+        # One pricer of this flow: the planners that decide on it (shadowing) search on it where the
+        # flow is whole counts (the numbers they would price alone), and every proposal is priced on
+        # it in one pass (`perf.placement_pricing`: the owners' terms once, then each proposal's
+        # changed experts); all share the layer's owners.
+        flow = np.rint(flow_WE)
+        pricer = EverywherePricer(flow, placement.owner_E, cost_model, self.shape, node_of)
+        shared = pricer if np.array_equal(flow, flow_WE) else None
         proposals = {
-            name: planner(flow_WE, placement, cost_model)
-            if name in self.replanned or not planner.plans_ahead
-            else planner.hold(flow_WE, placement, cost_model)
+            name: planner.hold(flow_WE, placement, cost_model)
+            if planner.plans_ahead
+            else planner.on_pricer(shared, flow_WE, placement, cost_model)
             for name, planner in self.planners.items()
         }
-        # Every proposal priced on this flow in one pass (`perf.placement_pricing`: the owners' terms
-        # once, then each proposal's changed experts); all share the layer's owners.
         moved = [name for name, p in proposals.items() if not np.array_equal(p.owner_E, placement.owner_E)]
         if moved:
             raise ValueError(f"strategy='auto': candidates {moved} proposed other owners than the layer's")
-        pricer = PlacementPricer(np.rint(flow_WE), placement.owner_E, cost_model, self.shape, node_of)
         priced = pricer.placements([p.holders_EW for p in proposals.values()])
         terms = {
             name: _terms(priced, c, self.prefetch if p == self.sent_ahead else None)
@@ -212,6 +217,10 @@ class AutoPlanner(Planner):
         self.last, self.sent_ahead = AutoDecision(prices, best), None
         seen = {p.holders_EW.tobytes(): (priced, c) for c, p in enumerate(proposals.values())}
         self._last_call = (pricer, placement, seen)
+        # The searches start once this call's work is done: on the planning thread they would hold
+        # the interpreter's lock against it (small array operations do not release it).
+        for name in self.replanned:
+            self.planners[name].plan_next(placement, cost_model)
         return proposals[best]
 
     def _cheapest(self, prices: dict[str, float]) -> str:
