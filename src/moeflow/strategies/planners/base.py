@@ -94,6 +94,12 @@ class Planner:
     def plan_next(self, placement: Placement, cost_model: Any) -> None:
         """Start the search for the next call's placement (after `hold`)."""
 
+    def planned(self) -> PlanAhead | None:
+        """The next call's plan `(placement, decision)` as it stands — its value, or the future of the
+        search just started — for a job queued behind that search on the planning thread (it never
+        reads the planner); None where the planner does not plan ahead."""
+        return None
+
     def use_prefetch(self, window: PrefetchWindow | None) -> None:
         """The block-wise prefetch sends this planner's next placements ahead (None: it does not)."""
 
@@ -201,6 +207,9 @@ class PlanAheadPlanner(Planner):
             self._sum_WE = None
         elif self._sum_WE is not None:
             self._sum_WE += flow
+
+    def planned(self) -> PlanAhead:
+        return self.next_plan.snapshot()
 
     def next_placement(self) -> Placement | None:
         plan = self.next_plan.result()
