@@ -221,7 +221,7 @@ class AutoPlanner(Planner):
         # it in one pass (`perf.placement_pricing`: the owners' terms once, then each proposal's
         # changed experts); all share the layer's owners.
         flow = np.rint(flow_WE)
-        pricer = EverywherePricer(flow, placement.owner_E, cost_model, self.shape, node_of)
+        pricer = EverywherePricer(flow, placement.owner_E, cost_model, self.shape, node_of, whole=True)
         shared = pricer if np.array_equal(flow, flow_WE) else None
         proposals = {
             name: planner.hold(flow_WE, placement, cost_model)
