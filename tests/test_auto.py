@@ -175,3 +175,25 @@ def test_hold_runs_the_standing_plan_without_starting_a_search():
     assert prophet.hold(_skewed(), OWNERS, cm) == planned
     assert prophet.next_plan._plan[0] is planned  # no future: the same plan stands for the next call
     assert prophet.hold(_skewed() * 2, OWNERS, cm) == planned and len(prophet.history) == 3
+
+
+@pytest.mark.parametrize("fractional", [False, True])
+def test_shadowing_inside_auto_decides_as_shadowing_alone(fractional):
+    # `auto` hands its pricer of the call's flow to shadowing (`Planner.on_pricer`) where the flow
+    # is whole counts; a fractional flow (a mean of replicas' flows) is priced by shadowing itself.
+    rng = np.random.default_rng(3)
+    cm = CostModel.from_preset("johnny@16")
+    owners = Placement.expert_parallel(32, 16)
+    shape = ExpertShape(64, 256)
+    auto = PLANNERS.build("auto", LayerContext(32, 2, shape, cm), {"candidates": "ep,shadow"})
+    alone = PLANNERS.build("shadow", LayerContext(32, 2, shape, cm))
+    shadowed = 0
+    for skew in np.linspace(0.0, 2.5, 12):
+        weights = np.arange(1, 33, dtype=np.float64) ** -skew
+        flow = rng.multinomial(4096, weights / weights.sum(), size=16).astype(np.float64)
+        if fractional:
+            flow = flow + rng.choice([0.0, 0.5], size=flow.shape)
+        auto(flow, owners, cm)
+        assert auto.planners["shadow"].last == alone.decide(flow, owners, cm)
+        shadowed += bool(auto.planners["shadow"].last.shadowed)
+    assert 0 < shadowed < 12  # decisions both ways

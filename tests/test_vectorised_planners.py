@@ -257,6 +257,9 @@ class _Recorded(Planner):
     def next_placement(self):
         return self.inner.next_placement()
 
+    def planned(self):
+        return self.inner.planned()
+
     def use_prefetch(self, window):
         self.inner.use_prefetch(window)
 

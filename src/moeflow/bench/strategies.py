@@ -5,6 +5,9 @@ its row, is `moeflow.bench.strategy_runs`.
 
     moeflow bench --nproc 4 --cost-model results/profile.json --skews 0 1.2 \\
         --variants ep:sync shadow:sync ep:pairwise shadow:pairwise ep:sync:hierarchical
+
+Shape suffixes: I iterations (steps of a trace), L layers of a trace, B timed blocks (layers of the
+benchmark model), W ranks, E experts.
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ class Placement:
         return extra
 
     def is_owners_only(self) -> bool:
-        return not self.materialized_EW().any()
+        # Every owner holds its expert (checked on construction): owners only = one holder each.
+        return int(np.count_nonzero(self.holders_EW)) == self.num_experts
 
     def __eq__(self, other: object) -> bool:
         return (

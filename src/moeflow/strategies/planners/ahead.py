@@ -45,6 +45,13 @@ class PlanAhead:
     def set(self, plan: Any) -> None:
         self._plan = plan
 
+    def snapshot(self) -> PlanAhead:
+        """The plan as it stands now (a value, or the future of the search submitted last), kept
+        apart from later `submit`/`set`: a job queued behind that search may read it."""
+        copy = PlanAhead(self.background)
+        copy._plan = self._plan
+        return copy
+
     def result(self) -> Any:
         """The plan (None before the first), waiting for its search if it is still running."""
         if isinstance(self._plan, Future):

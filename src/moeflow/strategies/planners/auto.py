@@ -26,7 +26,12 @@ small layers keep every search. Shadowing decides on this call's flow, as Faster
 
 Under the prefetch, `next_placement()` (asked during the block before the layer's next call) offers
 the cheapest of the planned-ahead placements on the last flow, its copies priced as hidden, when it
-is `min_gain` cheaper than plain EP there: that is the placement the prefetch sends ahead.
+is `min_gain` cheaper than plain EP there: that is the placement the prefetch sends ahead. Those
+placements are priced on the planning thread behind the searches that make them (`_price_ahead`);
+the question itself only applies the corrections. The call's own work is one pricer of its flow,
+shared by shadowing's search (`Planner.on_pricer`) and the pricing of every proposal; the searches
+start after it (`Planner.hold`, then `plan_next`), so they do not compete with it for the
+interpreter.
 
 Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
 """
@@ -42,7 +47,9 @@ import numpy as np
 from moeflow.core.checks import finite_number
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
+from moeflow.perf.everywhere_pricing import EverywherePricer
 from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms
+from moeflow.strategies.planners.ahead import PlanAhead
 from moeflow.strategies.planners.base import Planner, PrefetchWindow
 from moeflow.strategies.planners.prophet_model import overlapped_copies
 from moeflow.strategies.timing import Ratio, Sample
@@ -114,6 +121,25 @@ def layer_terms(
     return _terms(pricer.placements([placement.holders_EW]), 0, window)
 
 
+def _price_ahead(pricer: PlacementPricer, placement: Placement, seen: dict, plans: dict) -> dict:
+    """The plans made ahead that the prefetch may send (other copies than the owners', the same
+    owners) and plain EP, each with its terms `(PlacementTerms, row)` on the last call's flow, with
+    that call's pricer: the proposals it priced are not priced again. Runs on the planning thread
+    behind the searches whose plans it reads (`Planner.planned`)."""
+    owners = Placement.owners_only(placement.owner_E, placement.world_size)
+    wanted = {"ep": owners}
+    for name, planned in plans.items():
+        plan = planned.result()
+        p = None if plan is None else plan[0]
+        if p is not None and not p.is_owners_only() and np.array_equal(p.owner_E, placement.owner_E):
+            wanted[name] = p
+    new = {p.holders_EW.tobytes(): p.holders_EW for p in wanted.values() if p.holders_EW.tobytes() not in seen}
+    if new:
+        priced = pricer.placements(list(new.values()))
+        seen = seen | {key: (priced, c) for c, key in enumerate(new)}
+    return {name: (p, seen[p.holders_EW.tobytes()]) for name, p in wanted.items()}
+
+
 def _terms(terms: PlacementTerms, c: int, window: PrefetchWindow | None) -> Terms:
     """Candidate c's `Terms` (`layer_terms`)."""
     compute, exchange = float(terms.compute_s[c]), 2 * float(terms.a2a_s[c])  # the forward's two exchanges
@@ -164,7 +190,8 @@ class AutoPlanner(Planner):
         self.errors: deque[tuple[float, float]] = deque(maxlen=32)  # (forecast, measured) forward seconds
         self.prefetch: PrefetchWindow | None = None
         self.sent_ahead: Placement | None = None
-        self._last_call: tuple[PlacementPricer, Placement, dict] | None = None  # (its pricer, owners, priced)
+        self._last_call: tuple | None = None  # (its pricer, owners, priced, the plans made ahead: `_price_ahead`)
+        self._ahead = PlanAhead()  # `_price_ahead` of the last call, on the planning thread under the prefetch
         self.last: AutoDecision | None = None
 
     def factor(self, term: str) -> float:
@@ -189,18 +216,22 @@ class AutoPlanner(Planner):
         turn = self.searching[self.calls % len(self.searching)] if self.searching else None
         self.replanned = [n for n in self.searching if n == turn or not turns]
         self.calls += 1
+        # One pricer of this flow: the planners that decide on it (shadowing) search on it where the
+        # flow is whole counts (the numbers they would price alone), and every proposal is priced on
+        # it in one pass (`perf.placement_pricing`: the owners' terms once, then each proposal's
+        # changed experts); all share the layer's owners.
+        flow = np.rint(flow_WE)
+        pricer = EverywherePricer(flow, placement.owner_E, cost_model, self.shape, node_of, whole=True)
+        shared = pricer if np.array_equal(flow, flow_WE) else None
         proposals = {
-            name: planner(flow_WE, placement, cost_model)
-            if name in self.replanned or not planner.plans_ahead
-            else planner.hold(flow_WE, placement, cost_model)
+            name: planner.hold(flow_WE, placement, cost_model)
+            if planner.plans_ahead
+            else planner.on_pricer(shared, flow_WE, placement, cost_model)
             for name, planner in self.planners.items()
         }
-        # Every proposal priced on this flow in one pass (`perf.placement_pricing`: the owners' terms
-        # once, then each proposal's changed experts); all share the layer's owners.
         moved = [name for name, p in proposals.items() if not np.array_equal(p.owner_E, placement.owner_E)]
         if moved:
             raise ValueError(f"strategy='auto': candidates {moved} proposed other owners than the layer's")
-        pricer = PlacementPricer(np.rint(flow_WE), placement.owner_E, cost_model, self.shape, node_of)
         priced = pricer.placements([p.holders_EW for p in proposals.values()])
         terms = {
             name: _terms(priced, c, self.prefetch if p == self.sent_ahead else None)
@@ -211,7 +242,16 @@ class AutoPlanner(Planner):
         self.pending.append(terms[best])
         self.last, self.sent_ahead = AutoDecision(prices, best), None
         seen = {p.holders_EW.tobytes(): (priced, c) for c, p in enumerate(proposals.values())}
-        self._last_call = (pricer, placement, seen)
+        # The searches start once this call's work is done: on the planning thread they would hold
+        # the interpreter's lock against it (small array operations do not release it). Behind them
+        # there, the plans they make are priced for the prefetch's question (`next_placement`).
+        for name in self.replanned:
+            self.planners[name].plan_next(placement, cost_model)
+        plans = {name: p.planned() for name, p in self.planners.items() if p.plans_ahead}
+        self._last_call = (pricer, placement, seen, plans)
+        self._ahead = PlanAhead()
+        if self.prefetch is not None:
+            self._ahead.submit(_price_ahead, *self._last_call)
         return proposals[best]
 
     def _cheapest(self, prices: dict[str, float]) -> str:
@@ -226,25 +266,15 @@ class AutoPlanner(Planner):
         """The placement to send ahead (module docstring), or None."""
         if self.prefetch is None or self._last_call is None:
             return None
-        pricer, placement, seen = self._last_call
-        ahead = {n: p.next_placement() for n, p in self.planners.items() if p.plans_ahead}
-        ahead = {
-            n: p
-            for n, p in ahead.items()
-            if p is not None and not p.is_owners_only() and np.array_equal(p.owner_E, placement.owner_E)
-        }
-        # On the last call's flow, with its pricer: the plans that stood were priced then.
-        owners = Placement.owners_only(placement.owner_E, placement.world_size)
-        wanted = {n: p.holders_EW for n, p in {"ep": owners, **ahead}.items()}
-        new = {n: h for n, h in wanted.items() if h.tobytes() not in seen}
-        if new:
-            priced = pricer.placements(list(new.values()))
-            seen = seen | {h.tobytes(): (priced, c) for c, h in enumerate(new.values())}
+        # Priced on the planning thread (submitted with the call), or here if the prefetch came later.
+        ahead = self._ahead.result()
+        if ahead is None:
+            ahead = _price_ahead(*self._last_call)
         prices = {
-            n: self.price(_terms(*seen[h.tobytes()], None if n == "ep" else self.prefetch)) for n, h in wanted.items()
+            n: self.price(_terms(*terms, None if n == "ep" else self.prefetch)) for n, (_, terms) in ahead.items()
         }
         best = self._cheapest(prices)
-        self.sent_ahead = None if best == "ep" else ahead[best]
+        self.sent_ahead = None if best == "ep" else ahead[best][0]
         return self.sent_ahead
 
     def use_prefetch(self, window: PrefetchWindow | None) -> None:

@@ -70,8 +70,17 @@ class Planner:
 
     def hold(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
         """This call's placement without starting a search for the next (a composite that shares
-        the planning thread among its candidates: `strategy="auto"`); a planner that decides on the
-        current flow decides as when called."""
+        the planning thread among its candidates, or starts their searches after its own work:
+        `strategy="auto"`, then `plan_next`); a planner that decides on the current flow decides as
+        when called."""
+        return self(flow_WE, placement, cost_model)
+
+    def on_pricer(self, pricer: Any, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
+        """This call's placement, priced on `pricer` where the planner prices placements on this
+        flow: a `perf.everywhere_pricing.EverywherePricer` a composite built on this flow and the
+        placement's owners and prices its proposals on too (`strategy="auto"`: one pricer a call).
+        Default: as when called."""
+        del pricer
         return self(flow_WE, placement, cost_model)
 
     # ---- plans_ahead ---------------------------------------------------------------------------------
@@ -81,6 +90,15 @@ class Planner:
 
     def observe(self, flow_WE: np.ndarray) -> None:
         """Record a call's flow without planning (a composite that does not ask it this call)."""
+
+    def plan_next(self, placement: Placement, cost_model: Any) -> None:
+        """Start the search for the next call's placement (after `hold`)."""
+
+    def planned(self) -> PlanAhead | None:
+        """The next call's plan `(placement, decision)` as it stands — its value, or the future of the
+        search just started — for a job queued behind that search on the planning thread (it never
+        reads the planner); None where the planner does not plan ahead."""
+        return None
 
     def use_prefetch(self, window: PrefetchWindow | None) -> None:
         """The block-wise prefetch sends this planner's next placements ahead (None: it does not)."""
@@ -189,6 +207,9 @@ class PlanAheadPlanner(Planner):
             self._sum_WE = None
         elif self._sum_WE is not None:
             self._sum_WE += flow
+
+    def planned(self) -> PlanAhead:
+        return self.next_plan.snapshot()
 
     def next_placement(self) -> Placement | None:
         plan = self.next_plan.result()

@@ -119,9 +119,14 @@ class ShadowPlanner(Planner):
         self.last: ShadowDecision | None = None
 
     def __call__(self, flow_WE: np.ndarray, placement: Placement, cost_model=None) -> Placement:
+        return self.on_pricer(None, flow_WE, placement, cost_model)
+
+    def on_pricer(self, pricer, flow_WE, placement: Placement, cost_model=None) -> Placement:
+        """Decide on `pricer` (an `EverywherePricer` of this flow and owners, `Planner.on_pricer`;
+        None: built here)."""
         if cost_model is None:
             raise ValueError("strategy='shadow' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
-        self.last = self.decide(np.asarray(flow_WE, dtype=np.float64), placement, cost_model)
+        self.last = self.decide(np.asarray(flow_WE, dtype=np.float64), placement, cost_model, pricer)
         extra = np.zeros_like(placement.holders_EW)
         extra[self.last.shadowed] = True
         return Placement.owners_only(placement.owner_E, placement.world_size).with_holders(extra)
@@ -136,7 +141,8 @@ class ShadowPlanner(Planner):
         terms = pricer.placements([owners_EW | mask[:, None] for mask in flat_ZE])
         return _shadow_time(terms).reshape(shadowed_ZE.shape[:-1])
 
-    def decide(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> ShadowDecision:
+    def decide(self, flow_WE: np.ndarray, placement: Placement, cost_model, pricer=None) -> ShadowDecision:
+        """Algorithm 1 on `flow_WE` (`pricer`: an `EverywherePricer` already built on it and the owners)."""
         owner_E = placement.owner_E
         if cost_model.topology.num_devices != placement.world_size:
             raise ValueError(
@@ -147,7 +153,8 @@ class ShadowPlanner(Planner):
         order = np.argsort(-received_E, kind="stable")
         candidates = order[received_E[order] > 0][: self.options.max_shadowed]
         # Prefix i: the first i candidates shadowed (0: plain EP), each step one expert everywhere.
-        pricer = EverywherePricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
+        if pricer is None:
+            pricer = EverywherePricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
         everywhere = np.ones((candidates.size, placement.world_size), dtype=bool)
         predicted = pricer.cheapest_prefixes(candidates, everywhere, _shadow_time)
         if self.options.search == "prefix":
