@@ -164,9 +164,8 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         self.balance_weight = finite_number("balance_weight", balance_weight, low=0.0)
         self.z_loss_weight = finite_number("z_loss_weight", z_loss_weight, low=0.0)
         self.check_finite = check_finite
-        self.copy_chunks = positive_int(
-            "copy_chunks", getattr(cost_model, "copy_chunks", 1) if copy_chunks is None else copy_chunks
-        )
+        default_chunks = 1 if cost_model is None else cost_model.copy_chunks
+        self.copy_chunks = positive_int("copy_chunks", default_chunks if copy_chunks is None else copy_chunks)
         if copy_chunks is not None and cost_model is not None:  # its planners price the trees as they run
             cost_model = cost_model.with_copy_chunks(self.copy_chunks)
         shape = ExpertShape(d_model, d_hidden, expert)
