@@ -110,7 +110,9 @@ def price_placement(
         return float(t["overlapped" if pricing.overlap else "total"])
     t = placement_times(cost_model, plan_SEW, placement.holders_EW, placement.owner_E, shape, pricing.overlap)
     copies = (
-        overlapped_copies(t["trans"], t["agg"], t["fec"], pricing.nonmoe_forward_s, pricing.hidden_share)
+        overlapped_copies(
+            t["trans"], t["agg"], t["fec"], pricing.nonmoe_forward_s, pricing.hidden_share, pricing.experts_hide
+        )
         if pricing.overlap
         else t["trans"] + t["agg"]
     )
@@ -490,5 +492,7 @@ def layer_terms(
     t = placement_times(cost_model, plan_SEW, placement.holders_EW, placement.owner_E, shape, window is not None)
     if window is None:
         return Terms(t["fec"], t["a2a"] / 2, t["trans"] + t["agg"], t["trans"])
-    hidden = overlapped_copies(t["trans"], t["agg"], t["fec"], window.nonmoe_forward_s, window.hidden_share)
+    hidden = overlapped_copies(
+        t["trans"], t["agg"], t["fec"], window.nonmoe_forward_s, window.hidden_share, window.experts_hide
+    )
     return Terms(t["fec"], t["a2a"] / 2, float(hidden), 0.0)

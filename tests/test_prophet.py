@@ -88,6 +88,8 @@ def test_eq8_overlap_and_links_model_use_the_shared_cost_model():
     # Half the windows hide copies: max(0, 5 - 0.5·3) + max(0, 9 - 0.5·6); none: Eq. 6's sum.
     assert float(overlapped_copies(5.0, 9.0, 2.0, 1.0, hidden_share=0.5)) == pytest.approx(3.5 + 6.0)
     assert float(overlapped_copies(5.0, 9.0, 2.0, 1.0, hidden_share=0.0)) == pytest.approx(14.0)
+    # The dense part's windows alone (Hecate §3.2's overlap with the attention): max(0, 5 − 1) + max(0, 9 − 2).
+    assert float(overlapped_copies(5.0, 9.0, 2.0, 1.0, experts_hide=False)) == pytest.approx(4.0 + 7.0)
     flow = np.array([[10, 1, 1, 1], [60, 1, 1, 1], [60, 1, 1, 1], [0, 1, 1, 1]], float)
     extra = np.zeros((4, 4), dtype=bool)
     extra[0, [1, 2]] = True

@@ -178,6 +178,18 @@ def test_fssdp_copies_hide_behind_the_attention_end_to_end():
     assert hidden.other_comm_I == pytest.approx(np.full(8, counts))
 
 
+def test_planners_price_copies_behind_the_attention_alone():
+    # Hecate's overlap: the windows the planners price copies with hold the attention, not the experts'
+    # compute (Eq. 8's `experts_hide`), as `attention_overlap` charges them; the prefetch's hold both.
+    from moeflow.sim.pricing import GroupPricing
+
+    cm = two_by_two()
+    for overlap_attention, prefetch in ((True, False), (False, True)):
+        spec = layer(nonmoe_forward_s=1.0, overlap_attention=overlap_attention, prefetch=prefetch)
+        window = GroupPricing(cm, spec, ("sync",), 8, 2, 2).window
+        assert window.nonmoe_forward_s == 1.0 and window.experts_hide == prefetch
+
+
 def test_restricted_cost_model_is_the_sub_cluster():
     full = CostModel.resolve("johnny")
     sub, ref = full.restricted(range(8, 16)), CostModel.resolve("johnny@8")

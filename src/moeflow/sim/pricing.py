@@ -54,7 +54,8 @@ class GroupPricing:
     def window(self) -> PrefetchWindow | None:
         """How planners that plan ahead are told their copies travel ahead (None: they do not)."""
         if self.layer.prefetch or self.layer.overlap_attention:
-            return PrefetchWindow(self.layer.nonmoe_forward_s, 1.0)
+            # Hecate's overlap hides copies behind the attention alone (`attention_overlap`).
+            return PrefetchWindow(self.layer.nonmoe_forward_s, 1.0, experts_hide=not self.layer.overlap_attention)
         return None
 
     def copies_IL(self, plans: Plans, lat_comp_IL: np.ndarray) -> np.ndarray:

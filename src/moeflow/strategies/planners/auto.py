@@ -146,7 +146,12 @@ def _terms(terms: PlacementTerms, c: int, window: PrefetchWindow | None) -> Term
     if window is None:
         return Terms(compute, exchange, float(terms.trans_s[c] + terms.agg_s[c]), float(terms.trans_s[c]))
     hidden = overlapped_copies(
-        terms.trans_prefetched_s[c], terms.agg_prefetched_s[c], compute, window.nonmoe_forward_s, window.hidden_share
+        terms.trans_prefetched_s[c],
+        terms.agg_prefetched_s[c],
+        compute,
+        window.nonmoe_forward_s,
+        window.hidden_share,
+        window.experts_hide,
     )
     return Terms(compute, exchange, float(hidden), 0.0)
 

@@ -47,6 +47,9 @@ class PrefetchWindow:
     """T_FNEC: forward time of the dense part of the block before (its backward: twice)."""
     hidden_share: float = 0.0
     """Share of the compute windows that really hid copies (0 until measured; 1: Eq. 8 as printed)."""
+    experts_hide: bool = True
+    """The experts' compute is part of the windows (Eq. 8); False: the dense part alone (Hecate §3.2,
+    the simulator's `--overlap-attention`)."""
 
 
 class Planner:
@@ -179,7 +182,7 @@ class PlanAheadPlanner(Planner):
         if self.prefetch is None:
             return Pricing()
         window = self.prefetch
-        return Pricing(overlap=True, nonmoe_forward_s=window.nonmoe_forward_s, hidden_share=window.hidden_share)
+        return Pricing(True, window.nonmoe_forward_s, window.hidden_share, window.experts_hide)
 
     def adjust(self, flow_WE: np.ndarray, planned: Placement, cost_model: Any) -> Placement:
         """The planned placement, seen against the real flow before it runs (default: as planned)."""

@@ -88,11 +88,14 @@ class ProphetOptions:
     """T_FNEC of Eq. 8: forward time of the dense part of a block (backward: twice)."""
     hidden_share: float = 1.0
     """Share of Eq. 8's compute windows that hides copies (1: Eq. 8 as printed)."""
+    experts_hide: bool = True
+    """Eq. 8's windows hold the experts' compute too; False: the dense part alone (Hecate §3.2's
+    overlap with the attention; the simulator's `--overlap-attention` sets it)."""
     model: Literal["links", "paper"] = "links"
     """`links`: the shared cost-model functions; `paper`: Eq. 1-8 as printed (mean bandwidth)."""
 
     def pricing(self) -> Pricing:
-        return Pricing(self.overlap, self.nonmoe_forward_s, self.hidden_share, self.model)
+        return Pricing(self.overlap, self.nonmoe_forward_s, self.hidden_share, self.experts_hide, self.model)
 
     def __post_init__(self) -> None:
         if self.predictor not in PREDICTORS:
@@ -258,7 +261,14 @@ class ProphetPlanner(PlanAheadPlanner):
         if self.prefetch is None:
             return self.options
         nonmoe = self.options.nonmoe_forward_s or self.prefetch.nonmoe_forward_s
-        return replace(self.options, overlap=True, nonmoe_forward_s=nonmoe, hidden_share=self.prefetch.hidden_share)
+        window = self.prefetch
+        return replace(
+            self.options,
+            overlap=True,
+            nonmoe_forward_s=nonmoe,
+            hidden_share=window.hidden_share,
+            experts_hide=window.experts_hide,
+        )
 
     def observe(self, flow_WE: np.ndarray) -> None:
         super().observe(flow_WE)

@@ -43,20 +43,27 @@ class Pricing:
     """T_FNEC of Eq. 8: forward time of the dense part of a block (backward: twice)."""
     hidden_share: float = 1.0
     """Share of Eq. 8's compute windows that hides copies (1: Eq. 8 as printed)."""
+    experts_hide: bool = True
+    """Eq. 8's windows hold the experts' compute too; False: the dense part alone (Hecate §3.2 hides
+    its sparse collectives behind the attention only; `overlapped_copies`)."""
     model: Literal["links", "paper"] = "links"
     """`links`: the shared cost-model functions; `paper`: Eq. 1-8 as printed (mean bandwidth)."""
 
 
 def overlapped_copies(
-    trans_s: Any, agg_s: Any, fec_s: Any, nonmoe_forward_s: float, hidden_share: Any = 1.0
+    trans_s: Any, agg_s: Any, fec_s: Any, nonmoe_forward_s: float, hidden_share: Any = 1.0, experts_hide: bool = True
 ) -> np.ndarray:
     """Eq. 8: ``max(0, T_Trans − T_FEC − T_FNEC) + max(0, T_Agg − T_BEC − T_BNEC)`` with
     ``T_BEC = 2·T_FEC`` (Eq. 3) and the non-MoE backward likewise twice its forward.
 
     ``hidden_share`` scales the compute windows: 1 is Eq. 8 as printed (communication costs the
     compute nothing, as with a GPU's copy engines); where transfers and compute share cores (gloo
-    on CPUs) less of a window hides them, and `strategies.prefetch` measures how much."""
+    on CPUs) less of a window hides them, and `strategies.prefetch` measures how much.
+    ``experts_hide=False``: the windows are the dense part alone (``T_FEC`` left out), as where the
+    copies overlap the attention only (Hecate §3.2, `moeflow simulate --overlap-attention`)."""
     fec = np.asarray(fec_s, dtype=np.float64)
+    if not experts_hide:
+        fec = np.zeros_like(fec)
     h = np.asarray(hidden_share, dtype=np.float64)
     ptrans = np.maximum(0.0, np.asarray(trans_s, dtype=np.float64) - h * (fec + nonmoe_forward_s))
     pagg = np.maximum(0.0, np.asarray(agg_s, dtype=np.float64) - h * 2 * (fec + nonmoe_forward_s))
@@ -122,6 +129,7 @@ def price_terms(terms: PlacementTerms, cost_model: Any, shape: ExpertShape, pric
             terms.compute_s,
             pricing.nonmoe_forward_s,
             pricing.hidden_share,
+            pricing.experts_hide,
         )
     else:
         copies = terms.trans_s + terms.agg_s
