@@ -23,9 +23,10 @@ GPT-MoE; `prophet_simulated.attention_forward_s`): the baselines (EP, shadowing,
 parallelism inside each node of 8 and one replica of the experts per node (`--parallel-experts
 replicate`), their gradient all-reduce exposed and hidden behind the backward (`--overlap-allreduce`);
 FSSDP owning each expert once over all ranks (`--parallel-experts fsdp`) with its sparse collectives
-behind the attention (`--overlap-attention`), also with re-materialization and without the overlap;
-and beside them Pro-Prophet and `auto` on the whole mesh (one owner per expert, no all-reduce) with
-the block-wise prefetch. It writes the JSON and, with `--md`, the markdown table of the results file.
+behind the attention (`--overlap-attention`), also with re-materialization, with the copy trees in
+8 pieces (`--copy-chunks 8`, Hecate §4.1's chunk pipeline) and without the overlap; and beside them
+Pro-Prophet and `auto` on the whole mesh (one owner per expert, no all-reduce) with the block-wise
+prefetch. It writes the JSON and, with `--md`, the markdown table of the results file.
 
     .venv/bin/python benchmarks/sparse_collectives_simulated.py --dp \
         --out docs/results/2026-11-27-hecate-setting-simulated.json --md results/hecate-setting-table.md
@@ -103,6 +104,8 @@ DP_WORKLOADS = {
     "zipf-2": ["--trace", "zipf", "--skew", "2", "--iterations", ZIPF_ITERATIONS, "--layers", "4"],
 }
 EP_SIZE, SEQ = 8, 2048
+CHUNKS = 8
+"""FSSDP's copy trees also in this many pieces (`--copy-chunks`, Hecate §4.1's chunk pipeline)."""
 
 
 def _row(r) -> dict:
@@ -131,15 +134,18 @@ def hecate_setting(cluster: str, workload: list[str], experts: str) -> dict:
         for r in simulate_trace(trace, cm, layer, BASELINES, ["sync"], ceiling=False, layout=layout):
             rows[f"{r.strategy}/replicate{'/allreduce-hidden' if hidden else ''}"] = _row(r)
     fsdp = MeshLayout(EP_SIZE, "fsdp")
-    for label, fssdp_layer in (
-        ("fssdp/fsdp/overlap-attention", replace(layer, overlap_attention=True)),
+    attention = replace(layer, overlap_attention=True)
+    for label, fssdp_layer, model in (
+        ("fssdp/fsdp/overlap-attention", attention, cm),
         (
             "fssdp/fsdp/overlap-attention/rematerialize",
-            replace(layer, overlap_attention=True, options={"strategy": {"rematerialize": "true"}}),
+            replace(attention, options={"strategy": {"rematerialize": "true"}}),
+            cm,
         ),
-        ("fssdp/fsdp/no-overlap", layer),
+        (f"fssdp/fsdp/overlap-attention/chunks-{CHUNKS}", attention, cm.with_copy_chunks(CHUNKS)),
+        ("fssdp/fsdp/no-overlap", layer, cm),
     ):
-        (r,) = simulate_trace(trace, cm, fssdp_layer, ["fssdp"], ["sync"], ceiling=False, layout=fsdp)
+        (r,) = simulate_trace(trace, model, fssdp_layer, ["fssdp"], ["sync"], ceiling=False, layout=fsdp)
         rows[label] = _row(r)
     for r in simulate_trace(trace, cm, replace(layer, prefetch=True), ["prophet", "auto"], ["sync"], ceiling=False):
         rows[f"{r.strategy}/whole-mesh/prefetch"] = _row(r)
@@ -152,6 +158,7 @@ def hecate_setting(cluster: str, workload: list[str], experts: str) -> dict:
         for label in (
             "fssdp/fsdp/overlap-attention",
             "fssdp/fsdp/overlap-attention/rematerialize",
+            f"fssdp/fsdp/overlap-attention/chunks-{CHUNKS}",
             "prophet/whole-mesh/prefetch",
             "auto/whole-mesh/prefetch",
         )
@@ -175,9 +182,9 @@ def dp_table(doc: dict) -> str:
     """The results file's table (markdown)."""
     lines = [
         "| run | dp × ep | attention fwd ms | all-reduce ms | best baseline, all-reduce exposed | hidden | "
-        "fssdp ms | fssdp ÷ best, exposed | hidden | fssdp remat. ÷ best hidden | prophet+prefetch ms | "
-        "÷ best hidden | auto ms | ÷ best hidden |",
-        "|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"fssdp ms | fssdp ÷ best, exposed | hidden | fssdp remat. ÷ best hidden | fssdp {CHUNKS} chunks ms | "
+        "÷ best hidden | prophet+prefetch ms | ÷ best hidden | auto ms | ÷ best hidden |",
+        "|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in doc["runs"].items():
         rows, best, sp = r["rows"], r["best_baseline"], r["speedups"]
@@ -190,6 +197,8 @@ def dp_table(doc: dict) -> str:
             f"{rows[f]['total_ms']:.0f} | {sp[f + ' over best replicate']:.2f} | "
             f"{sp[f + ' over best replicate/allreduce-hidden']:.2f} | "
             f"{sp[f + '/rematerialize over best replicate/allreduce-hidden']:.2f} | "
+            f"{rows[f + f'/chunks-{CHUNKS}']['total_ms']:.0f} | "
+            f"{sp[f + f'/chunks-{CHUNKS} over best replicate/allreduce-hidden']:.2f} | "
             f"{rows['prophet/whole-mesh/prefetch']['total_ms']:.0f} | "
             f"{sp['prophet/whole-mesh/prefetch over best replicate/allreduce-hidden']:.2f} | "
             f"{rows['auto/whole-mesh/prefetch']['total_ms']:.0f} | "
