@@ -1,0 +1,52 @@
+"""Several `moeflow train` runs in one spawned gloo group (tests/multirank.py), each on the path the
+command's ranks take: the command's pre-flight (validation, cost-model checks, tokenizer, corpus), the
+config's round trip to the ranks, the cost model provided collectively, then `training.loop.run`,
+which writes the run folder (config.toml, metrics.jsonl, checkpoints) as `moeflow train --nproc N`
+does. What this leaves out is the launcher itself (torch's elastic agent): the tests that use this
+keep a real `moeflow train --nproc N` launch of their own for that.
+
+A spawn costs 5-15 s on a 2-core machine and a tiny run about a second, so a test file trains all
+its configs in one spawn (`train_runs`) instead of launching the command once per config.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .multirank import run_ranks
+
+
+def _as_launched(rank: int, world: int) -> None:
+    """The environment torch's elastic launcher gives each rank (one node of `world` ranks)."""
+    for key, value in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world).items():
+        os.environ[key] = str(value)
+
+
+def _train_all(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> None:
+    from moeflow.training.config_files import config_from_dict, config_to_dict, load_config
+    from moeflow.training.cost_model_setup import provide_cost_model
+    from moeflow.training.entry import preflight, quiet_notices
+    from moeflow.training.loop import run
+
+    _as_launched(rank, world)
+    quiet_notices()
+    device = torch.device("cpu")
+    for out_dir, overrides in runs:
+        out = Path(out_dir)
+        cfg = load_config(None, overrides)
+        corpus = preflight(cfg, out, False, world, in_process=True)  # every rank: the same corpus
+        dist.barrier()  # every rank checked the folder before rank 0 writes to it
+        cfg = config_from_dict(config_to_dict(cfg))  # what the launcher hands each rank
+        provide_cost_model(cfg, out, device, say=rank == 0)
+        summary = run(cfg, out, resume=False, device=device, corpus=corpus)
+        assert "error" not in summary, (out_dir, summary)
+
+
+def train_runs(world: int, runs: dict[str | Path, list[str]]) -> None:
+    """Train every run (its folder: its `--set` overrides, `train.steps` and `moe.cost_model`
+    among them) from scratch, one after the other, on `world` gloo ranks of one spawn."""
+    run_ranks(_train_all, world, [(str(out), list(overrides)) for out, overrides in runs.items()])
