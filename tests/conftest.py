@@ -8,9 +8,11 @@ from .multirank import SharedSpawns
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "spawned(body): runs body(rank, world) in the session's shared spawn of world")
+    config.addinivalue_line(
+        "markers", "spawned(body, world=None, setup=None): runs body in the session's shared spawn of world ranks"
+    )
 
 
 @pytest.fixture(scope="session")
-def shared_spawns(request) -> SharedSpawns:
-    return SharedSpawns(request.session.items)
+def shared_spawns(request, tmp_path_factory) -> SharedSpawns:
+    return SharedSpawns(request.session.items, tmp_path_factory.mktemp("shared_spawns"))
