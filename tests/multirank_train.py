@@ -11,6 +11,7 @@ its configs in one spawn (`train_runs`) instead of launching the command once pe
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def _as_launched(rank: int, world: int) -> None:
         os.environ[key] = str(value)
 
 
-def _train_all(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> None:
+def _train_all(rank: int, world: int, runs: list[tuple[str, list[str], dict[str, str]]]) -> None:
     from moeflow.training.config_files import config_from_dict, config_to_dict, load_config
     from moeflow.training.cost_model_setup import provide_cost_model
     from moeflow.training.entry import preflight, quiet_notices
@@ -35,18 +36,34 @@ def _train_all(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> None
     _as_launched(rank, world)
     quiet_notices()
     device = torch.device("cpu")
-    for out_dir, overrides in runs:
+    for out_dir, overrides, env in runs:
         out = Path(out_dir)
         cfg = load_config(None, overrides)
         corpus = preflight(cfg, out, False, world, in_process=True)  # every rank: the same corpus
         dist.barrier()  # every rank checked the folder before rank 0 writes to it
         cfg = config_from_dict(config_to_dict(cfg))  # what the launcher hands each rank
-        provide_cost_model(cfg, out, device, say=rank == 0)
-        summary = run(cfg, out, resume=False, device=device, corpus=corpus)
+        os.environ.update(env)
+        try:
+            provide_cost_model(cfg, out, device, say=rank == 0)
+            summary = run(cfg, out, resume=False, device=device, corpus=corpus)
+        finally:
+            for key in env:
+                del os.environ[key]
         assert "error" not in summary, (out_dir, summary)
+        if rank == 0:
+            _summary_file(out).write_text(json.dumps(summary))
 
 
-def train_runs(world: int, runs: dict[str | Path, list[str]]) -> None:
+def _summary_file(out: Path) -> Path:
+    return out.parent / f"{out.name}.summary.json"
+
+
+def train_runs(world: int, runs: dict[str | Path, list[str]], env: dict | None = None) -> dict[Path, dict]:
     """Train every run (its folder: its `--set` overrides, `train.steps` and `moe.cost_model`
-    among them) from scratch, one after the other, on `world` gloo ranks of one spawn."""
-    run_ranks(_train_all, world, [(str(out), list(overrides)) for out, overrides in runs.items()])
+    among them) from scratch, one after the other, on `world` gloo ranks of one spawn; `env`: a
+    run's folder -> environment variables set for that run only (`MOEFLOW_FAULT`). Returns each
+    run's summary (what `moeflow train --json` prints)."""
+    env = {Path(out): dict(values) for out, values in (env or {}).items()}
+    calls = [(str(out), list(overrides), env.get(Path(out), {})) for out, overrides in runs.items()]
+    run_ranks(_train_all, world, calls)
+    return {Path(out): json.loads(_summary_file(Path(out)).read_text()) for out in runs}

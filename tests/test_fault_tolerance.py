@@ -22,6 +22,7 @@ from moeflow.perf.topology import Topology
 from moeflow.training import checkpoint, faults
 from moeflow.training.trainer import Trainer
 
+from .multirank_train import train_runs
 from .test_train import TINY, tiny_config
 
 
@@ -63,11 +64,28 @@ def fast(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory, fast):
-    """The uninterrupted run (shadowing, aux-free bias) that the healed runs must reproduce."""
-    run = tmp_path_factory.mktemp("clean") / "run"
-    assert _train(run, *fast, "--set", "moe.strategy=shadow") == 0
-    return run
+def spawned(tmp_path_factory, fast):
+    """`_train`'s runs that need no launcher, on 2 ranks of one gloo spawn (tests/multirank_train.py):
+    the uninterrupted run (shadowing, aux-free bias) that the healed runs must reproduce, and the run
+    whose rank 1 has a non-finite loss in step 3. Their folders and summaries."""
+    tmp = tmp_path_factory.mktemp("spawned")
+    common = [*TINY, "moe.num_experts=4", "train.checkpoint_every=2", "train.eval_every=100"]
+    runs = {
+        tmp / "clean": [
+            "moe.balance=aux_free",
+            "moe.strategy=shadow",
+            *common,
+            "train.steps=8",
+            f"moe.cost_model={fast[1]}",
+        ],
+        tmp / "nan": ["train.on_nonfinite=skip", *common, "train.steps=5"],
+    }
+    return train_runs(2, runs, env={tmp / "nan": {faults.ENV: "nan@3:1"}})
+
+
+@pytest.fixture(scope="module")
+def clean(spawned):
+    return next(run for run in spawned if run.name == "clean")
 
 
 def test_fault_specs_parse_and_name_the_bad_one():
@@ -158,11 +176,9 @@ def test_stalled_worker_ends_the_run_with_the_timeout_named(tmp_path, monkeypatc
 
 
 @pytest.mark.multirank
-def test_nonfinite_loss_on_one_rank_is_skipped_by_all_and_counted(tmp_path, monkeypatch, capsys):
-    run = tmp_path / "nan"
-    rc = _train(run, "--set", "train.on_nonfinite=skip", steps=5, env="nan@3:1", monkeypatch=monkeypatch)
-    assert rc == 0
-    assert _summary(capsys)["skipped_steps"] == 1
+def test_nonfinite_loss_on_one_rank_is_skipped_by_all_and_counted(spawned):
+    run, summary = next((run, summary) for run, summary in spawned.items() if run.name == "nan")
+    assert summary["skipped_steps"] == 1
     records = _metrics(run)
     assert [m.get("skipped", False) for m in records] == [False, False, True, False, False]
     assert [m.get("skipped_steps", 0) for m in records] == [0, 0, 1, 1, 1]
