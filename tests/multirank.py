@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -22,8 +23,9 @@ def _entry(rank: int, world_size: int, init_file: str, body, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        body(rank, world_size, *args)
-        dist.barrier()
+        with warnings.catch_warnings():  # the filters, as they were
+            body(rank, world_size, *args)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -34,23 +36,33 @@ def run_ranks(body, world_size: int, *args) -> None:
 
 
 def _bodies(rank: int, world_size: int, bodies) -> None:
-    """Each body in turn, as if alone in its spawn: torch's process-wide settings that a body may
-    change (a Trainer turns deterministic algorithms on) are put back before the next one."""
+    """Each body in turn, as if alone in its spawn: the process-wide settings that a body may change
+    (a Trainer turns deterministic algorithms on; tests/multirank_train.py sets the launcher's
+    environment and the command's warning format) are put back before the next one."""
     import torch
 
     for body, args in bodies:
+        environ, formatwarning = dict(os.environ), warnings.formatwarning
         saved = (
             torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(),
             torch.get_default_dtype(),
             torch.is_grad_enabled(),
         )
-        body(rank, world_size, *args)
-        dist.barrier()
+        with warnings.catch_warnings():  # the filters, as they were
+            body(rank, world_size, *args)
+            dist.barrier()
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.set_default_dtype(saved[2])
         torch.set_grad_enabled(saved[3])
         torch.set_num_threads(1)
+        os.environ.clear()
+        os.environ.update(environ)
+        warnings.formatwarning = formatwarning
+
+
+def _no_args(folder: Path) -> tuple:
+    return ()
 
 
 class SharedSpawns:
@@ -59,7 +71,8 @@ class SharedSpawns:
     `shared_spawns.run(body, world)` (tests/conftest.py); the first such call for a world size runs,
     in one spawn and in collection order, the bodies of every selected test of that size, each as
     `body(rank, world)` — or, when marked with `setup=f`, as `body(rank, world, tmp, *f(tmp))` with
-    a folder of its own (`f` runs here first, in this process; `run` returns the folder).
+    a folder of its own (`f` runs here first, in this process; `run` returns the folder); marked
+    with `folder=True`, as `body(rank, world, tmp)`.
     A failing body fails the spawn, and with it every test of the spawn (each names the failure): no
     body's failure can pass unseen, at the price of blaming its neighbours too."""
 
@@ -77,7 +90,8 @@ class SharedSpawns:
             callspec = getattr(item, "callspec", None)
             marked = marker.kwargs.get("world", callspec.params.get("world") if callspec else None)
             if marked == world and marker.kwargs["body"] not in [b for b, _ in bodies]:
-                bodies.append((marker.kwargs["body"], marker.kwargs.get("setup")))
+                setup = marker.kwargs.get("setup") or (_no_args if marker.kwargs.get("folder") else None)
+                bodies.append((marker.kwargs["body"], setup))
         return bodies
 
     def _folder(self, body, world: int) -> Path:

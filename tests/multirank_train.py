@@ -6,7 +6,14 @@ does. What this leaves out is the launcher itself (torch's elastic agent): the t
 keep a real `moeflow train --nproc N` launch of their own for that.
 
 A spawn costs 5-15 s on a 2-core machine and a tiny run about a second, so a test file trains all
-its configs in one spawn (`train_runs`) instead of launching the command once per config.
+its configs in a body of the session's shared spawn (tests/multirank.py, `SharedSpawns`):
+
+    def _train_mine(rank, world, tmp):
+        train_all(rank, world, runs(tmp, {"ep": [...], "shadow": [...]}))
+
+    @pytest.mark.spawned(body=_train_mine, world=2, folder=True)
+    def test_...(shared_spawns):
+        tmp = shared_spawns.run(_train_mine, 2)   # tmp/ep, tmp/shadow: run folders; summary(tmp / "ep")
 """
 
 from __future__ import annotations
@@ -18,8 +25,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .multirank import run_ranks
-
 
 def _as_launched(rank: int, world: int) -> None:
     """The environment torch's elastic launcher gives each rank (one node of `world` ranks)."""
@@ -27,7 +32,9 @@ def _as_launched(rank: int, world: int) -> None:
         os.environ[key] = str(value)
 
 
-def _train_all(rank: int, world: int, runs: list[tuple[str, list[str], dict[str, str]]]) -> None:
+def train_all(rank: int, world: int, runs: list[tuple[str, list[str], dict[str, str]]]) -> None:
+    """On every rank: train each run (its folder, its `--set` overrides with `train.steps` and
+    `moe.cost_model` among them, environment variables for it alone) from scratch, in turn."""
     from moeflow.training.config_files import config_from_dict, config_to_dict, load_config
     from moeflow.training.cost_model_setup import provide_cost_model
     from moeflow.training.entry import preflight, quiet_notices
@@ -50,7 +57,7 @@ def _train_all(rank: int, world: int, runs: list[tuple[str, list[str], dict[str,
             for key in env:
                 del os.environ[key]
         assert "error" not in summary, (out_dir, summary)
-        if rank == 0:
+        if rank == 0:  # what `moeflow train --json` prints
             _summary_file(out).write_text(json.dumps(summary))
 
 
@@ -58,12 +65,11 @@ def _summary_file(out: Path) -> Path:
     return out.parent / f"{out.name}.summary.json"
 
 
-def train_runs(world: int, runs: dict[str | Path, list[str]], env: dict | None = None) -> dict[Path, dict]:
-    """Train every run (its folder: its `--set` overrides, `train.steps` and `moe.cost_model`
-    among them) from scratch, one after the other, on `world` gloo ranks of one spawn; `env`: a
-    run's folder -> environment variables set for that run only (`MOEFLOW_FAULT`). Returns each
-    run's summary (what `moeflow train --json` prints)."""
-    env = {Path(out): dict(values) for out, values in (env or {}).items()}
-    calls = [(str(out), list(overrides), env.get(Path(out), {})) for out, overrides in runs.items()]
-    run_ranks(_train_all, world, calls)
-    return {Path(out): json.loads(_summary_file(Path(out)).read_text()) for out in runs}
+def runs(tmp: str | Path, configs: dict[str, list[str]], env: dict[str, dict[str, str]] | None = None) -> list:
+    """`train_all`'s runs: folder `tmp/<name>` for each named config; `env`: by name."""
+    return [(str(Path(tmp) / name), list(sets), dict((env or {}).get(name, {}))) for name, sets in configs.items()]
+
+
+def summary(run: Path) -> dict:
+    """The summary of a run `train_all` trained."""
+    return json.loads(_summary_file(run).read_text())

@@ -12,7 +12,7 @@ from torch import nn
 from moeflow.training.config import TrainConfig
 from moeflow.training.grad_buckets import ddp_buckets, partition_buckets
 
-from .multirank_train import train_runs
+from .multirank_train import runs, train_all
 from .test_train import TINY
 
 
@@ -45,23 +45,27 @@ def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_bucketed_sync_trains_as_after_backward(tmp_path, nproc):
-    # The three runs of `moeflow train --nproc N --steps 3 --cost-model fsmoe_a --set ...`, in one spawn.
+def _train_grad_sync_runs(rank, world, tmp):
+    """The three runs of `moeflow train --nproc N --steps 3 --cost-model fsmoe_a --set ...`."""
     common = [*TINY, "train.checkpoint_every=100", "train.eval_every=100"]
     modes = {
         "after": ["train.grad_sync=after_backward"],
         "ddp": ["train.grad_sync=ddp", "train.grad_bucket_mb=0.01"],
         "fsmoe": ["train.grad_sync=fsmoe", "train.grad_bucket_mb=0.01"],
     }
-    train_runs(
-        nproc, {tmp_path / m: [*common, *sets, "train.steps=3", "moe.cost_model=fsmoe_a"] for m, sets in modes.items()}
-    )
-    base = _metrics(tmp_path / "after")
+    configs = {m: [*common, *sets, "train.steps=3", "moe.cost_model=fsmoe_a"] for m, sets in modes.items()}
+    train_all(rank, world, runs(tmp, configs))
+
+
+@pytest.mark.multirank
+@pytest.mark.spawned(body=_train_grad_sync_runs, folder=True)
+@pytest.mark.parametrize("world", [2, 4])
+def test_bucketed_sync_trains_as_after_backward(world, shared_spawns):
+    tmp = shared_spawns.run(_train_grad_sync_runs, world)  # in the session's spawn of `world` ranks
+    base = _metrics(tmp / "after")
     assert [a["step"] for a in base] == [1, 2, 3]
     for mode in ("ddp", "fsmoe"):
-        got = _metrics(tmp_path / mode)
+        got = _metrics(tmp / mode)
         for a, b in zip(base, got, strict=True):
             for key in ("loss", "grad_norm", "val_loss"):
                 assert (a.get(key) is None) == (b.get(key) is None), (mode, key)

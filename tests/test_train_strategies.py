@@ -3,13 +3,14 @@
 Shadowing and the pairwise schedule do not change routing, so a 2-rank run with both must follow
 plain EP's loss curve; the hierarchical gate and the TA-MoE loss change routing, so that run is
 checked for what they promise (no cross-node traffic when the network forbids it). The 2-rank runs
-train in one gloo spawn (`runs`); their resumes and samples go through the commands."""
+train in the session's shared gloo spawn (`trained`); their resumes and samples go through the commands."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ from moeflow import cli
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 
-from .multirank_train import train_runs
+from .multirank_train import runs, train_all
 from .test_train import TINY
 
 
@@ -31,16 +32,19 @@ def _sets(cost_model, *sets):
     return [*common, *sets, "train.steps=6", f"moe.cost_model={cost_model}"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every 2-process run of this file, trained in one gloo spawn (tests/multirank_train.py); the
-    resumes below go through `moeflow train` itself, one of them on 2 launched processes."""
-    tmp = tmp_path_factory.mktemp("strategies")
+def _cost_models(tmp: Path) -> tuple:
+    """Here, before the spawn: the cost models of the runs."""
     # Fast network, slow GEMMs: shadowing the busiest experts pays, so the planner does it.
-    fast, slow = tmp / "fast.json", tmp / "slow.json"
-    CostModel(Topology([[0], [1]], [1e12, 1e12]), gemm_flops_per_s=1e6).save(fast)
+    CostModel(Topology([[0], [1]], [1e12, 1e12]), gemm_flops_per_s=1e6).save(tmp / "fast.json")
     # Two nodes of one rank behind a network a million times slower than each device's own link.
-    CostModel(Topology([[0], [1]], [1e6, 1e12]), gemm_flops_per_s=1e6).save(slow)
+    CostModel(Topology([[0], [1]], [1e6, 1e12]), gemm_flops_per_s=1e6).save(tmp / "slow.json")
+    return ()
+
+
+def _train_strategy_runs(rank, world, tmp):
+    """Every 2-process run of this file; the resumes below go through `moeflow train` itself, one
+    of them on 2 launched processes."""
+    fast, slow = Path(tmp) / "fast.json", Path(tmp) / "slow.json"
     three = ["model.n_layers=3", "train.checkpoint_every=4"]
     hecate = [
         "moe.strategy=fssdp",
@@ -57,19 +61,25 @@ def runs(tmp_path_factory):
         "ep3_saved": _sets(fast, *three),
         "fssdp": _sets(fast, *three, *hecate),
     }
-    train_runs(2, {tmp / name: sets for name, sets in configs.items()})
-    return tmp
+    train_all(rank, world, runs(tmp, configs))
+
+
+@pytest.fixture(scope="module")
+def trained(shared_spawns):
+    """The run folders, trained in the session's shared 2-rank spawn (tests/multirank_train.py)."""
+    return shared_spawns.run(_train_strategy_runs, 2)
 
 
 @pytest.mark.multirank
-def test_shadow_and_pairwise_follow_ep_and_topology_aware_routing_stays_local(runs):
-    ep, both = _metrics(runs / "ep"), _metrics(runs / "both")
+@pytest.mark.spawned(body=_train_strategy_runs, world=2, setup=_cost_models)
+def test_shadow_and_pairwise_follow_ep_and_topology_aware_routing_stays_local(trained):
+    ep, both = _metrics(trained / "ep"), _metrics(trained / "both")
     assert [m["step"] for m in ep] == list(range(1, 7))
     assert [m["loss"] for m in both] == pytest.approx([m["loss"] for m in ep], rel=1e-5, abs=1e-5)
     assert sum(sum(m["extra_copies_per_layer"]) for m in both) > 0, "the planner never shadowed"
     assert all(sum(m["extra_copies_per_layer"]) == 0 for m in ep)
     # Pro-Prophet planned a step ahead, with the block-wise prefetch: plain EP's curve again.
-    prophet, ep3 = _metrics(runs / "prophet"), _metrics(runs / "ep3")
+    prophet, ep3 = _metrics(trained / "prophet"), _metrics(trained / "ep3")
     assert [m["loss"] for m in prophet] == pytest.approx([m["loss"] for m in ep3], rel=1e-5, abs=1e-5)
     assert sum(sum(m["extra_copies_per_layer"][1:]) for m in prophet) > 0, "nothing to prefetch"
     assert all(len(m["device_load_std_per_layer"]) == 3 for m in prophet)
@@ -77,7 +87,7 @@ def test_shadow_and_pairwise_follow_ep_and_topology_aware_routing_stays_local(ru
     # Two nodes of one rank behind a network a million times slower than each device's own link:
     # W_net / (M · W_local) = 1e-6 (M = 1: the device's link is its local transfer), so the
     # hierarchical gate keeps every assignment on its own node; TA-MoE's loss trains alongside.
-    local = _metrics(runs / "local")
+    local = _metrics(trained / "local")
     assert all(m["cross_node_share"] == 0.0 for m in local)
     assert all(m["cross_node_share"] > 0.0 for m in ep)
     assert sum(m["redirected"] for m in local) > 0
@@ -86,17 +96,18 @@ def test_shadow_and_pairwise_follow_ep_and_topology_aware_routing_stays_local(ru
     # and resume on another process count, each with a one-line notice instead of an error.
     for name in ("both", "local"):
         with pytest.warns(UserWarning, match="describes 2 devices but this expert-parallel group has 1"):
-            assert cli.main(["generate", "--run", str(runs / name), "--length", "8", "--json"]) == 0
-    argv = ["train", "--nproc", "1", "--steps", "8", "--out", str(runs / "local"), "--resume"]
+            assert cli.main(["generate", "--run", str(trained / name), "--length", "8", "--json"]) == 0
+    argv = ["train", "--nproc", "1", "--steps", "8", "--out", str(trained / "local"), "--resume"]
     with pytest.warns(UserWarning, match="describes 2 devices"):
         assert cli.main(argv) == 0
-    resumed = _metrics(runs / "local")
+    resumed = _metrics(trained / "local")
     assert [m["step"] for m in resumed] == list(range(1, 9)) and resumed[-1]["cross_node_share"] == 0.0
 
 
 @pytest.mark.multirank
-def test_fssdp_follows_ep_across_resharding_and_resumes_on_another_process_count(runs, tmp_path):
-    ep, fssdp = _metrics(runs / "ep3_saved"), _metrics(runs / "fssdp")
+@pytest.mark.spawned(body=_train_strategy_runs, world=2, setup=_cost_models)
+def test_fssdp_follows_ep_across_resharding_and_resumes_on_another_process_count(trained, tmp_path):
+    ep, fssdp = _metrics(trained / "ep3_saved"), _metrics(trained / "fssdp")
     assert [m["step"] for m in fssdp] == list(range(1, 7))
     assert [m["loss"] for m in fssdp] == pytest.approx([m["loss"] for m in ep], rel=1e-5, abs=1e-5)
     assert sum(sum(m["extra_copies_per_layer"]) for m in fssdp) > 0, "nothing was materialized"
@@ -105,7 +116,7 @@ def test_fssdp_follows_ep_across_resharding_and_resumes_on_another_process_count
     # uninterrupted run's.
     for nproc in (2, 1):
         run = tmp_path / f"resume{nproc}"
-        shutil.copytree(runs / "fssdp", run)
+        shutil.copytree(trained / "fssdp", run)
         shutil.rmtree(run / "checkpoints" / "step_00000006")
         argv = ["train", "--nproc", str(nproc), "--steps", "6", "--out", str(run), "--resume"]
         with warnings.catch_warnings():
