@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from .multirank import run_ranks
 from .multirank_esp import esp_body
 
 
 @pytest.mark.multirank
+@pytest.mark.spawned(body=esp_body)
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_sharding_equals_single_process(world):
-    run_ranks(esp_body, world)
+def test_expert_sharding_equals_single_process(world, shared_spawns):
+    shared_spawns.run(esp_body, world)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from moeflow.perf.topology import Topology
 from moeflow.training import checkpoint, faults
 from moeflow.training.trainer import Trainer
 
+from .multirank_train import runs, summary, train_all
 from .test_train import TINY, tiny_config
 
 
@@ -54,20 +56,41 @@ def _weights(run):
     return {k: v for k, v in state.items() if k.startswith(("model.", "optim.")) and isinstance(v, torch.Tensor)}
 
 
-@pytest.fixture(scope="module")
-def fast(tmp_path_factory):
+def _fast_cost_model(tmp: Path) -> tuple:
     """A cluster whose GEMMs are so slow that copying experts always pays: planners place copies."""
-    path = tmp_path_factory.mktemp("cost") / "fast.json"
-    CostModel(Topology([[0], [1]], [1e12, 1e12]), gemm_flops_per_s=1e6).save(path)
-    return ["--cost-model", str(path), "--set", "moe.balance=aux_free"]
+    CostModel(Topology([[0], [1]], [1e12, 1e12]), gemm_flops_per_s=1e6).save(tmp / "fast.json")
+    return ()
+
+
+def _train_unlaunched_runs(rank, world, tmp):
+    """`_train`'s runs that need no launcher: the uninterrupted run (shadowing, aux-free bias) that the
+    healed runs must reproduce, and the run whose rank 1 has a non-finite loss in step 3."""
+    common = [*TINY, "moe.num_experts=4", "train.checkpoint_every=2", "train.eval_every=100"]
+    cost = f"moe.cost_model={Path(tmp) / 'fast.json'}"
+    configs = {
+        "clean": ["moe.balance=aux_free", "moe.strategy=shadow", *common, "train.steps=8", cost],
+        "nan": ["train.on_nonfinite=skip", *common, "train.steps=5"],
+    }
+    train_all(rank, world, runs(tmp, configs, env={"nan": {faults.ENV: "nan@3:1"}}))
+
+
+SPAWNED = pytest.mark.spawned(body=_train_unlaunched_runs, world=2, setup=_fast_cost_model)
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory, fast):
-    """The uninterrupted run (shadowing, aux-free bias) that the healed runs must reproduce."""
-    run = tmp_path_factory.mktemp("clean") / "run"
-    assert _train(run, *fast, "--set", "moe.strategy=shadow") == 0
-    return run
+def spawned(shared_spawns):
+    """The folder of `_train_unlaunched_runs`'s runs, in the session's shared 2-rank spawn."""
+    return shared_spawns.run(_train_unlaunched_runs, 2)
+
+
+@pytest.fixture(scope="module")
+def fast(spawned):
+    return ["--cost-model", str(spawned / "fast.json"), "--set", "moe.balance=aux_free"]
+
+
+@pytest.fixture(scope="module")
+def clean(spawned):
+    return spawned / "clean"
 
 
 def test_fault_specs_parse_and_name_the_bad_one():
@@ -82,6 +105,7 @@ def test_fault_specs_parse_and_name_the_bad_one():
 
 
 @pytest.mark.multirank
+@SPAWNED
 def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(clean, fast, tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     shadow = [*fast, "--set", "moe.strategy=shadow"]
@@ -106,6 +130,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(clean, 
 
 
 @pytest.mark.multirank
+@SPAWNED
 def test_fssdp_killed_right_after_resharding_heals_to_the_same_weights(clean, fast, tmp_path, monkeypatch, capsys):
     # Steps 2 and 4 moved shards and their AdamW state: the restarted group loads the experts by
     # global id into the plain layout, same numbers.
@@ -120,6 +145,7 @@ def test_fssdp_killed_right_after_resharding_heals_to_the_same_weights(clean, fa
 
 
 @pytest.mark.multirank
+@SPAWNED
 def test_prophet_plan_made_before_the_kill_is_used_after_the_restart(clean, fast, tmp_path, monkeypatch, capsys):
     # Pro-Prophet runs step j on the placement planned from steps < j: a planner rebuilt empty would
     # run the first step after the restart (5) without copies; the checkpoint carries its window and
@@ -158,11 +184,10 @@ def test_stalled_worker_ends_the_run_with_the_timeout_named(tmp_path, monkeypatc
 
 
 @pytest.mark.multirank
-def test_nonfinite_loss_on_one_rank_is_skipped_by_all_and_counted(tmp_path, monkeypatch, capsys):
-    run = tmp_path / "nan"
-    rc = _train(run, "--set", "train.on_nonfinite=skip", steps=5, env="nan@3:1", monkeypatch=monkeypatch)
-    assert rc == 0
-    assert _summary(capsys)["skipped_steps"] == 1
+@SPAWNED
+def test_nonfinite_loss_on_one_rank_is_skipped_by_all_and_counted(spawned):
+    run = spawned / "nan"
+    assert summary(run)["skipped_steps"] == 1
     records = _metrics(run)
     assert [m.get("skipped", False) for m in records] == [False, False, True, False, False]
     assert [m.get("skipped_steps", 0) for m in records] == [0, 0, 1, 1, 1]

@@ -16,7 +16,6 @@ from moeflow.strategies.planners.base import PrefetchWindow
 from moeflow.strategies.planners.fssdp import FSSDPOptions, FSSDPPlanner
 from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
 
-from .multirank import run_ranks
 from .multirank_fssdp import check_fssdp_equals_ep
 
 SHAPE = ExpertShape(8, 16)
@@ -141,9 +140,10 @@ def test_option_errors_name_the_option(options, named):
 
 
 @pytest.mark.multirank
+@pytest.mark.spawned(body=check_fssdp_equals_ep)
 @pytest.mark.parametrize("world", [2, 4])
-def test_fssdp_training_equals_ep_across_resharding(world):
-    run_ranks(check_fssdp_equals_ep, world)
+def test_fssdp_training_equals_ep_across_resharding(world, shared_spawns):
+    shared_spawns.run(check_fssdp_equals_ep, world)
 
 
 @pytest.mark.parametrize("name", ["fssdp", "eplb"])

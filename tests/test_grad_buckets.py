@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from moeflow import cli
 from moeflow.training.config import TrainConfig
 from moeflow.training.grad_buckets import ddp_buckets, partition_buckets
 
+from .multirank_train import runs, train_all
 from .test_train import TINY
 
 
@@ -41,21 +41,31 @@ def test_bad_config_names_key_and_value(key, value):
         TrainConfig(**{key: value})
 
 
-def _train(tmp_path, nproc, name, *sets):
-    run = tmp_path / name
-    argv = ["train", "--nproc", str(nproc), "--steps", "3", "--out", str(run), "--cost-model", "fsmoe_a"]
-    for item in [*TINY, "train.checkpoint_every=100", "train.eval_every=100", *sets]:
-        argv += ["--set", item]
-    assert cli.main(argv) == 0
+def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def _train_grad_sync_runs(rank, world, tmp):
+    """The three runs of `moeflow train --nproc N --steps 3 --cost-model fsmoe_a --set ...`."""
+    common = [*TINY, "train.checkpoint_every=100", "train.eval_every=100"]
+    modes = {
+        "after": ["train.grad_sync=after_backward"],
+        "ddp": ["train.grad_sync=ddp", "train.grad_bucket_mb=0.01"],
+        "fsmoe": ["train.grad_sync=fsmoe", "train.grad_bucket_mb=0.01"],
+    }
+    configs = {m: [*common, *sets, "train.steps=3", "moe.cost_model=fsmoe_a"] for m, sets in modes.items()}
+    train_all(rank, world, runs(tmp, configs))
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_bucketed_sync_trains_as_after_backward(tmp_path, nproc):
-    base = _train(tmp_path, nproc, "after", "train.grad_sync=after_backward")
+@pytest.mark.spawned(body=_train_grad_sync_runs, folder=True)
+@pytest.mark.parametrize("world", [2, 4])
+def test_bucketed_sync_trains_as_after_backward(world, shared_spawns):
+    tmp = shared_spawns.run(_train_grad_sync_runs, world)  # in the session's spawn of `world` ranks
+    base = _metrics(tmp / "after")
+    assert [a["step"] for a in base] == [1, 2, 3]
     for mode in ("ddp", "fsmoe"):
-        got = _train(tmp_path, nproc, mode, f"train.grad_sync={mode}", "train.grad_bucket_mb=0.01")
+        got = _metrics(tmp / mode)
         for a, b in zip(base, got, strict=True):
             for key in ("loss", "grad_norm", "val_loss"):
                 assert (a.get(key) is None) == (b.get(key) is None), (mode, key)

@@ -18,7 +18,7 @@ from torch import nn
 from moeflow.hf import MoEBlock, RouterSemantics, convert_moe_blocks, export_moe_blocks
 
 from .hf_models import ARCHS, grads_by_original_name, moe_blocks, tiny
-from .multirank import run_ranks
+from .multirank_hf import check_hf_expert_parallel
 
 pytest.importorskip("transformers")
 
@@ -233,8 +233,7 @@ def test_bad_input_is_one_line_naming_it():
 
 
 @pytest.mark.multirank
+@pytest.mark.spawned(body=check_hf_expert_parallel)
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_and_shadow_equal_the_original(world):
-    from .multirank_hf import check_hf_expert_parallel
-
-    run_ranks(check_hf_expert_parallel, world)
+def test_expert_parallel_and_shadow_equal_the_original(world, shared_spawns):
+    shared_spawns.run(check_hf_expert_parallel, world)

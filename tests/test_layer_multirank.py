@@ -24,7 +24,6 @@ from moeflow.perf.topology import Topology
 from moeflow.routing.balance import GShardBalance
 
 from .equivalence import TOL, D, ForcedCopies, H, forward_backward, inputs
-from .multirank import run_ranks
 from .multirank_fsmoe import check_hierarchical_dispatch, check_wire_compression
 
 
@@ -495,7 +494,8 @@ def _check_layout(rank, world, ep_size):
 
 
 @pytest.mark.multirank
+@pytest.mark.spawned(body=_equivalence_body)
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_equals_single_process(world):
+def test_expert_parallel_equals_single_process(world, shared_spawns):
     """Also: DP × EP layouts (all ep sizes dividing world) give the global-mean gradients."""
-    run_ranks(_equivalence_body, world)
+    shared_spawns.run(_equivalence_body, world)

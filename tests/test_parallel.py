@@ -1,5 +1,5 @@
-"""The `[parallel]` device mesh (docs/parallel.md): one 4-rank gloo spawn runs every multi-rank check
-of tests/multirank_parallel.py (meta-device build = one process; dp 2 × ep 2 under FSDP2 and
+"""The `[parallel]` device mesh (docs/parallel.md): the session's shared 4-rank gloo spawn runs every
+multi-rank check of tests/multirank_parallel.py (meta-device build = one process; dp 2 × ep 2 under FSDP2 and
 replicated, for ep, shadow and fssdp, = one process over 10 steps; activation checkpointing and
 micro-steps give the same gradients; a dp 2 × ep 2 checkpoint resumes as ep 4 and dp 4 × ep 1);
 here, its resume on one process, and the one-line errors of layouts that cannot work."""
@@ -22,7 +22,6 @@ from moeflow.training.config_files import load_config
 from moeflow.training.data import load_corpus
 from moeflow.training.trainer import Trainer
 
-from .multirank import run_ranks
 from .multirank_parallel import LOSS_TOL, SAVE_AT, STEPS, config, four_ranks, train
 
 
@@ -35,15 +34,21 @@ def reference(tmp: Path) -> dict:
     return dict(init=init, losses=[r.loss for r in results], norms=[r.grad_norm for r in results], end=end)
 
 
-@pytest.mark.multirank
-def test_every_layout_is_the_one_process_model(tmp_path):
+def setup(tmp: Path) -> tuple[dict]:
+    """Here, before the shared 4-rank spawn: the cost models the strategies read, and the reference."""
     for devices in (2, 4):
         CostModel(Topology([[d] for d in range(devices)], [1e12, 1e12]), gemm_flops_per_s=1e6).save(
-            tmp_path / f"fast{devices}.json"
+            tmp / f"fast{devices}.json"
         )
-    run_ranks(four_ranks, 4, str(tmp_path), reference(tmp_path))
+    return (reference(tmp),)
+
+
+@pytest.mark.multirank
+@pytest.mark.spawned(body=four_ranks, world=4, setup=setup)
+def test_every_layout_is_the_one_process_model(tmp_path, shared_spawns):
+    ran = shared_spawns.run(four_ranks, 4)  # four_ranks(rank, 4, its folder, reference), in the session's spawn
     # The dp 2 × ep 2 checkpoint (FSDP2 shards, expert rows by global id) on one process.
-    saved = json.loads((tmp_path / "dp2ep2.json").read_text())
+    saved = json.loads((ran / "dp2ep2.json").read_text())
     one = Trainer(config(), tmp_path / "one_resumed")
     one.resume(Path(saved["path"]))
     assert one.step == SAVE_AT

@@ -16,7 +16,6 @@ from moeflow.strategies.schedules.base import StepLoad
 from moeflow.strategies.schedules.pipeline import PipelineOptions, PipelineSchedule, chunk_bounds, chunk_counts
 from moeflow.strategies.schedules.pipeline_pricing import pass_models, scalar_model
 
-from .multirank import run_ranks
 from .multirank_pipeline import check_pipeline_equals_sync
 
 SHAPE = ExpertShape(16, 32)
@@ -145,6 +144,7 @@ def test_refuses_other_dispatchers():
         PipelineSchedule().check_dispatcher(DISPATCHERS.build("hierarchical", _ctx()))
 
 
+@pytest.mark.spawned(body=check_pipeline_equals_sync)
 @pytest.mark.parametrize("world", [2, 4])
-def test_pipeline_equals_sync_multirank(world):
-    run_ranks(check_pipeline_equals_sync, world)
+def test_pipeline_equals_sync_multirank(world, shared_spawns):
+    shared_spawns.run(check_pipeline_equals_sync, world)

@@ -16,7 +16,6 @@ from moeflow.strategies import PLANNERS
 from moeflow.strategies.planners.prophet import ProphetOptions, ProphetPlanner, price_placement, prophet_search
 from moeflow.strategies.planners.prophet_model import overlapped_copies, prophet_layer_times
 
-from .multirank import run_ranks
 from .multirank_prophet import check_prophet_equals_ep
 
 SHAPE = ExpertShape(8, 16)
@@ -147,6 +146,7 @@ def test_options_are_checked_by_name():
         PLANNERS.build("prophet", LayerContext(4, 2, SHAPE, None))
 
 
+@pytest.mark.spawned(body=check_prophet_equals_ep)
 @pytest.mark.parametrize("world", [2, 4])
-def test_prophet_training_equals_plain_ep(world):
-    run_ranks(check_prophet_equals_ep, world)
+def test_prophet_training_equals_plain_ep(world, shared_spawns):
+    shared_spawns.run(check_prophet_equals_ep, world)
