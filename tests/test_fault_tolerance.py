@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -169,18 +168,14 @@ def test_prophet_plan_made_before_the_kill_is_used_after_the_restart(clean, fast
 def test_stalled_worker_ends_the_run_with_the_timeout_named(tmp_path, monkeypatch, capfd):
     # Rank 1 stops after its forward of step 3 and wakes 15 s later (a process that stays stopped is
     # SIGKILLed by torch's launcher 30 s after the run failed: the same ending, slower).
-    start = time.perf_counter()
     run = tmp_path / "stalled"
     rc = _train(run, "--set", "train.collective_timeout_s=5", steps=6, env="stop@3:1+15", monkeypatch=monkeypatch)
-    elapsed = time.perf_counter() - start
     err = capfd.readouterr().err
     assert rc == 1
     last = err.strip().splitlines()[-1]
     assert last.startswith("moeflow train: error: training process 0 failed"), err[-3000:]
     assert "rank 0: all_reduce (called at training/trainer.py" in last, last
     assert "timed out after train.collective_timeout_s=5 s; rank 1 did not answer (stalled or dead)" in last, last
-    # Start-up and two steps, the timeout, 2.5 s for the other ranks to report theirs, the stall's end.
-    assert elapsed < 15 + 30, elapsed
 
 
 @pytest.mark.multirank
