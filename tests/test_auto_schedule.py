@@ -117,3 +117,20 @@ def test_a_cost_model_of_another_group_runs_the_simplest_candidate(tmp_path):
         assert y.shape == (10, 8) and layer.stats.schedule == "sync"
     finally:
         dist.destroy_process_group()
+
+
+def test_a_resumed_schedule_continues_where_the_run_stopped():
+    # A checkpoint carries `state()`: the trial rounds are behind the resumed run and the factors
+    # price as before, so it chooses what the uninterrupted run chooses.
+    predicted, cost_s = {"sync": 1.0, "pairwise": 0.5}, {"sync": 1.0, "pairwise": 1.5}
+    run = _arbiter()
+    _run(run, predicted, cost_s, 5)
+    resumed = _arbiter()
+    resumed.load_state(run.state())
+    assert _run(resumed, predicted, cost_s, 4) == _run(run, predicted, cost_s, 4) == ["sync"] * 4
+    assert resumed.state() == run.state()
+    afresh = _arbiter()  # without the state: two trial rounds again
+    assert _run(afresh, predicted, cost_s, 4) == ["sync", "pairwise"] * 2
+    other = AutoSchedule({"sync": SyncSchedule()}, SHAPE, run.cost_model)  # other candidates: afresh
+    other.load_state(run.state())
+    assert other.calls == 0

@@ -85,6 +85,23 @@ def test_resume_after_step_10_reproduces_steps_11_to_20(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+def test_the_schedules_measurements_are_resumed(tmp_path):
+    # `schedule="auto"`'s factors and trial rounds travel with the planners' state; a resume that
+    # dropped them would run two trial rounds per layer again.
+    cfg = load_config(None, [*TINY, "moe.schedule=auto", "moe.cost_model=johnny"])
+    first = Trainer(cfg, tmp_path)
+    first.train_step()
+    for k, (_, layer) in enumerate(first.model.moe_layers()):
+        layer.schedule.calls = 9 + k  # as after measured forwards (one process measures none)
+        layer.schedule.factors["sync"].value = 1.5 + k
+    first.save()
+    resumed = Trainer(cfg, tmp_path)
+    resumed.resume(checkpoint.latest_checkpoint(tmp_path / "checkpoints"))
+    states = [layer.schedule.state() for _, layer in resumed.model.moe_layers()]
+    assert len(states) == 2 and states == [layer.schedule.state() for _, layer in first.model.moe_layers()]
+    assert [s["calls"] for s in states] == [9, 10] and [s["factors"]["sync"] for s in states] == [1.5, 2.5]
+
+
 def test_checkpoint_holds_every_expert_by_global_id_and_the_optimizer(tmp_path):
     trainer = Trainer(load_config(None, TINY), tmp_path)
     trainer.train_step()

@@ -88,10 +88,12 @@ class TrainerCheckpoints:
 
     def _planner_state(self) -> dict[str, bytes]:
         """Each MoE layer's planner, pickled: Pro-Prophet's, EPLB's and FSSDP's windows of past
-        flows and the placement each planned ahead, `auto`'s calibration, what the prefetch measured.
-        Restored, the next steps are placed as the uninterrupted run would have placed them. (A planner
-        wrapping a plain function keeps nothing. Planners see the flows of their EP group — averaged over
-        its data-parallel replicas —, the same on every rank.)"""
+        flows and the placement each planned ahead, `auto`'s calibration, what the prefetch measured;
+        and what each layer's schedule measured (`Schedule.state`: `schedule="auto"`'s factors, its
+        trial rounds done). Restored, the next steps are placed and scheduled as the uninterrupted run
+        would have done. (A planner wrapping a plain function keeps nothing. Planners see the flows of
+        their EP group — averaged over its data-parallel replicas —, the same on every rank; schedules
+        learn from times the ranks agree.)"""
         state = {
             f"layer{i}": pickle.dumps(layer.planner)
             for i, layer in self.model.moe_layers()
@@ -99,6 +101,7 @@ class TrainerCheckpoints:
         }
         # Hecate's re-sharded owners: the restored planners planned ahead on them.
         state["fssdp_owners"] = pickle.dumps([layer.placement.owner_E for layer in fssdp_layers(self.model)])
+        state["schedules"] = pickle.dumps({i: layer.schedule.state() for i, layer in self.model.moe_layers()})
         state["group_size"] = pickle.dumps(self._planner_group_size())
         return state
 
@@ -110,10 +113,13 @@ class TrainerCheckpoints:
         saved = pickle.loads(state["group_size"]) if "group_size" in state else saved_world_size
         if saved != self._planner_group_size():
             return  # flows and placements of another group size: the planners start afresh
+        schedules = pickle.loads(state["schedules"]) if "schedules" in state else {}
         for i, layer in self.model.moe_layers():
             if f"layer{i}" in state:
                 # In place: hooks (the block-wise prefetch) hold the planner itself.
                 layer.planner.__dict__.update(pickle.loads(state[f"layer{i}"]).__dict__)
+            if schedules.get(i) is not None:
+                layer.schedule.load_state(schedules[i])
         layers = [m for m in fssdp_layers(self.model) if m.group is not None]
         owners = pickle.loads(state["fssdp_owners"]) if "fssdp_owners" in state else []
         if layers and len(owners) == len(layers):  # the weights loaded onto the initial shards: move them

@@ -130,6 +130,19 @@ class AutoSchedule(Schedule):
     def choice(self) -> str | None:
         return self._choice
 
+    def state(self) -> dict:
+        """The forwards seen (the trial rounds are behind a resumed run) and each candidate's factor."""
+        return {"calls": self.calls, "factors": {n: r.value for n, r in self.factors.items()}}
+
+    def load_state(self, state: dict) -> None:
+        """A resume on the same candidates continues where the run stopped; other candidates (another
+        dispatcher) start afresh."""
+        if set(state["factors"]) != set(self.factors):
+            return
+        self.calls = int(state["calls"])
+        for name, value in state["factors"].items():
+            self.factors[name].value = value
+
     def observe_time(self, samples: list[Sample]) -> None:
         pending = list(self.pending)[-len(samples) :]
         self.pending.clear()

@@ -72,6 +72,13 @@ class Schedule:
     def choice(self) -> str | None:
         return None
 
+    def state(self) -> dict | None:
+        """What it learned from measured forwards, carried in checkpoints (None: nothing)."""
+        return None
+
+    def load_state(self, state: dict) -> None:
+        """Take back `state()` of a schedule built with the same options (a resume)."""
+
     def execute(self, block: ExchangeBlock) -> torch.Tensor:
         """Outputs of this rank's sent rows, in send order (what the synchronous combine returns)."""
         raise NotImplementedError
