@@ -216,6 +216,25 @@ class MoEConfig:
         """`MoELayer`'s `*_options` keyword arguments."""
         return {f"{axis}_options": dict(getattr(self, f"{axis}_options")) for axis in AXES}
 
+    def run_kwargs(self, cost_model: Any) -> dict[str, Any]:
+        """`MoELayer`'s arguments of how the layer runs — strategy, schedule, dispatch, balance, the
+        wire and the copies, every axis's options but the gate's — which MoE-GPT's layers and a
+        converted Hugging Face block (whose gate is the checkpoint's) take alike."""
+        options = self.layer_options()
+        return dict(
+            strategy=self.strategy,
+            schedule=self.schedule,
+            dispatch=self.dispatch,
+            balance=self.balance,
+            balance_weight=self.balance_weight,
+            z_loss_weight=self.z_loss_weight,
+            capacity_factor=self.capacity_factor,
+            dispatch_dtype=self.dispatch_dtype,
+            copy_chunks=self.copy_chunks,
+            cost_model=cost_model,
+            **{k: v for k, v in options.items() if k != "gate_options"},
+        )
+
 
 @dataclass
 class ParallelConfig:

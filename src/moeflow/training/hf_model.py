@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -126,24 +125,6 @@ def check_moe_keys(moe: MoEConfig, cfg: ModelConfig) -> None:
             raise ValueError(f"moe.{key}={getattr(moe, key)!r}: {_source(cfg)} takes it from its own MoE blocks")
 
 
-def layer_kwargs(moe: MoEConfig, cost_model) -> dict[str, Any]:
-    """`MoELayer` arguments of the `[moe]` table that apply to a converted block."""
-    options = moe.layer_options()
-    return dict(
-        strategy=moe.strategy,
-        schedule=moe.schedule,
-        dispatch=moe.dispatch,
-        balance=moe.balance,
-        balance_weight=moe.balance_weight,
-        z_loss_weight=moe.z_loss_weight,
-        capacity_factor=moe.capacity_factor,
-        dispatch_dtype=moe.dispatch_dtype,
-        copy_chunks=moe.copy_chunks,
-        cost_model=cost_model,
-        **{k: v for k, v in options.items() if k != "gate_options"},
-    )
-
-
 class HFCausalLM(nn.Module):
     """A `transformers` causal LM with its sparse-MoE blocks on `MoELayer`, behind MoE-GPT's interface
     (module docstring). `cfg` is the run's `[model]` table (`seq_len`, `vocab_size` of the tokenizer)."""
@@ -154,7 +135,7 @@ class HFCausalLM(nn.Module):
         config = hf_config(cfg)
         self.cfg = cfg
         self.hf = _instantiate(cfg, config)
-        convert_moe_blocks(self.hf, **layer_kwargs(moe, cost_model))
+        convert_moe_blocks(self.hf, **moe.run_kwargs(cost_model))
         self.aux_coef = float(getattr(self.hf.config, "router_aux_loss_coef", 0.0) or 0.0)
         self.own_aux = bool(getattr(self.hf.config, "output_router_logits", False)) and self.aux_coef > 0
         self._hf_aux: torch.Tensor | None = None

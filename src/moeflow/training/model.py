@@ -83,17 +83,8 @@ def build_moe_layer(d_model: int, moe: MoEConfig, cost_model: CostModel | None =
         expert_options=moe.expert_options,
         num_shared_experts=moe.num_shared_experts,
         shared_d_hidden=moe.shared_d_hidden,
-        capacity_factor=moe.capacity_factor,
-        strategy=moe.strategy,
-        schedule=moe.schedule,
-        dispatch=moe.dispatch,
-        balance=moe.balance,
-        balance_weight=moe.balance_weight,
-        z_loss_weight=moe.z_loss_weight,
-        dispatch_dtype=moe.dispatch_dtype,
-        copy_chunks=moe.copy_chunks,
-        cost_model=cost_model,
-        **moe.layer_options(),
+        gate_options=dict(moe.gate_options),
+        **moe.run_kwargs(cost_model),
     )
 
 
