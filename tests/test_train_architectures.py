@@ -7,6 +7,7 @@ on 1) and metrics; bad `[model]` / `[moe]` combinations are one-line errors."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +88,101 @@ def test_a_hugging_face_model_trains_with_moeflow_strategies_and_resumes(tmp_pat
     assert cli.main(["generate", "--run", str(tmp_path / "one"), "--length", "8", "--json"]) == 0
 
 
+DSV3 = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    head_dim=8,
+    max_position_embeddings=32,
+    tie_word_embeddings=False,
+)
+HF_MESH = [
+    "model.hf_architecture=DeepseekV3ForCausalLM",
+    *(f"model.hf_config.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in DSV3.items()),
+    "model.seq_len=32",
+    *SMALL[5:],
+    "moe.balance=gshard",
+    "moe.balance_weight=0",
+    "train.eval_every=0",
+    "train.checkpoint_every=100",
+]
+MESH_RUNS = {
+    "dense": ["parallel.dense=fsdp"],
+    "experts": ["parallel.ep_size=1", "parallel.experts=fsdp"],
+    "recompute": ["parallel.dense=fsdp", "train.activation_checkpointing=full"],
+}
+
+
+def _train_hf_mesh(rank, world, tmp):
+    """A Hugging Face DeepSeek-V3 on 2 ranks: its decoder layers FSDP2 units, its experts FSDP2 over
+    their data-parallel replicas, full recomputation (tests/multirank_train.py); and the units built."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from moeflow.training.config_files import load_config
+    from moeflow.training.trainer import Trainer
+
+    from .multirank_train import runs, train_all
+
+    train_all(rank, world, runs(tmp, {k: [*HF_MESH, *v, "train.steps=4"] for k, v in MESH_RUNS.items()}))
+    both = load_config(None, [*HF_MESH, "parallel.dense=fsdp", *MESH_RUNS["experts"]])
+    model = Trainer(both, Path(tmp) / "units").model
+    assert all(isinstance(b, FSDPModule) for b in model.decoder_blocks()) and isinstance(model, FSDPModule)
+    assert all(isinstance(layer, FSDPModule) for _, layer in model.moe_layers())
+
+
+@pytest.mark.multirank
+@pytest.mark.spawned(body=_train_hf_mesh, world=2, folder=True)
+def test_a_hugging_face_model_on_the_mesh_follows_one_process(tmp_path, shared_spawns):
+    one = _train(tmp_path / "one", "--nproc", "1", *_sets(HF_MESH), steps=4)
+    trained = shared_spawns.run(_train_hf_mesh, 2)
+    for name in MESH_RUNS:
+        got = _metrics(trained / name)
+        assert [m["step"] for m in got] == [1, 2, 3, 4], name
+        assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in one], rel=1e-5, abs=1e-5), name
+
+
+def test_a_hugging_face_model_recomputes_its_decoder_layers(tmp_path):
+    """`full`: transformers' gradient checkpointing of the decoder layers, the MoE layers replaying
+    their routing: the same loss and gradients as without it, fewer activations kept."""
+    from moeflow.training.config_files import load_config
+    from moeflow.training.trainer import Trainer
+
+    kept, grads, losses = {}, {}, {}
+    for mode in ("none", "full"):
+        trainer = Trainer(load_config(None, [*HF_MESH, f"train.activation_checkpointing={mode}"]), tmp_path / mode)
+        sizes: list[int] = []
+
+        def pack(t, sizes=sizes):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses[mode] = trainer.train_step().loss
+        kept[mode] = sum(sizes)
+        grads[mode] = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        layers = trainer.model.decoder_blocks()
+        assert all(layer.gradient_checkpointing == (mode == "full") for layer in layers), mode
+    assert losses["full"] == losses["none"] and kept["full"] < kept["none"], (losses, kept)
+    assert grads["full"].keys() == grads["none"].keys()
+    for name, grad in grads["none"].items():
+        torch.testing.assert_close(grads["full"][name], grad, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("arch", ["gpt_oss", "llama4", "glm4_moe"])
 def test_hugging_face_models_train_from_a_pretrained_directory(tmp_path, arch):
     from .hf_models import tiny
@@ -112,6 +208,10 @@ def test_hugging_face_models_train_from_a_pretrained_directory(tmp_path, arch):
         (["model.hf_architecture=MixtralForCausalLM", "moe.gate_options.normalize=false"], "moe.gate_options="),
         (["model.hf_architecture=MixtralForCausalLM", "moe.num_experts=8"], "moe.num_experts=8: model.hf_arch"),
         (["model.hf_architecture=MixtralForCausalLM", "train.grad_sync=fsmoe"], "train.grad_sync='fsmoe' prices"),
+        (
+            ["model.hf_architecture=MixtralForCausalLM", "train.activation_checkpointing=selective"],
+            "train.activation_checkpointing='selective' with model.hf_architecture",
+        ),
         (["model.hf_pretrained=/nonexistent"], "model.hf_pretrained='/nonexistent' has no config.json"),
         (["model.hf_architecture=MixtralForCausalLM", "model.hf_pretrained=/x"], "set one"),
     ],

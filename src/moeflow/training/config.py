@@ -347,23 +347,19 @@ class RunConfig:
 
     def _check_hf(self) -> None:
         """What a Hugging Face model (`model.hf_architecture` / `hf_pretrained`) trains with: its own
-        blocks, built whole and then parallelized — no FSDP2 units, activation checkpointing or
-        FSMoE gradient partition of MoE-GPT's blocks."""
+        blocks, built whole and then parallelized (FSDP2 units of its decoder layers, its MoE
+        layers'), recomputed whole (`transformers`' gradient checkpointing) — not MoE-GPT's selective
+        split of a block nor FSMoE's gradient partition of MoE-GPT's blocks."""
         source = (
             f"model.hf_architecture={self.model.hf_architecture!r}"
             if self.model.hf_architecture
             else (f"model.hf_pretrained={self.model.hf_pretrained!r}")
         )
-        for key, value, default in (
-            ("parallel.dense", self.parallel.dense, "replicate"),
-            ("parallel.experts", self.parallel.experts, "replicate"),
-            ("train.activation_checkpointing", self.train.activation_checkpointing, "none"),
-        ):
-            if value != default:
-                raise ValueError(
-                    f"{key}={value!r} with {source}: a Hugging Face model trains with {key}={default!r} "
-                    f"(FSDP2 units and recomputation are MoE-GPT's, docs/parallel.md)"
-                )
+        if self.train.activation_checkpointing == "selective":
+            raise ValueError(
+                f"train.activation_checkpointing='selective' with {source}: a Hugging Face model recomputes "
+                "'full' decoder layers (transformers' gradient checkpointing) or 'none'"
+            )
         if self.train.grad_sync == "fsmoe":
             raise ValueError(
                 "train.grad_sync='fsmoe' prices MoE-GPT's own blocks; with a Hugging Face model use "

@@ -16,6 +16,12 @@ MoE-GPT's interface (`forward(idx) -> logits`, `moe_layers()`, `aux_loss()`, `cf
 trainer, checkpoints (experts by global id), metrics, traces and `moeflow generate` work
 unchanged. The model's vocabulary must hold `data.tokenizer`'s tokens (256 for bytes).
 
+On the mesh it trains as MoE-GPT does: its decoder layers are the FSDP2 units of
+`parallel.dense="fsdp"` (`decoder_blocks`), its MoE layers those of `parallel.experts="fsdp"`, and
+`train.activation_checkpointing="full"` is `transformers`' own gradient checkpointing of the decoder
+layers, non-reentrant, with the MoE layers replaying their first pass's routing and plan
+(`core.replay`). `selective` is MoE-GPT's split of a block and is refused.
+
 Shape suffixes: B batch, T sequence, V vocabulary.
 """
 
@@ -27,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moeflow.core.replay import Tape
 from moeflow.hf import SUPPORTED, convert_moe_blocks
 from moeflow.hf.archs import find_blocks
 from moeflow.hf.weights import LAYOUTS, hf_tensors
@@ -125,6 +132,11 @@ def check_moe_keys(moe: MoEConfig, cfg: ModelConfig) -> None:
             raise ValueError(f"moe.{key}={getattr(moe, key)!r}: {_source(cfg)} takes it from its own MoE blocks")
 
 
+def _replay_contexts():
+    """A recomputed decoder layer's MoE layers replay their first pass (`core.replay.Tape`)."""
+    return Tape().contexts()
+
+
 class HFCausalLM(nn.Module):
     """A `transformers` causal LM with its sparse-MoE blocks on `MoELayer`, behind MoE-GPT's interface
     (module docstring). `cfg` is the run's `[model]` table (`seq_len`, `vocab_size` of the tokenizer)."""
@@ -149,6 +161,24 @@ class HFCausalLM(nn.Module):
                 found = re.search(r"layers\.(\d+)\.", name)
                 out.append((int(found.group(1)) if found else len(out), module))
         return out
+
+    def decoder_blocks(self) -> list[nn.Module]:
+        """The decoder layers, in depth order (the FSDP2 units of `parallel.dense="fsdp"`)."""
+        return list(self.hf.get_decoder().layers)
+
+    def set_recompute(self, mode: str) -> None:
+        """`train.activation_checkpointing` (module docstring): `none` or `full`."""
+        if mode not in ("none", "full"):
+            raise ValueError(
+                f"train.activation_checkpointing={mode!r}: a Hugging Face model recomputes 'none' or 'full'"
+            )
+        for _, layer in self.moe_layers():
+            layer.set_recompute(mode)
+        if mode == "full":
+            kwargs = {"use_reentrant": False, "context_fn": _replay_contexts}
+            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            self.hf.gradient_checkpointing_disable()
 
     def aux_loss(self) -> torch.Tensor:
         """The MoE layers' aux losses of the last forward, plus the model's own load-balancing loss

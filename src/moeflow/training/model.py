@@ -198,6 +198,10 @@ class MoEGPT(nn.Module):
         """(block index, layer) of every MoE layer, in depth order."""
         return [(i, b.ffn) for i, b in enumerate(self.blocks) if isinstance(b.ffn, MoELayer)]
 
+    def decoder_blocks(self) -> list[nn.Module]:
+        """The blocks, in depth order (the FSDP2 units of `parallel.dense="fsdp"`)."""
+        return list(self.blocks)
+
     def aux_loss(self) -> torch.Tensor:
         """Sum of the MoE layers' aux losses of the last forward (balance × weight, z-loss)."""
         return torch.stack([layer.aux_loss.float() for _, layer in self.moe_layers()]).sum()
@@ -282,6 +286,6 @@ def apply_fsdp(model: MoEGPT, layout: ParallelLayout, experts: bool) -> None:
         ignored = {p for p in model.parameters() if p.dim() == 0}
         if not experts:
             ignored |= {p for _, p in expert_parameters(model)}
-        for block in model.blocks:
+        for block in model.decoder_blocks():
             fully_shard(block, mesh=layout.dense_mesh, ignored_params=ignored)
         fully_shard(model, mesh=layout.dense_mesh, ignored_params=ignored)

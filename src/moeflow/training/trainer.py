@@ -91,10 +91,13 @@ def build_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device, co
     and global expert id (`training.init`): the same function on every layout, one process included.
     Activation checkpointing per `train.activation_checkpointing`. A Hugging Face model (`[model]`
     hf_architecture / hf_pretrained) is built whole from the seed by `transformers`' own
-    initialisation, then parallelized (EP and ESP; its dense part replicated)."""
+    initialisation, then parallelized the same way (EP, ESP, FSDP2 units of its decoder layers and
+    MoE layers) and recomputed as `training.hf_model` says."""
     if cfg.model.is_hf:
         torch.manual_seed(cfg.train.seed)  # the same full model on every rank before sharding
-        return parallelize(build_full_model(cfg, cost_model), layout).to(device)
+        model = parallelize(build_full_model(cfg, cost_model), layout).to(device)
+        model.set_recompute(cfg.train.activation_checkpointing)
+        return model
     with torch.device("meta"):
         model = MoEGPT(cfg.model, cfg.moe, cost_model)
     parallelize(model, layout)
