@@ -176,9 +176,9 @@ class HFCausalLM(nn.Module):
             layer.set_recompute(mode)
         if mode == "full":
             kwargs = {"use_reentrant": False, "context_fn": _replay_contexts}
-            self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            self.hf.gradient_checkpointing_disable()
+            self.hf.activation_checkpointing_disable()
 
     def aux_loss(self) -> torch.Tensor:
         """The MoE layers' aux losses of the last forward, plus the model's own load-balancing loss
