@@ -17,6 +17,8 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.training.generate import load_model
 
+from .hf_models import ARCHS, COMMON
+
 pytest.importorskip("transformers")
 
 SMALL = [
@@ -88,29 +90,17 @@ def test_a_hugging_face_model_trains_with_moeflow_strategies_and_resumes(tmp_pat
     assert cli.main(["generate", "--run", str(tmp_path / "one"), "--length", "8", "--json"]) == 0
 
 
-DSV3 = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    first_k_dense_replace=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=1,
-    n_shared_experts=1,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=8,
-    head_dim=8,
-    max_position_embeddings=32,
-    tie_word_embeddings=False,
-)
+DSV3 = {
+    **COMMON,
+    "num_experts_per_tok": 2,
+    **ARCHS["deepseek_v3"][2],
+    "vocab_size": 256,
+    "max_position_embeddings": 32,
+    "output_router_logits": False,
+    "tie_word_embeddings": False,
+}
+"""tests/hf_models.py's tiny DeepSeek-V3 (MLA, a dense first block, a shared expert, group-limited
+routing) on byte tokens."""
 HF_MESH = [
     "model.hf_architecture=DeepseekV3ForCausalLM",
     *(f"model.hf_config.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in DSV3.items()),
