@@ -200,6 +200,15 @@ def test_restricted_cost_model_is_the_sub_cluster():
     ring = CostModel.resolve("trevor")
     with pytest.raises(ValueError, match="ring node"):
         ring.restricted([0, 1])
+    # An asymmetric tree: keeping none of the deepest switch's devices drops that level, the routes
+    # among the kept devices unchanged.
+    tree = Topology.from_spec([[0, 1], [2, [3, 4]]], [1e9, 2e9, 4e9], [1e-6, 2e-6, 4e-6])
+    for kept in ([0, 1, 2], [2, 3], [4, 0]):
+        part = tree.restricted(kept)
+        ix = np.ix_(kept, kept)
+        assert np.array_equal(part.path_bandwidth_WW, tree.path_bandwidth_WW[ix]), kept
+        assert np.array_equal(part.path_latency_WW, tree.path_latency_WW[ix]), kept
+    assert tree.restricted([0, 1, 2]).depth == 2
 
 
 def test_bad_layouts_fail_before_any_work(capsys):

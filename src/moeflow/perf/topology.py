@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from scipy import sparse
 
-from moeflow.perf.topology_families import TopologyFamilies
+from moeflow.perf.topology_families import TopologyFamilies, tree_depth
 from moeflow.perf.topology_presets import GBIT, GBYTE, PRESETS
 from moeflow.perf.two_level import TWO_LEVEL_FROM, two_level_links
 
@@ -75,11 +75,6 @@ def _parse(spec: Any, where: str = "spec") -> Any:
 
 def _leaves(spec: Any) -> list[int]:
     return [spec] if isinstance(spec, int) else [d for c in spec for d in _leaves(c)]
-
-
-def _depth(spec: Any) -> int:
-    """Number of switch levels above the deepest device."""
-    return 0 if isinstance(spec, int) else 1 + max(_depth(c) for c in spec)
 
 
 def _as_levels(value: float | Sequence[float], depth: int, name: str) -> tuple[float, ...]:
@@ -125,7 +120,7 @@ class Topology(TopologyFamilies):
                 f"(duplicated {dup}, missing {missing})"
             )
         self.num_devices = len(devices)
-        self.depth = _depth(self.spec)
+        self.depth = tree_depth(self.spec)
         self._bw = _as_levels(self.level_bandwidth_bytes_per_s, self.depth, "level_bandwidth_bytes_per_s")
         self._lat = _as_levels(self.level_latency_s, self.depth, "level_latency_s")
         for i, b in enumerate(self._bw):

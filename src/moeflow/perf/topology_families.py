@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from moeflow.perf.topology import Topology
 
 
+def tree_depth(spec: Any) -> int:
+    """Number of switch levels above the deepest device of a nested-list spec."""
+    return 0 if isinstance(spec, int) else 1 + max(tree_depth(c) for c in spec)
+
+
 class TopologyFamilies:
     """The constructors and the JSON of `Topology` (module docstring)."""
 
@@ -127,10 +132,12 @@ class TopologyFamilies:
                     out.append(kept)
             return out
 
+        spec = prune(self.spec)
+        depth = tree_depth(spec)  # an asymmetric tree loses its deepest levels with their devices
         return type(self)(
-            prune(self.spec),
-            self._bw,
-            self._lat,
+            spec,
+            self._bw[:depth],
+            self._lat[:depth],
             ring_edge_bandwidth_bytes_per_s=self.ring_edge_bandwidth_bytes_per_s,
             name=f"{self.name}[{len(ranks)} of {self.num_devices}]",
             source=self.source,
