@@ -144,6 +144,11 @@ def test_a_hugging_face_model_on_the_mesh_follows_one_process(tmp_path, shared_s
         got = _metrics(trained / name)
         assert [m["step"] for m in got] == [1, 2, 3, 4], name
         assert [m["loss"] for m in got] == pytest.approx([m["loss"] for m in one], rel=1e-5, abs=1e-5), name
+    # The sharded run's checkpoint resumes on one process where the one-process run goes on.
+    more = _train(tmp_path / "one", "--nproc", "1", "--resume", steps=6)[4:]
+    resumed = _train(trained / "dense", "--nproc", "1", "--resume", steps=6)[4:]
+    assert [m["step"] for m in resumed] == [5, 6]
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in more], rel=1e-5, abs=1e-5)
 
 
 def test_a_hugging_face_model_recomputes_its_decoder_layers(tmp_path):
