@@ -282,8 +282,9 @@ def test_placement_pricer_prices_copies_as_copies_time(preset, backend, chunks):
             assert got[c] == pytest.approx(cm.copies_time(size, holders, owner, direction, tree), rel=1e-9, abs=1e-12)
 
 
-def _trees_time_before_the_pipeline(cm, param_bytes, holders_EW, owner_E) -> float:
-    """`CostModel._trees_time` as it was before the chunk pipeline: the stages one after the other."""
+def _trees_time_stage_after_stage(cm, param_bytes, holders_EW, owner_E) -> float:
+    """The copy trees priced by hand from their edges, each stage whole and one after the other:
+    per stage its busiest link plus its slowest route's latency, summed."""
     from moeflow.core.placement import tree_edges
 
     topo = cm.topology
@@ -301,7 +302,7 @@ def _trees_time_before_the_pipeline(cm, param_bytes, holders_EW, owner_E) -> flo
 def test_copy_chunks_price_the_trees_pipelined_by_hand():
     """Hecate §4.1's chunk pipeline (`core.copy_rounds`) priced as it runs: c + 1 rounds, each the
     slower stage's piece: (t1/c + l1) + (c - 1)·max(t1/c + l1, t2/c + l2) + (t2/c + l2); c = 1 is
-    today's t1 + l1 + t2 + l2, to the bit; a tree with one stage is sent (and priced) whole; the
+    t1 + l1 + t2 + l2, to the bit; a tree with one stage is sent (and priced) whole; the
     prefetch (`tree=False`) sends each stage whole whatever c."""
     topo = Topology.from_spec([[0, 1], [2, 3]], [1e9, 1e10], [2e-4, 1e-5])
     whole = CostModel(topo, 1e12)
@@ -333,9 +334,9 @@ def test_copy_chunks_price_the_trees_pipelined_by_hand():
 
 
 @pytest.mark.parametrize("preset, backend", [("johnny", None), ("hecate_b", None), ("johnny", "gloo")])
-def test_copy_chunks_one_prices_the_trees_as_before(preset, backend):
-    """c = 1 gives the trees' price of before the pipeline to the bit; c = 4 changes it only where
-    a tree has a second stage."""
+def test_copy_chunks_one_prices_the_stages_one_after_the_other(preset, backend):
+    """c = 1 gives the stages' sum (`_trees_time_stage_after_stage`) to the bit; c = 4 changes it
+    only where a tree has a second stage."""
     rng = np.random.default_rng(3)
     cm = CostModel.from_preset(preset)
     cm.backend = backend or cm.backend
@@ -344,10 +345,10 @@ def test_copy_chunks_one_prices_the_trees_as_before(preset, backend):
     changed = 0
     for p in (0.0, 0.02, 0.1, 0.4):
         holders = np.eye(W, dtype=bool)[owner] | (rng.random((2 * W, W)) < p)
-        before = _trees_time_before_the_pipeline(cm, 3e6, holders, owner)
-        assert cm._trees_time(3e6, holders, owner, cm.copy_chunks) == before
+        sequential = _trees_time_stage_after_stage(cm, 3e6, holders, owner)
+        assert cm._trees_time(3e6, holders, owner, cm.copy_chunks) == sequential
         stages = cm.tree_stage_terms(3e6, holders, owner)
         piped = cm.with_copy_chunks(4)._trees_time(3e6, holders, owner, 4)
-        assert (piped != before) == (stages[0][2] and stages[1][2])
-        changed += piped != before
+        assert (piped != sequential) == (stages[0][2] and stages[1][2])
+        changed += piped != sequential
     assert changed
