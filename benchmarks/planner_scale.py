@@ -9,7 +9,8 @@ Clusters: a preset's link classes at each size (`--preset`, default johnny: node
 PCIe 3.0, 50 Gb/s between nodes; `topology_presets.resolve_preset("johnny@N")`). Loads, one layer:
 the SmartMoE trace's held-out half (iterations 126-251 of the shipped excerpt, layer `--layer`)
 unfolded to the size (`Trace.rescale`), and Zipf 1.2 (`synthetic_trace`), 8192 tokens per rank,
-top-2, consecutive iterations so the planners that plan ahead meet the trace's locality. Expert:
+top-2, consecutive iterations so the planners that plan ahead meet the trace's locality; int64
+counts, as the layer's count exchange hands them to its planner. Expert:
 d = 1024, h = 4096 (FasterMoE's GPT; as `moeflow simulate` prices the trace).
 
 Per planner and load, medians over `--calls` calls after `--warmup`:
@@ -83,15 +84,16 @@ PREFETCH = PrefetchWindow(nonmoe_forward_s=0.005, hidden_share=1.0)
 
 
 def loads(kind: str, world: int, experts: int, iterations: int, layer: int) -> np.ndarray:
-    """Flows `[I, W, E]` of one layer: the trace's held-out half unfolded, or Zipf 1.2."""
+    """Flows `[I, W, E]` of one layer: the trace's held-out half unfolded, or Zipf 1.2 — int64, as
+    the layer's count exchange hands them to its planner (`core.dispatch.exchange_counts`)."""
     if kind == "smartmoe":
         full = resolve_trace("smartmoe")
         part = Trace(
             full.flow_ILWE[HELD_OUT][:iterations, [layer]], full.steps_I[HELD_OUT][:iterations], dict(full.meta)
         )
-        return part.rescale(world, experts).flow_ILWE[:, 0].astype(np.float64)
+        return np.rint(part.rescale(world, experts).flow_ILWE[:, 0]).astype(np.int64)
     trace = synthetic_trace("zipf", iterations, 1, world, experts, TOKENS_PER_RANK, 2, skew=1.2, seed=layer)
-    return trace.flow_ILWE[:, 0].astype(np.float64)
+    return np.rint(trace.flow_ILWE[:, 0]).astype(np.int64)
 
 
 def _build(name: str, ctx: LayerContext):

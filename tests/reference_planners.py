@@ -5,20 +5,23 @@ restated over arrays: `core.placement.dispatch_counts`, `prophet_model.placement
 `price_placement`, the shadow planner's `cost`/`decide`, Pro-Prophet's `prophet_search`, Hecate's
 Algorithms 1-2, FSSDP's and EPLB's plans, `auto`'s `layer_terms`. Only the imports changed (the
 functions call each other here) and the shadow planner's three methods sit in `ShadowReference`;
-the cost model is the current one (its formulas are shared by both sides).
+the cost model is the current one (its formulas are shared by both sides). `search_steps` came
+later: Pro-Prophet's steps as NumPy ran them before `strategies/planners/prophet_steps.py` compiled
+them, from the commit that replaced it.
 
 Shape suffixes: W ranks, E experts, S source ranks, Z candidate shadow sets, L layers, N nodes.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement
+from moeflow.core.placement import Placement, dispatch_entries
 from moeflow.strategies.planners.auto import Terms
 from moeflow.strategies.planners.base import PrefetchWindow
 from moeflow.strategies.planners.fssdp import FSSDPDecision
@@ -244,6 +247,82 @@ def _relief(flow_WE, holders_EW, load_EW, H_W, owner_E) -> tuple[int, list[int]]
             if senders:
                 return int(e), senders
     return None
+
+
+# ---- strategies/planners/prophet.py: the steps before they were compiled ----------------------------
+def search_steps(
+    flow_WE: np.ndarray, tokens_WE: np.ndarray, owner_E: np.ndarray, node_of, options: ProphetOptions
+) -> tuple[list[tuple[int, list[int]]], np.ndarray]:
+    """Algorithm 1's steps: (expert, devices it is sent to) and the expert's holders after each.
+
+    The NumPy version that `strategies/planners/prophet_steps.py` compiled (kept verbatim from
+    `prophet._search_steps` before it called the kernel; only the name changed): the compiled steps
+    are tested against it.
+
+    The state is kept per expert and updated for the one expert a step changes: its computed tokens
+    per device (the dispatch plan's column, `dispatch_entries`; the owner's alone until a step
+    changes it), hence every device's load H; its load on its owner; whether it still has senders
+    without a copy ("open"). A step takes the heaviest device that owns an open expert with load
+    (ties: the lower device), and on it the heaviest such expert (ties: the lower id: each device's
+    open experts in a heap) — what `_relief` of the loop version finds by scanning every device and
+    expert. `tokens_WE`: the flow rounded to whole assignments (what the plan sends)."""
+    W, E = tokens_WE.shape
+    experts = np.arange(E)
+    holders = np.zeros((E, W), dtype=bool)
+    holders[experts, owner_E] = True
+    waiting_WE = flow_WE > 0  # senders without a copy (a step reads its expert's column)
+    waiting_WE[owner_E, experts] = False
+    total_E = tokens_WE.sum(0).astype(np.int64)  # whole counts: exact
+    H_W = np.bincount(owner_E, weights=total_E, minlength=W).astype(np.int64)  # every expert on its owner
+    computed: dict[int, np.ndarray] = {}  # the experts a step changed: tokens each device computes of it
+    at_owner = total_E.tolist()
+    open_E = (waiting_WE.any(0) & (total_E > 0)).tolist()
+    heaps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
+    for e in np.flatnonzero(open_E).tolist():
+        heaps[owner_E[e]].append((-at_owner[e], e))
+    for heap in heaps:
+        heapq.heapify(heap)
+    closed_W = np.array([0.0 if h else -np.inf for h in heaps])  # -inf: no open expert on the device
+    open_devices = int(np.isfinite(closed_W).sum())
+    threshold = options.balance_alpha * flow_WE.sum() / E
+    steps = []
+    while open_devices and H_W.max() - H_W.min() >= threshold:  # some device can be relieved; Eq. 7
+        device = int((H_W + closed_W).argmax())
+        _, e = heapq.heappop(heaps[device])
+        waiting_now = waiting_WE[:, e].nonzero()[0]  # by rank
+        senders = waiting_now[(-flow_WE[waiting_now, e]).argsort(kind="stable")]  # most tokens first
+        to = senders[: max(1, senders.size - options.keep_out)]
+        waiting = senders[to.size :]  # the senders still without a copy
+        if waiting.size:  # the expert stays open: its holders and waiting senders are read again
+            holders[e, to] = True
+            waiting_WE[to, e] = False
+        tokens_W = np.rint(flow_WE[:, e]).astype(np.int64)
+        if waiting.size and (tokens_W[waiting] > 0).any():
+            # Some senders still send it away: the plan's column for the new holders.
+            _, _, dst, count = dispatch_entries(tokens_W[:, None], holders[[e]], node_of)
+            column = np.bincount(dst, weights=count, minlength=W).astype(np.int64)
+        else:  # every sender holds it: each computes its own
+            column = tokens_W
+        H_W += column
+        if e in computed:
+            H_W -= computed[e]
+        else:
+            H_W[owner_E[e]] -= total_E[e]
+        computed[e] = column
+        at_owner[e] = int(column[owner_E[e]])
+        if waiting.size and at_owner[e] > 0:  # still open: back on its device's heap
+            heapq.heappush(heaps[device], (-at_owner[e], e))
+        elif not heaps[device]:
+            closed_W[device] = -np.inf
+            open_devices -= 1
+        steps.append((e, to.tolist()))
+    # Each step's expert's holders after it: its owner and every device an earlier step of it reached.
+    rows = np.zeros((len(steps), W), dtype=bool)
+    reached: dict[int, list[int]] = {}
+    for j, (e, to) in enumerate(steps):
+        reached.setdefault(e, [int(owner_E[e])]).extend(to)
+        rows[j, reached[e]] = True
+    return steps, rows
 
 
 # ---- strategies/planners/hecate.py ---------------------------------------------------------------

@@ -197,3 +197,44 @@ def test_shadowing_inside_auto_decides_as_shadowing_alone(fractional):
         assert auto.planners["shadow"].last == alone.decide(flow, owners, cm)
         shadowed += bool(auto.planners["shadow"].last.shadowed)
     assert 0 < shadowed < 12  # decisions both ways
+
+
+def test_the_candidates_record_and_search_after_the_call_and_their_readers_wait():
+    """`auto` returns before its candidates record the flow and search (one job on the planning
+    thread, `_after_call`); whoever reads a candidate's next plan, a copy or the next call waits for
+    that job, so each sees what running it inline gives."""
+    import pickle
+
+    auto, cm = _auto(1e12)
+    inline, _ = _auto(1e12)
+    for call in range(4):
+        flow = _skewed() + 3 * call
+        auto(flow, OWNERS, cm)
+        for planner in inline.planners.values():  # the same steps, one after the other, on this thread
+            if planner.plans_ahead:
+                planner.current(flow, OWNERS, cm)
+                planner.record(flow, OWNERS, cm, search=True)
+        for name in auto.searching:
+            assert auto.planners[name].next_placement() == inline.planners[name].next_placement()
+            assert np.array_equal(auto.planners[name].history[-1], flow)
+    copy = pickle.loads(pickle.dumps(auto))  # the job settled first: a checkpoint carries its result
+    assert np.array_equal(copy.planners["eplb"].history[-1], _skewed() + 9)
+
+
+def test_a_candidate_whose_search_fails_fails_its_readers_not_hangs_them():
+    auto, cm = _auto(1e12)
+    auto(_skewed(), OWNERS, cm)
+    for name in auto.searching:  # the first call's job done (its plans made)
+        auto.planners[name].next_placement()
+
+    def broken(*args):
+        raise RuntimeError("search failed")
+
+    auto.planners["eplb"].search = lambda *args: (broken, ())
+    auto(_skewed(), OWNERS, cm)
+    with pytest.raises(RuntimeError, match="search failed"):
+        auto.planners["eplb"].next_placement()
+    with pytest.raises(RuntimeError, match="search failed"):
+        auto.planners["fssdp"].next_placement()  # recorded after the failed one: never made
+    with pytest.raises(RuntimeError, match="search failed"):
+        auto(_skewed(), OWNERS, cm)  # the next call meets the job's error

@@ -12,6 +12,7 @@ import pytest
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement
 from moeflow.core.registry import LayerContext
+from moeflow.perf import placement_pricing
 from moeflow.perf.alpha_beta import AlphaBeta
 from moeflow.perf.costmodel import CostModel
 from moeflow.perf.everywhere_pricing import EverywherePricer
@@ -106,10 +107,12 @@ def test_pricing_many_placements_equals_pricing_each_plan():
                     assert got[term] == pytest.approx(value, rel=1e-9, abs=1e-15), term
 
 
-def test_shadow_steps_priced_directly_equal_the_general_pricer():
+def test_shadow_steps_priced_directly_equal_the_general_pricer(monkeypatch):
     """`EverywherePricer` (an expert held everywhere per step) gives the general pricer's floats, bit
     for bit: every prefix's terms, the copies' bound, and the bounded search that reuses the bound's
-    broadcasts; 200 cases over every cost-model kind (gloo's trees across nodes take the general path)."""
+    broadcasts; 200 cases over every cost-model kind (gloo's trees across nodes take the general path).
+    Both in NumPy (the compiled sums take whole flows: tests/test_compiled_sums.py)."""
+    monkeypatch.setattr(placement_pricing, "COMPILED", False)
     rng = np.random.default_rng(5)
     shape = ExpertShape(8, 16)
     direct = 0
@@ -253,6 +256,16 @@ class _Recorded(Planner):
     def __call__(self, flow_WE, placement, cost_model=None):
         self.proposed = self.inner(flow_WE, placement, cost_model)
         return self.proposed
+
+    def current(self, flow_WE, placement, cost_model=None):
+        self.proposed = self.inner.current(flow_WE, placement, cost_model)
+        return self.proposed
+
+    def defer(self):
+        return self.inner.defer()
+
+    def record(self, flow_WE, placement, cost_model, search, deferred=None):
+        self.inner.record(flow_WE, placement, cost_model, search, deferred)
 
     def next_placement(self):
         return self.inner.next_placement()

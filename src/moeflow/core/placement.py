@@ -5,10 +5,10 @@ parallelism materializes each expert only on its owner; FasterMoE shadowing, Pro
 Hecate add holders. The dispatch plan (`dispatch_counts`) then decides, for each source rank and
 expert, how many assignments go to each holder — local first, then the same node, then remote,
 spread evenly (Hecate §4.4). Both are pure functions of numbers: every rank computes the same
-plan from the same global flow matrix, so no extra communication is needed. The plan is built from
-its nonzero entries (`dispatch_entries`), whose number grows with the copies, not with W·E·W: the
-planners and the simulator use those entries or their sums (`dispatch_loads`), the layer the dense
-plan of its few ranks.
+plan from the same global flow matrix, so no extra communication is needed. The plan's nonzero
+entries (`dispatch_entries`) grow with the copies, not with W·E·W: the pricers use those entries;
+the simulator the plan's sums (`dispatch_loads`) and the layer the dense plan of its few ranks
+(`dispatch_counts`), both compiled (`core.dispatch_kernels`: one pass over the flow, no entries).
 
 Shape suffixes: W ranks in the expert-parallel group (in a plan `[S, E, W]`: the destination), E experts,
 S source rank, X any leading dims.
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeflow.core import dispatch_kernels
 from moeflow.core.checks import positive_int
 
 
@@ -228,18 +229,35 @@ def _check_flow(flow_WE: np.ndarray, placement: Placement) -> np.ndarray:
     return flow
 
 
+def _node_indices(node_of: Sequence[int] | None, world: int) -> tuple[np.ndarray, int]:
+    """Each rank's node as a dense index `[W]` int64 and the number of nodes (the kernels' scratch
+    has one slot per node); the same check and error as `dispatch_entries`."""
+    if node_of is None:
+        return np.zeros(world, dtype=np.int64), 1
+    node = np.asarray(node_of, dtype=np.int64)
+    if node.shape != (world,):
+        raise ValueError(f"node_of has {node.size} entries, expected one per rank ({world})")
+    names, index = np.unique(node, return_inverse=True)
+    return index.astype(np.int64).reshape(world), int(names.size)
+
+
 def dispatch_counts(flow_WE: np.ndarray, placement: Placement, node_of: Sequence[int] | None = None) -> np.ndarray:
     """Split every (source, expert) flow over the expert's holders → `plan_SEW` int64 `[W, E, W]`
-    (Hecate §4.4 order, `dispatch_entries`): what the layer's exchange runs."""
+    (Hecate §4.4 order, `dispatch_entries`; compiled: `dispatch_kernels.plan`): what the layer's
+    exchange runs."""
     flow = _check_flow(flow_WE, placement)
     world, num_experts = placement.world_size, placement.num_experts
-    plan = np.zeros((world, num_experts, world), dtype=np.int64)
     if placement.is_owners_only():
+        plan = np.zeros((world, num_experts, world), dtype=np.int64)
         plan[:, np.arange(num_experts), placement.owner_E] = flow
         return plan
-    k, src, dst, count = dispatch_entries(flow, placement.holders_EW, node_of)
-    plan[src, k, dst] = count
-    return plan
+    node, nodes = _node_indices(node_of, world)
+    holders, owner = np.ascontiguousarray(placement.holders_EW), np.ascontiguousarray(placement.owner_E)
+    orphan = ~holders.any(1)  # only a placement changed after construction: the owner holds its expert
+    if orphan.any() and (flow[:, orphan] > 0).any():
+        fed = np.flatnonzero(orphan & (flow > 0).any(0))
+        raise ValueError(f"dispatch: experts {fed.tolist()} have tokens and no holder")
+    return dispatch_kernels.plan(np.ascontiguousarray(flow), holders, owner, node, nodes)
 
 
 def dispatch_loads(
@@ -247,32 +265,18 @@ def dispatch_loads(
 ) -> tuple[np.ndarray, np.ndarray]:
     """What the dispatch plan sends and computes, without the plan: tokens rank s sends rank d
     `[W, W]` (the diagonal stays local) and tokens each rank computes per expert `[W, E]`
-    (`dispatch_counts(...).sum(1)` and `.sum(0).T`)."""
+    (`dispatch_counts(...).sum(1)` and `.sum(0).T`; compiled: `dispatch_kernels.loads`, one pass
+    over the flow instead of the plan's entries)."""
     flow = _check_flow(flow_WE, placement)
     world, num_experts = placement.world_size, placement.num_experts
-    owner, experts = placement.owner_E, np.arange(num_experts)
-    # Experts on their owners alone as under plain EP; those with copies through their entries.
-    copied = np.flatnonzero(placement.holders_EW.sum(1) > 1)  # the owner always holds its expert
-    send = send_by_owner(flow, owner)
-    computed = np.zeros((world, num_experts), dtype=np.int64)
-    computed[owner, experts] = flow.sum(0)
-    if copied.size == 0:
-        return send, computed
-    C = copied.size
-    flow_WC = flow[:, copied]
-    # What plain EP would have sent them out, then their entries (whole counts: the sums are exact).
-    unsent = np.bincount(
-        (np.arange(world)[:, None] * world + owner[copied]).ravel(), weights=flow_WC.ravel(), minlength=world * world
-    )
-    np.subtract(send, unsent.reshape(world, world), out=send, casting="unsafe")
-    computed[owner[copied], copied] = 0
-    k, src, dst, count = dispatch_entries(flow_WC, placement.holders_EW[copied], node_of)
-    sent = np.bincount(src * world + dst, weights=count, minlength=world * world)
-    np.add(send, sent.reshape(world, world), out=send, casting="unsafe")
-    computed[:, copied] += (
-        np.bincount(dst * C + k, weights=count, minlength=world * C).reshape(world, C).astype(np.int64)
-    )
-    return send, computed
+    owner = placement.owner_E
+    if not (placement.holders_EW.sum(1) > 1).any():  # no copies: plain EP's column sums
+        computed = np.zeros((world, num_experts), dtype=np.int64)
+        computed[owner, np.arange(num_experts)] = flow.sum(0)
+        return send_by_owner(flow, owner), computed
+    node, nodes = _node_indices(node_of, world)
+    holders = np.ascontiguousarray(placement.holders_EW)
+    return dispatch_kernels.loads(np.ascontiguousarray(flow), holders, np.ascontiguousarray(owner), node, nodes)
 
 
 def copies_by_tree(node_of: Sequence[int] | None, backend: str) -> bool:

@@ -104,7 +104,7 @@ class CostModel(CopiesPricing, CostModelSources):
                 raise TypeError(f"fits[{k!r}]={f!r}: expected AlphaBeta")
         topo, W = self.topology, self.topology.num_devices
         self._inv_bw_L = 1.0 / topo.bandwidth_L
-        self._ring_memo: dict[tuple, tuple[float, float]] = {}
+        self._ring_memo: dict[tuple, Any] = {}
         off = ~np.eye(W, dtype=bool)
         self._max_latency = float(topo.path_latency_WW[off].max()) if W > 1 else 0.0
         # Pro-Prophet's B̄: the mean bandwidth between two distinct devices (bottleneck of the route).
@@ -147,6 +147,17 @@ class CostModel(CopiesPricing, CostModelSources):
     def prices_gemm_calls(self) -> bool:
         """Whether a GEMM's launch is priced (a fitted α): then the experts a device computes count."""
         return "gemm" in self.fits
+
+    @property
+    def compute_grows_with_tokens(self) -> bool:
+        """Whether a device's forward expert time (`expert_forward_time` + `elementwise_time`, one
+        launch per GEMM) never falls as its tokens grow: no fitted GEMM launch, and an elementwise
+        fit with α, β >= 0. The slowest device is then the one with the most tokens, to the bit (each
+        float operation rounds monotonically), which a search may find itself."""
+        if self.prices_gemm_calls:
+            return False
+        f = self.fits.get("elementwise")
+        return f is None or (f.alpha_s >= 0 and f.beta_s_per_unit >= 0)
 
     def gemm_time(self, flops: Any, calls: Any = 1) -> np.ndarray:
         """Time of ``calls`` GEMMs totalling ``flops``: fitted α·calls + β·flops, else flops / P."""
@@ -354,6 +365,17 @@ class CostModel(CopiesPricing, CostModelSources):
             self._ring_memo[key] = (float(steps * self._latency(unit)), float(self.link_time(unit)))
         latency_s, per_byte_s = self._ring_memo[key]
         return np.where(nbytes_X == 0, 0.0, latency_s + per_byte_s * nbytes_X)
+
+    def collective_table(self, kind: str, unit_bytes: float, count: int) -> np.ndarray:
+        """`collective_times` of 0, 1, ..., `count` units of `unit_bytes` over every device
+        (`[count + 1]`; an owner's broadcasts of its experts held everywhere), kept: the planners
+        read it at every call. Read-only."""
+        key = ("table", kind, float(unit_bytes), int(count))
+        if key not in self._ring_memo:
+            table = self.collective_times(kind, np.arange(count + 1) * float(unit_bytes))
+            table.flags.writeable = False
+            self._ring_memo[key] = table
+        return self._ring_memo[key]
 
     def p2p_time(self, nbytes: Any, src: int, dst: int) -> np.ndarray:
         """Point-to-point: fit of the matching kind (intra/inter node) or latency + S / bottleneck bw."""

@@ -32,6 +32,13 @@ fall from one prefix to the next). Token counts and bytes are whole numbers in f
 sum is exact in any order: prices equal the dense computation's to the bit, and a fractional flow
 takes the dense path.
 
+On a whole flow the sums and maxima above are numba kernels instead (`perf.compiled_sums`: the
+owners' terms, each step's dispatch and copy trees, in one call per search): the same floats, priced
+by the same `CostModel` calls, without the few hundred NumPy calls per search whose overhead was most
+of a planner's time at 64 ranks. The NumPy path stays for fractional flows, the per-device local
+counts of `detail`, a cost model that counts GEMM launches or shares a host's cores, and `COMPILED`
+off (tests/test_compiled_sums.py compares the two).
+
 Shape suffixes: W ranks, E experts, L links (as `Topology` names them), Q steps (an expert and its
 new holders), F dispatched states (each step's new holders, then its previous ones: 2·Q), Z
 candidates, N nodes, X any; route-latency classes have no letter (`PlacementPricer.N` counts them).
@@ -40,12 +47,14 @@ candidates, N nodes, X any; route-latency classes have no letter (`PlacementPric
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner
+from moeflow.perf import compiled_sums
 from moeflow.perf import prefix_max as running
 from moeflow.perf.placement_copies import PlacementCopies
 from moeflow.perf.prefix_max import prefix_max_of_entries, running_sums
@@ -67,12 +76,27 @@ class PlacementTerms:
     trans_prefetched_s: np.ndarray
     """Copies out as the block-wise prefetch sends them (`copies_time(tree=False)`)."""
     agg_prefetched_s: np.ndarray
-    tokens_ZW: np.ndarray
-    """Tokens each device computes."""
+    tokens_ZW: np.ndarray | None
+    """Tokens each device computes (None from the compiled sums, which keep only the most: a search
+    that reads them — Pro-Prophet's Eq. 1 as printed — asks for `detail`)."""
     local_ZW: np.ndarray | None
     """Of which its own tokens (with `detail=True`; Pro-Prophet's Eq. 1 as printed needs them)."""
     copies_Z: np.ndarray
     """Copies beyond the owners."""
+
+
+@lru_cache(maxsize=64)
+def _node_layout(W: int, node_of: tuple | None) -> tuple:
+    """(node of every rank as given, nodes numbered 0..N-1, N, the ranks node by node, where each
+    node's ranks begin in that order): built once per layout, read by every pricer on it."""
+    node_W = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
+    _, numbered_W = np.unique(node_W, return_inverse=True)
+    N = int(numbered_W.max()) + 1 if W else 1
+    by_node = np.argsort(numbered_W, kind="stable")
+    arrays = (node_W, numbered_W, by_node, np.searchsorted(numbered_W[by_node], np.arange(N)))
+    for a in arrays:
+        a.flags.writeable = False  # shared by every pricer on this layout
+    return arrays[0], arrays[1], N, arrays[2], arrays[3]
 
 
 class PlacementPricer(PlacementCopies):
@@ -101,35 +125,32 @@ class PlacementPricer(PlacementCopies):
         self.N = topo.latency_classes.size
         self.tok_bytes = shape.d_model * cost_model.bytes_per_element
         self.param_bytes = shape.param_bytes(cost_model.bytes_per_element)
-        # The owners alone.
-        colsum_E = self.flow.sum(0)
-        experts = np.arange(E)
-        self.tokens0 = np.bincount(self.owner, weights=colsum_E, minlength=W)
-        self.local0 = np.bincount(self.owner, weights=self.flow[self.owner, experts], minlength=W)
-        self.calls0 = np.bincount(self.owner, weights=colsum_E > 0, minlength=W)
         if whole is None:
             whole = self.flow.dtype.kind in "iub" or bool(np.array_equal(self.flow, np.rint(self.flow)))
-        node_W = np.zeros(W, dtype=np.int64) if node_of is None else np.asarray(node_of, dtype=np.int64)
-        _, self._node_W = np.unique(node_W, return_inverse=True)  # nodes numbered 0..N-1
-        self._N = int(self._node_W.max()) + 1 if W else 1
-        self._by_node = np.argsort(self._node_W, kind="stable")  # ranks node by node
-        self._node_start = np.searchsorted(self._node_W[self._by_node], np.arange(self._N))
-        # What the owners send: a rank's tokens to itself take no link (its route is empty), and are
-        # left out of the positive entries that price the exchange's latency.
-        send = send_by_owner(self.flow, self.owner)
-        positive0 = send_by_owner(self.flow > 0, self.owner)
-        positive0[np.arange(W), np.arange(W)] -= np.bincount(
-            self.owner, weights=self.flow[self.owner, experts] > 0, minlength=W
-        ).astype(positive0.dtype)
-        by_node = W >= BY_NODE_FROM and topo.nodes_under_root and node_of is not None
-        if by_node and np.array_equal(node_W, topo.node_of):
-            self._owners_by_node(send * self.tok_bytes, positive0, whole)
-        else:
-            self.traffic0 = topo.link_traffic(send * self.tok_bytes)
-            self.classes0 = np.bincount(
-                topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N
+        layout = _node_layout(W, None if node_of is None else tuple(node_of))
+        self._node_of_W, self._node_W, self._N, self._by_node, self._node_start = layout
+        # The owners alone; the running sums compiled (`perf.compiled_sums`) where every value summed
+        # is a whole number.
+        self.compiled = COMPILED and whole and W > 0
+        if self.compiled:
+            owners = compiled_sums.owner_sums(
+                np.ascontiguousarray(self.flow), self.owner, topo.route_tables, self.L, self.N, float(self.tok_bytes)
             )
+            self.tokens0, self.local0, self.calls0, self.traffic0, self.classes0, self._flow_EW, self.received_E = (
+                owners
+            )
+        else:
+            self._owners(whole)
         self.tree = copies_by_tree(topo.node_of, cost_model.backend)
+        # Sources that spread over every holder are summed per holder where their nodes are the
+        # topology's and hang from the root (`compiled_sums._dispatch_one`).
+        self._spread_by_holder = bool(
+            topo.nodes_under_root
+            and node_of is not None
+            and (node_of is topo.node_of or np.array_equal(self._node_of_W, topo.node_of))
+        )
+        self._price_tables: tuple | None = None
+        """Each owner's broadcast and reduce of its experts held everywhere (`_owner_price_tables`)."""
         self._copies_of: tuple | None = None
         """(steps, holders, `_copies`) of the last prefix search's copies (`_prefix_copies`)."""
         self.inv_bw_L = 1.0 / topo.bandwidth_L
@@ -140,6 +161,30 @@ class PlacementPricer(PlacementCopies):
         )
         self.max_exchange = whole
         self.max_stages = cost_model.stage_on_busiest_link and float(self.param_bytes).is_integer()
+
+    def _owners(self, whole: bool) -> None:
+        """The owners' terms in NumPy (a fractional flow, or with `COMPILED` off)."""
+        topo, W, E = self.topology, self.W, self.E
+        colsum_E = self.received_E = self.flow.sum(0)
+        experts = np.arange(E)
+        self.tokens0 = np.bincount(self.owner, weights=colsum_E, minlength=W)
+        self.local0 = np.bincount(self.owner, weights=self.flow[self.owner, experts], minlength=W)
+        self.calls0 = np.bincount(self.owner, weights=colsum_E > 0, minlength=W)
+        # What the owners send: a rank's tokens to itself take no link (its route is empty), and are
+        # left out of the positive entries that price the exchange's latency.
+        send = send_by_owner(self.flow, self.owner)
+        positive0 = send_by_owner(self.flow > 0, self.owner)
+        positive0[np.arange(W), np.arange(W)] -= np.bincount(
+            self.owner, weights=self.flow[self.owner, experts] > 0, minlength=W
+        ).astype(positive0.dtype)
+        by_node = W >= BY_NODE_FROM and topo.nodes_under_root and self.node_of is not None
+        if by_node and np.array_equal(self._node_of_W, topo.node_of):
+            self._owners_by_node(send * self.tok_bytes, positive0, whole)
+        else:
+            self.traffic0 = topo.link_traffic(send * self.tok_bytes)
+            self.classes0 = np.bincount(
+                topo.latency_class_WW.reshape(-1), weights=positive0.reshape(-1), minlength=self.N
+            )
 
     def _owners_by_node(self, bytes_WW: np.ndarray, positive_WW: np.ndarray, whole: bool) -> None:
         """`traffic0` and `classes0` where every node hangs from the root (`Topology.nodes_under_root`):
@@ -184,24 +229,16 @@ class PlacementPricer(PlacementCopies):
 
     def placements(self, holders_ZEW: list[np.ndarray], detail: bool = False) -> PlacementTerms:
         """Candidate c = the placement with holders `holders_ZEW[c]` (same owners)."""
-        base_EW = np.zeros((self.E, self.W), dtype=bool)
-        base_EW[np.arange(self.E), self.owner] = True
-        experts, rows, start, steps = [], [], [], []
-        for holders in holders_ZEW:
-            holders = np.asarray(holders, dtype=bool)
-            changed = np.flatnonzero((holders != base_EW).any(1))
-            experts.append(changed)
-            rows.append(holders[changed])
-            start.append(np.arange(changed.size) == 0)
-            steps.append(changed.size)
-        terms = self._terms(
-            np.concatenate(experts).astype(np.int64),
-            np.concatenate(rows).reshape(-1, self.W),
-            np.concatenate(start),
-            detail,
-        )
+        holders_ZEW = np.asarray(holders_ZEW, dtype=bool).reshape(-1, self.E, self.W)
+        # Each candidate's steps: the experts held other than by their owner alone.
+        alone_ZE = (np.count_nonzero(holders_ZEW, axis=2) == 1) & holders_ZEW[:, np.arange(self.E), self.owner]
+        z, experts = np.nonzero(~alone_ZE)
+        steps = np.bincount(z, minlength=holders_ZEW.shape[0])
+        start = np.ones(z.size, dtype=bool)
+        start[1:] = z[1:] != z[:-1]
+        terms = self._terms(experts, holders_ZEW[z, experts], start, detail)
         # Row 0 is the owners alone; a candidate's row is its last step's (or row 0: unchanged).
-        pick = np.where(np.asarray(steps) > 0, np.cumsum(steps), 0)
+        pick = np.where(steps > 0, np.cumsum(steps), 0)
         fields = {f: getattr(terms, f) for f in PlacementTerms.__dataclass_fields__}
         return PlacementTerms(**{f: None if v is None else v[pick] for f, v in fields.items()})
 
@@ -237,8 +274,10 @@ class PlacementPricer(PlacementCopies):
             return False
         if not self.cm.stage_on_busiest_link or (self.topology.latency_classes < 0).any():
             return False
-        sizes = np.arange(3) * self.param_bytes  # a collective's time is affine in its bytes past 0
-        return all((np.diff(self.cm.collective_times(kind, sizes)) >= 0).all() for kind in ("broadcast", "reduce"))
+        # A collective's time is affine in its bytes past 0: 0, 1 and 2 experts' parameters tell.
+        return all(
+            (np.diff(self.cm.collective_table(k, self.param_bytes, 2)) >= 0).all() for k in ("broadcast", "reduce")
+        )
 
     def _cheapest_growing(self, experts: np.ndarray, rows: np.ndarray, price, detail: bool) -> np.ndarray:
         """`cheapest_prefixes` where the copies never fall from one prefix to the next
@@ -268,6 +307,8 @@ class PlacementPricer(PlacementCopies):
         topo, cm, shape = self.topology, self.cm, self.shape
         owner_Q = self.owner[experts]
         prev_QW = self._previous(experts, owner_Q, new_QW, start)
+        if self._compiled_terms(detail):
+            return self._compiled(experts, owner_Q, new_QW, prev_QW, start)
         # The dispatch of every step's expert after (state j) and before (state Q + j) the step, of
         # the sources whose candidates it changes (the others' entries would cancel out) — unless
         # the experts each device computes are counted (a fitted GEMM launch): then of all.
@@ -334,6 +375,41 @@ class PlacementPricer(PlacementCopies):
         trans, agg, trans_pf, agg_pf, n_copies = copies
         return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_Z, n_copies)
 
+    def _compiled_terms(self, detail: bool) -> bool:
+        """Whether `_terms` runs on `perf.compiled_sums`: a whole flow, no per-device local counts
+        (`detail`), and a slowest device that is the one with the most tokens (no processor sharing,
+        `CostModel.compute_grows_with_tokens`)."""
+        return self.compiled and not detail and self.max_compute and self.cm.compute_grows_with_tokens
+
+    def _compiled(self, experts, owner_Q, new_QW, prev_QW, start) -> PlacementTerms:
+        """`_terms` from the compiled running sums of the dispatch (`compiled_sums.dispatch_terms`):
+        the same maxima as the NumPy path, priced by the same `CostModel` calls."""
+        topo, cm, shape = self.topology, self.cm, self.shape
+        most, busiest, latency, sends = compiled_sums.dispatch_terms(
+            self._flow_EW,
+            experts,
+            np.ascontiguousarray(new_QW),
+            prev_QW,
+            start,
+            self._node_W,
+            topo.route_tables,
+            self._spread_by_holder,
+            float(self.tok_bytes),
+            self.tokens0,
+            self.traffic0,
+            self.classes0,
+            self.inv_bw_L,
+            topo.latency_classes,
+            compiled_sums.kept_rows(start),
+        )
+        compute = cm.expert_forward_time(most, shape, None) + cm.elementwise_time(most, shape)
+        a2a = cm.a2a_from_busiest(busiest, latency, sends)
+        copies = self._known_copies(experts, new_QW) if int(start.sum()) == 1 else None
+        if copies is None:
+            copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
+        trans, agg, trans_pf, agg_pf, n_copies = copies
+        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, None, None, n_copies)
+
     def _device_time(self, tokens: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """A device's forward expert time of `tokens` (elementwise: `CostModel.slowest` is then a max)."""
         return self.cm.expert_forward_time(tokens, self.shape) + self.cm.elementwise_time(tokens, self.shape)
@@ -374,6 +450,11 @@ class PlacementPricer(PlacementCopies):
     def _previous(self, experts: np.ndarray, owner_Q: np.ndarray, new_QW: np.ndarray, start: np.ndarray) -> np.ndarray:
         """Each step's expert's holders before it: its last earlier step's in the same candidate, or its owner."""
         Q = experts.size
+        if self.compiled:
+            prev, self._earlier = compiled_sums.previous_rows(
+                experts, owner_Q, np.ascontiguousarray(new_QW), start, self.E
+            )
+            return prev
         prev = np.zeros((Q, self.W), dtype=bool)
         prev[np.arange(Q), owner_Q] = True
         self._earlier = np.full(Q, -1)  # the step whose holders `prev` repeats (-1: the owner's)
@@ -407,6 +488,8 @@ class PlacementPricer(PlacementCopies):
         return np.bincount(index, weights=sign, minlength=Q * self.N).astype(np.float64, copy=False).reshape(Q, self.N)
 
 
+COMPILED = True
+"""Whether whole flows are priced by `perf.compiled_sums` (tests switch it off to compare the paths)."""
 PRICED_FIRST = 32
 """Prefixes priced before the copies' bound decides how many more (`cheapest_prefixes`)."""
 BY_NODE_FROM = 128

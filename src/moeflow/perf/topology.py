@@ -219,6 +219,20 @@ class Topology(TopologyFamilies):
             if self.nodes_under_root and W >= TWO_LEVEL_FROM
             else None
         )
+        cross_routes = (
+            (self.leave_W2.astype(np.int64), self.enter_W2.astype(np.int64), self.cross_class)
+            if self.nodes_under_root
+            else (np.zeros((W, 2), dtype=np.int64), np.zeros((W, 2), dtype=np.int64), 0)
+        )
+        self.route_tables = (
+            self.route_WWH,
+            self.latency_class_WW.astype(np.int64),
+            np.asarray(self.node_of, dtype=np.int64),
+            *cross_routes,
+            bool(self.nodes_under_root),
+        )
+        """The routes as `perf.compiled_sums` reads them: (`route_WWH`, `latency_class_WW`, node of
+        every device, `leave_W2`, `enter_W2`, `cross_class`, `nodes_under_root`)."""
         H = self.route_WWH.shape[-1]
         hops = self.route_WWH.reshape(-1)
         keep = hops < L

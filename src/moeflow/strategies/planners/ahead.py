@@ -45,6 +45,15 @@ class PlanAhead:
     def set(self, plan: Any) -> None:
         self._plan = plan
 
+    def promise(self) -> Future:
+        """A future a job on the planning thread resolves with the next plan (readers wait for it)."""
+        self._plan = Future()
+        return self._plan
+
+    def keeps(self, promise: Future) -> bool:
+        """Whether the plan is still `promise` (its job made no other)."""
+        return self._plan is promise
+
     def snapshot(self) -> PlanAhead:
         """The plan as it stands now (a value, or the future of the search submitted last), kept
         apart from later `submit`/`set`: a job queued behind that search may read it."""

@@ -18,7 +18,7 @@ their factors (copies sent ahead: Eq. 8's exposed part, as measured by the prefe
 Planning off the critical path. The candidates that plan ahead share the process's one planning
 thread (`planners.ahead`). Where their searches are small they all search every call; from
 `TURNS_FROM` ranks × experts (`searches="auto"`; or always: `searches="turns"`) one of them per
-call, in turn, starts its search for the next call while the others' plans stand (`Planner.hold`),
+call, in turn, starts its search for the next call while the others' plans stand (`Planner.record`),
 so the thread does one search per layer call instead of one per candidate and the layer does not
 wait for a queue of them. Plans that stand a few calls cost some of `auto`'s gain where the load
 moves (simulated on FasterMoE's johnny: up to 4% on the SmartMoE trace and a drifting load), so
@@ -29,9 +29,12 @@ the cheapest of the planned-ahead placements on the last flow, its copies priced
 is `min_gain` cheaper than plain EP there: that is the placement the prefetch sends ahead. Those
 placements are priced on the planning thread behind the searches that make them (`_price_ahead`);
 the question itself only applies the corrections. The call's own work is one pricer of its flow,
-shared by shadowing's search (`Planner.on_pricer`) and the pricing of every proposal; the searches
-start after it (`Planner.hold`, then `plan_next`), so they do not compete with it for the
-interpreter.
+shared by shadowing's search (`Planner.on_pricer`) and the pricing of every proposal, and the
+candidates' standing plans (`Planner.current`). Everything else is one job on the planning thread
+once the call has returned (`_after_call`): the candidates record the flow and search
+(`Planner.record`), so they do not compete with the call for the interpreter, and the layer does
+not wait for their bookkeeping; their next plans are promises that readers wait for, and the next
+call (or a checkpoint) waits for the job.
 
 Shape suffixes: W devices (ranks of the expert-parallel group), E experts.
 """
@@ -57,9 +60,9 @@ from moeflow.strategies.timing import Ratio, Sample
 CANDIDATES = ("ep", "shadow", "prophet", "eplb", "fssdp")
 SEARCHES = ("auto", "all", "turns")
 TURNS_FROM = 4096
-"""Ranks × experts from which `searches="auto"` takes turns: at 16 × 32 the three searches take
-2.2–2.4 ms a call together, at 64 × 256 9–13 ms, more than a layer's exchanges and experts hide
-(`benchmarks/planner_scale.py`)."""
+"""Ranks × experts from which `searches="auto"` takes turns: at 64 × 256 the three searches and the
+flows recorded take about 4 ms a call together, at 256 × 256 6–11 ms, against the 5 ms of a
+layer's exchanges and experts `benchmarks/planner_scale.py` allows them (docs/speed.md)."""
 
 
 @dataclass(frozen=True)
@@ -121,22 +124,45 @@ def layer_terms(
     return _terms(pricer.placements([placement.holders_EW]), 0, window)
 
 
-def _price_ahead(pricer: PlacementPricer, placement: Placement, seen: dict, plans: dict) -> dict:
+def _after_call(
+    planners: dict, plans: dict, flow_WE: np.ndarray, cost_model, replanned: list, prefetch: bool, *call
+) -> dict | None:
+    """`auto`'s job on the planning thread after a call: each candidate that plans ahead records the
+    flow and, in its turn, searches (`Planner.record`), settling the plan its readers wait for
+    (`plans`: what `Planner.defer` returned); under the prefetch, the plans so made are priced for
+    its question (`_price_ahead`). `call`: the call's (pricer, owners, priced proposals, proposals)."""
+    placement = call[1]
+    waiting = list(plans)  # the candidates whose plans readers still wait for
+    try:
+        while waiting:
+            name = waiting[0]
+            planners[name].record(flow_WE, placement, cost_model, name in replanned, plans[name])
+            waiting.pop(0)
+    except BaseException as error:  # the candidates after it never recorded: their readers learn why
+        for name in waiting[1:]:
+            if plans[name] is not None:
+                plans[name][1].set_exception(error)
+        raise
+    return _price_ahead(planners, *call) if prefetch else None
+
+
+def _price_ahead(planners: dict, pricer: PlacementPricer, placement: Placement, priced, proposals: list) -> dict:
     """The plans made ahead that the prefetch may send (other copies than the owners', the same
     owners) and plain EP, each with its terms `(PlacementTerms, row)` on the last call's flow, with
-    that call's pricer: the proposals it priced are not priced again. Runs on the planning thread
-    behind the searches whose plans it reads (`Planner.planned`)."""
+    that call's pricer: the proposals it priced (`priced`, in `proposals` order) are not priced
+    again. Runs on the planning thread after the searches whose plans it reads (`Planner.planned`)."""
+    seen = {p.holders_EW.tobytes(): (priced, c) for c, p in enumerate(proposals)}
     owners = Placement.owners_only(placement.owner_E, placement.world_size)
     wanted = {"ep": owners}
-    for name, planned in plans.items():
-        plan = planned.result()
+    for name, planner in planners.items():
+        plan = planner.planned().result() if planner.plans_ahead else None
         p = None if plan is None else plan[0]
         if p is not None and not p.is_owners_only() and np.array_equal(p.owner_E, placement.owner_E):
             wanted[name] = p
     new = {p.holders_EW.tobytes(): p.holders_EW for p in wanted.values() if p.holders_EW.tobytes() not in seen}
     if new:
-        priced = pricer.placements(list(new.values()))
-        seen = seen | {key: (priced, c) for c, key in enumerate(new)}
+        more = pricer.placements(list(new.values()))
+        seen = seen | {key: (more, c) for c, key in enumerate(new)}
     return {name: (p, seen[p.holders_EW.tobytes()]) for name, p in wanted.items()}
 
 
@@ -195,8 +221,8 @@ class AutoPlanner(Planner):
         self.errors: deque[tuple[float, float]] = deque(maxlen=32)  # (forecast, measured) forward seconds
         self.prefetch: PrefetchWindow | None = None
         self.sent_ahead: Placement | None = None
-        self._last_call: tuple | None = None  # (its pricer, owners, priced, the plans made ahead: `_price_ahead`)
-        self._ahead = PlanAhead()  # `_price_ahead` of the last call, on the planning thread under the prefetch
+        self._last_call: tuple | None = None  # (its pricer, owners, priced proposals, proposals)
+        self._ahead = PlanAhead()  # the last call's `_after_call`, on the planning thread
         self.last: AutoDecision | None = None
 
     def factor(self, term: str) -> float:
@@ -225,16 +251,23 @@ class AutoPlanner(Planner):
         # flow is whole counts (the numbers they would price alone), and every proposal is priced on
         # it in one pass (`perf.placement_pricing`: the owners' terms once, then each proposal's
         # changed experts); all share the layer's owners.
-        flow = np.rint(flow_WE)
+        raw = np.asarray(flow_WE)
+        counts = raw.dtype.kind in "iub"  # the count exchange's int64 (a replicas' mean may be fractional)
+        flow = raw.astype(np.float64) if counts else np.rint(raw)
         pricer = EverywherePricer(flow, placement.owner_E, cost_model, self.shape, node_of, whole=True)
-        shared = pricer if np.array_equal(flow, flow_WE) else None
+        shared = pricer if counts or np.array_equal(flow, raw) else None
+        self._settle()  # the last call's job: the candidates' windows and plans
         proposals = {
-            name: planner.hold(flow_WE, placement, cost_model)
+            name: planner.current(flow_WE, placement, cost_model)
             if planner.plans_ahead
             else planner.on_pricer(shared, flow_WE, placement, cost_model)
             for name, planner in self.planners.items()
         }
-        moved = [name for name, p in proposals.items() if not np.array_equal(p.owner_E, placement.owner_E)]
+        moved = [
+            name
+            for name, p in proposals.items()
+            if p.owner_E is not placement.owner_E and not np.array_equal(p.owner_E, placement.owner_E)
+        ]
         if moved:
             raise ValueError(f"strategy='auto': candidates {moved} proposed other owners than the layer's")
         priced = pricer.placements([p.holders_EW for p in proposals.values()])
@@ -246,18 +279,26 @@ class AutoPlanner(Planner):
         best = self._cheapest(prices)
         self.pending.append(terms[best])
         self.last, self.sent_ahead = AutoDecision(prices, best), None
-        seen = {p.holders_EW.tobytes(): (priced, c) for c, p in enumerate(proposals.values())}
-        # The searches start once this call's work is done: on the planning thread they would hold
-        # the interpreter's lock against it (small array operations do not release it). Behind them
-        # there, the plans they make are priced for the prefetch's question (`next_placement`).
-        for name in self.replanned:
-            self.planners[name].plan_next(placement, cost_model)
-        plans = {name: p.planned() for name, p in self.planners.items() if p.plans_ahead}
-        self._last_call = (pricer, placement, seen, plans)
+        # The rest is off the layer's path, one job on the planning thread once this call's work is
+        # done (there it would hold the interpreter's lock against the call's small array
+        # operations): the candidates record the flow and search (`Planner.record`), then the plans
+        # they made are priced for the prefetch's question (`next_placement`).
+        self._last_call = (pricer, placement, priced, list(proposals.values()))
+        # Each candidate's next plan: made by the job, readers wait for it (`Planner.defer`).
+        plans = {n: p.defer() for n, p in self.planners.items() if p.plans_ahead}
         self._ahead = PlanAhead()
-        if self.prefetch is not None:
-            self._ahead.submit(_price_ahead, *self._last_call)
+        job = (self.planners, plans, np.array(flow_WE), cost_model, list(self.replanned), self.prefetch is not None)
+        self._ahead.submit(_after_call, *job, *self._last_call)
         return proposals[best]
+
+    def _settle(self) -> None:
+        """Wait for the last call's job (`_after_call`): the candidates are read only after it."""
+        self._ahead.result()
+
+    def __getstate__(self) -> dict:
+        """Copies and checkpoints carry the candidates as the last call's job left them."""
+        self._settle()
+        return dict(self.__dict__)
 
     def _cheapest(self, prices: dict[str, float]) -> str:
         """The cheapest (ties: the first candidate), unless not `min_gain` cheaper than plain EP."""
@@ -271,10 +312,10 @@ class AutoPlanner(Planner):
         """The placement to send ahead (module docstring), or None."""
         if self.prefetch is None or self._last_call is None:
             return None
-        # Priced on the planning thread (submitted with the call), or here if the prefetch came later.
+        # Priced on the planning thread (after the call's searches), or here if the prefetch came later.
         ahead = self._ahead.result()
         if ahead is None:
-            ahead = _price_ahead(*self._last_call)
+            ahead = _price_ahead(self.planners, *self._last_call)
         prices = {
             n: self.price(_terms(*terms, None if n == "ep" else self.prefetch)) for n, (_, terms) in ahead.items()
         }
@@ -283,6 +324,7 @@ class AutoPlanner(Planner):
         return self.sent_ahead
 
     def use_prefetch(self, window: PrefetchWindow | None) -> None:
+        self._settle()
         self.prefetch = window
         for planner in self.planners.values():
             planner.use_prefetch(window)

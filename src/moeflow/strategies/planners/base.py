@@ -72,11 +72,28 @@ class Planner:
         return None
 
     def hold(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
-        """This call's placement without starting a search for the next (a composite that shares
-        the planning thread among its candidates, or starts their searches after its own work:
-        `strategy="auto"`, then `plan_next`); a planner that decides on the current flow decides as
-        when called."""
+        """This call's placement without starting a search for the next (the flow recorded); a
+        planner that decides on the current flow decides as when called."""
         return self(flow_WE, placement, cost_model)
+
+    def current(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
+        """This call's placement, nothing recorded: a composite records the flow and starts the
+        next search after its own work (`record`; `strategy="auto"`, on the planning thread). A
+        planner that decides on the current flow decides as when called."""
+        return self(flow_WE, placement, cost_model)
+
+    def defer(self) -> Any:
+        """After `current`: until `record` runs (a composite's job on the planning thread), readers
+        of the next call's plan wait for it. Returns what `record` needs to settle it (None: nothing
+        to wait for)."""
+        return None
+
+    def record(
+        self, flow_WE: np.ndarray, placement: Placement, cost_model: Any, search: bool, deferred: Any = None
+    ) -> None:
+        """After `current`: record the call's flow and, with `search`, plan the next call's
+        placement here, on the calling thread (a composite's job on the planning thread); then
+        settle what `defer` returned."""
 
     def on_pricer(self, pricer: Any, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
         """This call's placement, priced on `pricer` where the planner prices placements on this
@@ -94,8 +111,8 @@ class Planner:
     def observe(self, flow_WE: np.ndarray) -> None:
         """Record a call's flow without planning (a composite that does not ask it this call)."""
 
-    def plan_next(self, placement: Placement, cost_model: Any) -> None:
-        """Start the search for the next call's placement (after `hold`)."""
+    def plan_next(self, placement: Placement, cost_model: Any, inline: bool = False) -> None:
+        """Start the search for the next call's placement (after `hold`; `inline`: run it here)."""
 
     def planned(self) -> PlanAhead | None:
         """The next call's plan `(placement, decision)` as it stands — its value, or the future of the
@@ -188,10 +205,14 @@ class PlanAheadPlanner(Planner):
         """The planned placement, seen against the real flow before it runs (default: as planned)."""
         return planned
 
-    def plan_next(self, placement: Placement, cost_model: Any) -> None:
-        """Start the search for the next call's placement (default: every call, on the estimate)."""
+    def plan_next(self, placement: Placement, cost_model: Any, inline: bool = False) -> None:
+        """Start the search for the next call's placement (default: every call, on the estimate) on
+        the planning thread, or with `inline` run it here."""
         search, inputs = self.search(self.estimate(), placement, cost_model)
-        self.next_plan.submit(search, *inputs)
+        if inline:
+            self.next_plan.set(search(*inputs))
+        else:
+            self.next_plan.submit(search, *inputs)
 
     def use_prefetch(self, window: PrefetchWindow | None) -> None:
         self.prefetch = window
@@ -229,16 +250,42 @@ class PlanAheadPlanner(Planner):
         (no search started)."""
         return self._run(flow_WE, placement, cost_model, search=False)
 
-    def _run(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any, search: bool) -> Placement:
+    def current(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any = None) -> Placement:
+        """This call's placement — the plan standing, seen against the real flow (`adjust`) — and
+        the same plan standing for the next call; the flow is not recorded (`record`)."""
         if cost_model is None:
             raise ValueError(f"strategy={self.name!r} needs cost_model= (a moeflow.perf.costmodel.CostModel)")
         planned = self.next_placement()
         if planned is None or not np.array_equal(planned.owner_E, placement.owner_E):
             planned = Placement.owners_only(placement.owner_E, placement.world_size)  # first call, or re-sharded
         self.running = self.adjust(flow_WE, planned, cost_model)
+        self.next_plan.set((planned, self.last))
+        return self.running
+
+    def defer(self) -> tuple:
+        standing = self.next_plan.result()
+        return standing, self.next_plan.promise()
+
+    def record(
+        self, flow_WE: np.ndarray, placement: Placement, cost_model: Any, search: bool, deferred: Any = None
+    ) -> None:
+        try:
+            self.observe(flow_WE)
+            if search:
+                self.plan_next(placement, cost_model, inline=True)
+        except BaseException as error:  # the plan's readers learn why
+            if deferred is not None:
+                deferred[1].set_exception(error)
+            raise
+        if deferred is not None:  # the plan made, or the one standing
+            standing, promise = deferred
+            plan = standing if self.next_plan.keeps(promise) else self.next_plan.result()
+            self.next_plan.set(plan)
+            promise.set_result(plan)
+
+    def _run(self, flow_WE: np.ndarray, placement: Placement, cost_model: Any, search: bool) -> Placement:
+        running = self.current(flow_WE, placement, cost_model)
         self.observe(flow_WE)
         if search:
             self.plan_next(placement, cost_model)
-        else:
-            self.next_plan.set((planned, self.last))
-        return self.running
+        return running

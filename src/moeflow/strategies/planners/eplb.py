@@ -120,10 +120,19 @@ def pack_copies(
     for heap in devices.values():
         heapq.heapify(heap)
     holds = [{int(o)} for o in owner.tolist()]
+    held_by: list[list[int]] = [[] for _ in range(world)]  # the experts each device holds
+    # Free slots on each expert's holders per node, at `expert * nodes + node` (int keys: no tuples
+    # for the garbage collector to count).
+    nodes_count = max(node) + 1 if node else 1
+    held_free: dict[int, int] = {}
+    for e, o in enumerate(owner.tolist()):
+        held_by[o].append(e)
+        key = e * nodes_count + node[o]
+        held_free[key] = held_free.get(key, 0) + free[o]
     placed = []
     for e in copies.tolist():
         held = holds[e]
-        n = _lightest_node(nodes, node_load, node_free, held, node, free)
+        n = _lightest_node(nodes, node_load, node_free, held_free, e * nodes_count)
         if n is None:
             continue
         heap, skipped = devices[n], []
@@ -138,7 +147,11 @@ def pack_copies(
         for entry in skipped:
             heapq.heappush(heap, entry)
         held.add(d)
+        held_by[d].append(e)
+        held_free[e * nodes_count + n] = held_free.get(e * nodes_count + n, 0) + free[d]
         free[d] -= 1
+        for other in held_by[d]:  # one slot fewer on a holder of each expert it holds
+            held_free[other * nodes_count + n] -= 1
         node_free[n] -= 1
         device_load[d] += share[e]
         node_load[n] = float(device_load[member_W[n]].sum())
@@ -150,15 +163,16 @@ def pack_copies(
     return placed
 
 
-def _lightest_node(nodes, node_load, node_free, held, node, free) -> int | None:
-    """The lightest node (ties: the lower) with a free slot on a device that does not hold the expert."""
+def _lightest_node(nodes, node_load, node_free, held_free, key) -> int | None:
+    """The lightest node (ties: the lower) with a free slot on a device that does not hold the
+    expert (`held_free[key + node]`: the free slots on its holders there, kept as copies are placed)."""
     skipped, found = [], None
     while nodes:
         nl, n = nodes[0]
         if nl != node_load[n] or not node_free[n]:
             heapq.heappop(nodes)  # stale
             continue
-        taken = sum(free[d] for d in held if node[d] == n)  # free slots on the expert's holders
+        taken = held_free.get(key + n, 0)  # free slots on the expert's holders
         if node_free[n] > taken:
             found = n
             break

@@ -10,13 +10,14 @@ the block-wise scheduler hiding the copies), and stop once the load is balanced 
 the steps that achieved the lowest predicted time.
 
 A step changes one expert, so the search keeps its state per expert and re-prices only that one:
-its column of the dispatch plan (`core.placement.dispatch_entries`) updates every device's load
-(the experts no step changed stay on their owners, implicitly), each device's relievable experts
-wait in a heap by load; a step reads its expert's column of the flow and sorts only the senders
-without a copy. The steps found, every prefix is priced in one pass from the owners' terms and each
-step's change (`perf.placement_pricing`), the copies only as far as the bound needs them. The steps,
-prices and choice are those of the loop that recomputed and priced the whole plan at every step
-(tested against it on random and trace flows).
+its column of the dispatch plan (as `core.placement.dispatch_entries` dispatches it) updates every
+device's load (the experts no step changed stay on their owners, implicitly); a step reads its
+expert's column of the flow and sorts only the senders without a copy. The steps are one compiled
+loop (`prophet_steps`, numba: in NumPy the calls' overhead was most of the search at 1024 ranks),
+the NumPy version's steps. The steps found, every prefix is priced in one pass from the owners'
+terms and each step's change (`perf.placement_pricing`), the copies only as far as the bound needs
+them. The steps, prices and choice are those of the loop that recomputed and priced the whole plan
+at every step (tested against it on random and trace flows).
 
 Two defects of the public implementation are fixed, each with a test: the number of transferred
 experts ``s`` grows with every step (it is the length of the step list, not a counter that only
@@ -43,7 +44,6 @@ Shape suffixes: W devices (ranks of the expert-parallel group), E experts; S sou
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -51,7 +51,7 @@ import numpy as np
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement, dispatch_entries
+from moeflow.core.placement import Placement
 from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
 from moeflow.strategies.planners.prophet_model import (
@@ -61,6 +61,7 @@ from moeflow.strategies.planners.prophet_model import (
     price_terms,
     prune_by_copies,
 )
+from moeflow.strategies.planners.prophet_steps import search_steps
 
 PREDICTORS = ("last", "mean")
 
@@ -168,71 +169,36 @@ def prophet_search(
 def _search_steps(
     flow_WE: np.ndarray, tokens_WE: np.ndarray, owner_E: np.ndarray, node_of, options: ProphetOptions
 ) -> tuple[list[tuple[int, list[int]]], np.ndarray]:
-    """Algorithm 1's steps: (expert, devices it is sent to) and the expert's holders after each.
+    """Algorithm 1's steps: (expert, devices it is sent to) and the expert's holders after each
+    (`rows`, `[Q, W]`), from the compiled loop (`prophet_steps.search_steps`).
 
     The state is kept per expert and updated for the one expert a step changes: its computed tokens
-    per device (the dispatch plan's column, `dispatch_entries`; the owner's alone until a step
-    changes it), hence every device's load H; its load on its owner; whether it still has senders
-    without a copy ("open"). A step takes the heaviest device that owns an open expert with load
-    (ties: the lower device), and on it the heaviest such expert (ties: the lower id: each device's
-    open experts in a heap) — what `_relief` of the loop version finds by scanning every device and
-    expert. `tokens_WE`: the flow rounded to whole assignments (what the plan sends)."""
+    per device (the dispatch plan's column, as `dispatch_entries` dispatches it; the owner's alone
+    until a step changes it), hence every device's load H; its load on its owner; whether it still
+    has senders without a copy ("open"). A step takes the heaviest device that owns an open expert
+    (ties: the lower device), and on it the heaviest such expert (ties: the lower id) — what
+    `_relief` of the loop version finds by scanning every device and expert. `tokens_WE`: the flow
+    rounded to whole assignments (what the plan sends); its sums start the loads."""
+    flow = np.ascontiguousarray(flow_WE, dtype=np.float64)
     W, E = tokens_WE.shape
-    experts = np.arange(E)
-    holders = np.zeros((E, W), dtype=bool)
-    holders[experts, owner_E] = True
-    waiting_WE = flow_WE > 0  # senders without a copy (a step reads its expert's column)
-    waiting_WE[owner_E, experts] = False
+    owner = np.ascontiguousarray(owner_E, dtype=np.int64)
     total_E = tokens_WE.sum(0).astype(np.int64)  # whole counts: exact
-    H_W = np.bincount(owner_E, weights=total_E, minlength=W).astype(np.int64)  # every expert on its owner
-    computed: dict[int, np.ndarray] = {}  # the experts a step changed: tokens each device computes of it
-    at_owner = total_E.tolist()
-    open_E = (waiting_WE.any(0) & (total_E > 0)).tolist()
-    heaps: list[list[tuple[int, int]]] = [[] for _ in range(W)]
-    for e in np.flatnonzero(open_E).tolist():
-        heaps[owner_E[e]].append((-at_owner[e], e))
-    for heap in heaps:
-        heapq.heapify(heap)
-    closed_W = np.array([0.0 if h else -np.inf for h in heaps])  # -inf: no open expert on the device
-    open_devices = int(np.isfinite(closed_W).sum())
+    start_W = np.bincount(owner, weights=total_E, minlength=W).astype(np.int64)  # every expert on its owner
+    if node_of is None:
+        node_W = np.zeros(W, dtype=np.int64)
+    else:  # nodes numbered 0..N-1 (only which ranks share a node matters)
+        node_W = np.unique(np.asarray(node_of), return_inverse=True)[1].astype(np.int64).reshape(-1)
+        if node_W.shape != (W,):
+            raise ValueError(f"node_of has {node_W.size} entries, expected one per rank ({W})")
     threshold = options.balance_alpha * flow_WE.sum() / E
-    steps = []
-    while open_devices and H_W.max() - H_W.min() >= threshold:  # some device can be relieved; Eq. 7
-        device = int((H_W + closed_W).argmax())
-        _, e = heapq.heappop(heaps[device])
-        waiting_now = waiting_WE[:, e].nonzero()[0]  # by rank
-        senders = waiting_now[(-flow_WE[waiting_now, e]).argsort(kind="stable")]  # most tokens first
-        to = senders[: max(1, senders.size - options.keep_out)]
-        waiting = senders[to.size :]  # the senders still without a copy
-        if waiting.size:  # the expert stays open: its holders and waiting senders are read again
-            holders[e, to] = True
-            waiting_WE[to, e] = False
-        tokens_W = np.rint(flow_WE[:, e]).astype(np.int64)
-        if waiting.size and (tokens_W[waiting] > 0).any():
-            # Some senders still send it away: the plan's column for the new holders.
-            _, _, dst, count = dispatch_entries(tokens_W[:, None], holders[[e]], node_of)
-            column = np.bincount(dst, weights=count, minlength=W).astype(np.int64)
-        else:  # every sender holds it: each computes its own
-            column = tokens_W
-        H_W += column
-        if e in computed:
-            H_W -= computed[e]
-        else:
-            H_W[owner_E[e]] -= total_E[e]
-        computed[e] = column
-        at_owner[e] = int(column[owner_E[e]])
-        if waiting.size and at_owner[e] > 0:  # still open: back on its device's heap
-            heapq.heappush(heaps[device], (-at_owner[e], e))
-        elif not heaps[device]:
-            closed_W[device] = -np.inf
-            open_devices -= 1
-        steps.append((e, to.tolist()))
-    # Each step's expert's holders after it: its owner and every device an earlier step of it reached.
-    rows = np.zeros((len(steps), W), dtype=bool)
-    reached: dict[int, list[int]] = {}
-    for j, (e, to) in enumerate(steps):
-        reached.setdefault(e, [int(owner_E[e])]).extend(to)
-        rows[j, reached[e]] = True
+    expert_Q, bounds, devices_T, rows = search_steps(
+        flow, owner, total_E, start_W, node_W, int(node_W.max(initial=0)) + 1, options.keep_out, threshold
+    )
+    # The devices as references to W shared ints (an object array's items), not one new int per
+    # copy sent: at 1024 ranks the steps send hundreds of thousands of copies.
+    devices = np.arange(W).astype(object)[devices_T]
+    ends = bounds.tolist()
+    steps = [(e, devices[a:b].tolist()) for e, a, b in zip(expert_Q.tolist(), ends[:-1], ends[1:])]
     return steps, rows
 
 
@@ -277,9 +243,9 @@ class ProphetPlanner(PlanAheadPlanner):
     def search(self, flow_WE: np.ndarray, placement: Placement, cost_model) -> tuple:
         return prophet_search, (flow_WE, placement, cost_model, self.shape, self.search_options())
 
-    def plan_next(self, placement: Placement, cost_model) -> None:
+    def plan_next(self, placement: Placement, cost_model, inline: bool = False) -> None:
         """Every `plan_interval` calls (Pro-Prophet §IV-C); between re-plans the last plan stands."""
         if (self.calls - 1) % self.options.plan_interval == 0:
-            super().plan_next(placement, cost_model)
+            super().plan_next(placement, cost_model, inline)
         else:
             self.next_plan.set((self.running, self.last))

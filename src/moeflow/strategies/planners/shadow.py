@@ -126,10 +126,11 @@ class ShadowPlanner(Planner):
         None: built here)."""
         if cost_model is None:
             raise ValueError("strategy='shadow' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
-        self.last = self.decide(np.asarray(flow_WE, dtype=np.float64), placement, cost_model, pricer)
-        extra = np.zeros_like(placement.holders_EW)
-        extra[self.last.shadowed] = True
-        return Placement.owners_only(placement.owner_E, placement.world_size).with_holders(extra)
+        self.last = self.decide(flow_WE, placement, cost_model, pricer)
+        holders = np.zeros((placement.num_experts, placement.world_size), dtype=bool)
+        holders[np.arange(placement.num_experts), placement.owner_E] = True
+        holders[self.last.shadowed] = True
+        return Placement(placement.owner_E, holders)
 
     def cost(self, flow_WE, owner_E, shadowed_ZE, cost_model) -> np.ndarray:
         """T(S) for boolean shadow masks `[..., E]` -> `[...]` seconds (module docstring)."""
@@ -149,12 +150,13 @@ class ShadowPlanner(Planner):
                 f"cost model has {cost_model.topology.num_devices} devices, the expert-parallel group "
                 f"{placement.world_size}"
             )
-        received_E = flow_WE.sum(0)  # column sums: tokens each expert receives from all senders
+        if pricer is None:
+            flow = np.asarray(flow_WE, dtype=np.float64)
+            pricer = EverywherePricer(flow, owner_E, cost_model, self.shape, cost_model.topology.node_of)
+        received_E = pricer.received_E  # column sums: tokens each expert receives from all senders
         order = np.argsort(-received_E, kind="stable")
         candidates = order[received_E[order] > 0][: self.options.max_shadowed]
         # Prefix i: the first i candidates shadowed (0: plain EP), each step one expert everywhere.
-        if pricer is None:
-            pricer = EverywherePricer(flow_WE, owner_E, cost_model, self.shape, cost_model.topology.node_of)
         everywhere = np.ones((candidates.size, placement.world_size), dtype=bool)
         predicted = pricer.cheapest_prefixes(candidates, everywhere, _shadow_time)
         if self.options.search == "prefix":

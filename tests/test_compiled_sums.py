@@ -1,0 +1,184 @@
+"""The compiled running sums (`perf.compiled_sums`) price placements as the NumPy path does, to the
+bit: every term of every candidate, the copies' bound and the bounded searches, on hundreds of
+random whole flows over clusters of one to eight nodes (nodes hanging from the root, so that the
+sources that spread over every holder are summed per holder; nodes of any layout; gloo's trees;
+fits; pipelined copy trees); and the planners built on them decide alike."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moeflow.core.expert_shape import ExpertShape
+from moeflow.core.placement import Placement
+from moeflow.core.registry import LayerContext
+from moeflow.perf import placement_pricing
+from moeflow.perf.alpha_beta import AlphaBeta
+from moeflow.perf.costmodel import CostModel
+from moeflow.perf.everywhere_pricing import EverywherePricer
+from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms
+from moeflow.perf.topology import Topology
+from moeflow.sim.traces import resolve_trace, synthetic_trace
+from moeflow.strategies import PLANNERS
+
+SHAPE = ExpertShape(8, 16)
+FIELDS = ("compute_s", "a2a_s", "trans_s", "agg_s", "trans_prefetched_s", "agg_prefetched_s", "copies_Z")
+
+
+def _cost_model(rng) -> CostModel:
+    """A cluster of 1 to 8 nodes: presets' link classes, or two halves with fits and gloo's trees."""
+    kind = int(rng.integers(5))
+    if kind == 0:
+        return CostModel.from_preset(f"johnny@{int(rng.choice([8, 16, 24, 32]))}")
+    if kind == 1:
+        return CostModel.from_preset(f"hecate_a@{int(rng.choice([8, 16]))}").with_copy_chunks(int(rng.integers(1, 5)))
+    world = int(rng.choice([2, 4, 6, 8, 12]))
+    if kind == 2:
+        return CostModel(Topology.homogeneous(world, 10 ** rng.uniform(6, 10)), 1e9)
+    halves = [list(range(world // 2)), list(range(world // 2, world))]
+    topo = Topology.from_spec(halves, [10 ** rng.uniform(6, 9), 1e10], [5e-6, 1e-6])
+    fits = {"elementwise": AlphaBeta(1e-5, 1e-10), "a2a": AlphaBeta(2e-4, 1e-9)}
+    return CostModel(topo, 1e9, fits, backend="gloo" if kind == 3 else "nccl")
+
+
+def _flow(rng, world: int, experts: int) -> np.ndarray:
+    """Whole counts, silent ranks, equal columns, remainders of every size when split."""
+    flow = rng.integers(0, 60, (world, experts)).astype(float)
+    flow[rng.random(world) < 0.2] = 0.0
+    flow[:, rng.random(experts) < 0.2] = float(rng.integers(0, 60))
+    return flow.astype(np.int64) if rng.random() < 0.3 else flow  # as the count exchange gives them
+
+
+def _holders(rng, cm: CostModel, owner: int) -> np.ndarray:
+    """One expert's holders: a few ranks, whole nodes, everywhere, or the owner alone."""
+    world = cm.topology.num_devices
+    node_of = np.asarray(cm.topology.node_of)
+    kind = rng.integers(4)
+    if kind == 0:
+        row = rng.random(world) < rng.uniform(0.05, 0.5)
+    elif kind == 1:
+        row = np.isin(node_of, rng.choice(node_of.max() + 1, int(rng.integers(1, node_of.max() + 2))))
+    else:
+        row = np.full(world, kind == 2)
+    row[owner] = True
+    return row
+
+
+def _both(monkeypatch, build, *args):
+    """`build(*args)` with the compiled sums on, then off."""
+    out = []
+    for compiled in (True, False):
+        monkeypatch.setattr(placement_pricing, "COMPILED", compiled)
+        out.append(build(*args))
+    return out
+
+
+def _equal(got: PlacementTerms, want: PlacementTerms) -> None:
+    for name in FIELDS:
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+
+
+def _shadow_price(t: PlacementTerms) -> np.ndarray:
+    return 3 * t.compute_s + 4 * t.a2a_s + t.trans_s + t.agg_s
+
+
+def _price_all(cm, flow, owner_E, steps, rows, order, order_rows, placements) -> tuple:
+    """Every way a pricer prices: prefixes, placements, the copies' bound, bounded searches."""
+    pricer = PlacementPricer(flow, owner_E, cm, SHAPE, cm.topology.node_of)
+    every = EverywherePricer(flow, owner_E, cm, SHAPE, cm.topology.node_of)
+    ones = np.ones((order.size, cm.topology.num_devices), dtype=bool)
+    return (
+        pricer.compiled,
+        pricer.prefixes(steps, rows),
+        pricer.placements([p.holders_EW for p in placements]),
+        pricer.copies_of_prefixes(order, order_rows),
+        PlacementPricer(flow, owner_E, cm, SHAPE, cm.topology.node_of).cheapest_prefixes(
+            order, order_rows, _shadow_price
+        ),
+        every.cheapest_prefixes(order, ones, _shadow_price),
+    )
+
+
+def test_compiled_prices_equal_the_numpy_path(monkeypatch):
+    """Prefixes (an expert changed twice included), several placements at once, the copies' bound
+    and the bounded search: the same floats with and without the compiled sums, 250 cases."""
+    rng = np.random.default_rng(11)
+    compiled_runs = 0
+    for _ in range(250):
+        cm = _cost_model(rng)
+        world = cm.topology.num_devices
+        experts = world * int(rng.integers(1, 4))
+        flow = _flow(rng, world, experts)
+        owner_E = rng.integers(0, world, experts) if rng.random() < 0.3 else np.arange(experts) % world
+        steps = rng.integers(0, experts, int(rng.integers(1, 2 * experts)))
+        rows = np.stack([_holders(rng, cm, owner_E[e]) for e in steps])
+        distinct = np.unique(steps, return_index=True)[1]
+        order, order_rows = steps[np.sort(distinct)], rows[np.sort(distinct)]
+        placements = [
+            Placement.owners_only(owner_E, world).with_holders(rng.random((experts, world)) < p)
+            for p in (0.0, 0.1, 0.4, 1.0)
+        ]
+        got, want = _both(monkeypatch, _price_all, cm, flow, owner_E, steps, rows, order, order_rows, placements)
+        assert got[0] and not want[0]
+        compiled_runs += 1
+        _equal(got[1], want[1])
+        _equal(got[2], want[2])
+        for a, b in zip(got[3:], want[3:]):
+            np.testing.assert_array_equal(a, b)
+    assert compiled_runs == 250
+
+
+def _prefixes(cm, flow, owner_E, steps, rows) -> PlacementTerms:
+    return PlacementPricer(flow, owner_E, cm, SHAPE, cm.topology.node_of).prefixes(steps, rows)
+
+
+def test_spread_sources_summed_per_holder_at_64_ranks(monkeypatch):
+    """Eight nodes of eight under one root (johnny@64): most sources spread over every holder of an
+    expert copied to a few other nodes — summed per holder, remainders wrapping round the ring."""
+    rng = np.random.default_rng(3)
+    cm = CostModel.from_preset("johnny@64")
+    owner_E = np.arange(128) % 64
+    for _ in range(6):
+        flow = rng.integers(0, 30, (64, 128)).astype(float)
+        steps = rng.permutation(128)[:40]
+        rows = np.stack([_holders(rng, cm, owner_E[e]) for e in steps])
+        got, want = _both(monkeypatch, _prefixes, cm, flow, owner_E, steps, rows)
+        _equal(got, want)
+
+
+def test_fractional_flows_and_local_counts_take_the_numpy_path():
+    """A window's mean (fractional counts) and Pro-Prophet's per-device local counts are not summed
+    compiled: the pricer says so, and still prices."""
+    cm = CostModel.from_preset("johnny@16")
+    flow = np.full((16, 32), 2.5)
+    pricer = PlacementPricer(flow, np.arange(32) % 16, cm, SHAPE, cm.topology.node_of)
+    assert not pricer.compiled
+    whole = PlacementPricer(np.rint(flow), np.arange(32) % 16, cm, SHAPE, cm.topology.node_of)
+    assert whole.compiled and not whole._compiled_terms(detail=True)
+    terms = whole.prefixes(np.array([0]), np.ones((1, 16), dtype=bool), detail=True)
+    assert terms.local_ZW is not None
+
+
+def _decide(ctx, flow, owners, cm) -> list[Placement]:
+    out = [PLANNERS.build(name, ctx)(flow, owners, cm) for name in ("shadow", "shadow_greedy")]
+    for name in ("prophet", "eplb", "fssdp"):
+        search, inputs = PLANNERS.build(name, ctx).search(flow, owners, cm)
+        out.append(search(*inputs)[0])
+    return out
+
+
+@pytest.mark.parametrize("preset", ["johnny@32", "hecate_b@16"])
+def test_planners_decide_alike_compiled_or_not(monkeypatch, preset):
+    """Shadowing and the searches of Pro-Prophet, EPLB and FSSDP (Hecate's) on the shipped trace
+    unfolded to the cluster and on Zipf 1.2: the same placements either way."""
+    cm = CostModel.from_preset(preset)
+    world = cm.topology.num_devices
+    experts = 2 * world
+    ctx = LayerContext(experts, 2, SHAPE, cm)
+    owners = Placement.expert_parallel(experts, world)
+    trace = resolve_trace("smartmoe").rescale(world, experts).flow_ILWE[::40, 0]
+    zipf = synthetic_trace("zipf", 4, 1, world, experts, 4096, 2, skew=1.2, seed=1).flow_ILWE[:, 0]
+    for flow in [*np.rint(trace), *np.rint(zipf)]:
+        got, want = _both(monkeypatch, _decide, ctx, flow, owners, cm)
+        for a, b in zip(got, want):
+            assert a == b
