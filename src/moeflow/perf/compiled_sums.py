@@ -359,25 +359,33 @@ def _unchanged_nodes(new_W, prev_W, node_W, skip_N, bare_N, held_new, held_prev)
 
 
 @njit(cache=True, nogil=True)
-def _row_maxima(state, W, L, n_classes, inv_bw_L, latency_classes):
-    """(most tokens on a device, busiest link's bytes x its inverse bandwidth (0 with none),
-    slowest route latency with a positive entry (0 with none), whether any entry is positive)."""
-    most = state[0]
-    for w in range(1, W):
-        if state[w] > most:
-            most = state[w]
+def _link_maxima(state, offset, L, n_classes, inv_bw_L, latency_classes):
+    """(busiest link's time — its bytes `state[offset + link]` over its bandwidth, 0 with none —,
+    slowest route latency with a positive entry (`state[offset + L + class]`; 0 with none), whether
+    any entry is positive): the maxima of an exchange or of one stage of the copy trees."""
     busiest = 0.0
     for link in range(L):
-        t = state[W + link] * inv_bw_L[link]
+        t = state[offset + link] * inv_bw_L[link]
         if t > busiest:
             busiest = t
     latency = 0.0
     sends = False
     for c in range(n_classes):
-        if state[W + L + c] > 0.5:  # positive entries on routes of this latency (integer counts)
+        if state[offset + L + c] > 0.5:  # positive entries on routes of this latency (integer counts)
             sends = True
             if latency_classes[c] > latency:
                 latency = latency_classes[c]
+    return busiest, latency, sends
+
+
+@njit(cache=True, nogil=True)
+def _row_maxima(state, W, L, n_classes, inv_bw_L, latency_classes):
+    """(most tokens on a device, then the exchange's `_link_maxima`) of a row of `dispatch_terms`."""
+    most = state[0]
+    for w in range(1, W):
+        if state[w] > most:
+            most = state[w]
+    busiest, latency, sends = _link_maxima(state, W, L, n_classes, inv_bw_L, latency_classes)
     return most, busiest, latency, sends
 
 
@@ -495,25 +503,6 @@ def _held_everywhere(rows_W):
 
 
 @njit(cache=True, nogil=True)
-def _stage_maxima(state, stage, L, n_classes, inv_bw_L, latency_classes):
-    """(busiest link's time, slowest route latency used, whether the stage sends) of one stage."""
-    off = stage * (L + n_classes)
-    busiest = 0.0
-    for link in range(L):
-        t = state[off + link] * inv_bw_L[link]
-        if t > busiest:
-            busiest = t
-    latency = 0.0
-    active = False
-    for c in range(n_classes):
-        if state[off + L + c] > 0.5:
-            active = True
-            if latency_classes[c] > latency:
-                latency = latency_classes[c]
-    return busiest, latency, active
-
-
-@njit(cache=True, nogil=True)
 def copy_terms(
     new_QW,
     prev_QW,
@@ -568,8 +557,8 @@ def copy_terms(
         copies += k_new - k_prev
         copies_Z[j + 1] = copies
         for stage in range(2 if _kept(keep_Z, j + 1) else 0):
-            stage_busiest[stage, j + 1], stage_latency[stage, j + 1], stage_active[stage, j + 1] = _stage_maxima(
-                state, stage, L, n_classes, inv_bw_L, latency_classes
+            stage_busiest[stage, j + 1], stage_latency[stage, j + 1], stage_active[stage, j + 1] = _link_maxima(
+                state, stage * (L + n_classes), L, n_classes, inv_bw_L, latency_classes
             )
     return stage_busiest, stage_latency, stage_active, after_Q, before_Q, copies_Z
 
