@@ -1,36 +1,29 @@
-"""The pricer's running sums compiled (numba): a placement search's inner loops without NumPy calls.
+"""The pricer's running sums compiled (numba): the owners' terms and every step's dispatch.
 
 `perf.placement_pricing.PlacementPricer` prices every candidate of a search from sums over experts
-(the tokens each device computes, the exchange's bytes on every link, its positive entries per
-route latency, the copy trees' bytes and edges per stage) kept as running sums of each step's
-change, and from the maxima that make a price (the device with the most tokens, the busiest link,
-the slowest route used). In NumPy that is a few hundred array calls per search on a few thousand
-numbers each: at 64 ranks x 256 experts their call overhead, not their work, was most of the time
-a layer waits for FasterMoE's shadowing or `auto` (docs/speed.md, "Planning off the critical
-path"). Here the same
-sums and maxima are loops, one call per search:
+kept as running sums of each step's change, and from the maxima that make a price (the device with
+the most tokens, the busiest link, the slowest route used). In NumPy that is a few hundred array
+calls per search on a few thousand numbers each: at 64 ranks x 256 experts their call overhead, not
+their work, was most of the time a layer waits for FasterMoE's shadowing or `auto` (docs/speed.md,
+"Planning off the critical path"). Here the same sums and maxima are loops, one call per search
+(the state, the route entries and the maxima: `perf.compiled_routes`; the copies:
+`perf.compiled_copies`):
 
 - `owner_sums`: the owners alone (plain EP): tokens per device, bytes per link, positive entries
-  per route latency — the pricer's starting state;
+  per route latency — the pricer's starting state — and the flow transposed;
 - `dispatch_terms`: every step's expert dispatched before and after the step (Hecate §4.4 order,
   `core.placement.dispatch_entries`: the source itself, else the holders on its node spread evenly
   from its place in ring order, else every holder), then per row the most tokens on a device, the
   busiest link's time, the slowest route with a positive entry and whether anything is sent;
-- `copy_terms`: every step's copy trees before and after (`core.placement.tree_edges`: the owner
-  to its node-mates and one relay per other node, the relay to the rest of its node), per row and
-  stage the busiest link's time, the slowest route and whether the stage sends; and each step's
-  owner's number of experts held everywhere (priced per owner, as `PlacementCopies._everywhere` does).
+- `previous_rows`: each step's expert's holders before it.
 
-Every value summed is a whole number in float64 (token counts, bytes, entries), so the sums are the
-NumPy path's to the bit in any order, and a maximum of the same products is the same float: the
-pricer calls these only for whole flows and whole parameter bytes, and the `CostModel` turns the
-maxima into prices with the NumPy path's own calls (tests/test_compiled_sums.py compares the two
-paths on hundreds of cases). A candidate's running sums restart where `start` is True; row 0 of
-every output is the starting state, row j + 1 the state after step j.
+The pricer calls these only for whole flows, and the `CostModel` turns the maxima into prices with
+the NumPy path's own calls (tests/test_compiled_sums.py compares the two paths on hundreds of
+cases). A candidate's running sums restart where `start` is True; row 0 of every output is the
+starting state, row j + 1 the state after step j.
 
-Shape suffixes: W ranks, E experts, N nodes, L links and H the hops of a route (as `Topology`
-names them; padded with L), Q steps, Z rows (Q + 1). Route-latency classes have no letter
-(`n_classes` of them); `stage_*` arrays are `[2, Z]`, one row per stage of the copy trees.
+Shape suffixes: W ranks, E experts, N nodes, L links (as `Topology` names them), Q steps, Z rows
+(Q + 1). Route-latency classes have no letter (`n_classes` of them).
 """
 
 from __future__ import annotations
@@ -38,30 +31,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-EVERY_ROW = np.ones(0, dtype=np.bool_)
-"""`keep_Z` of a single candidate's prefixes: every row is read (an empty mask: nothing to build)."""
-
-
-def kept_rows(start_Q: np.ndarray) -> np.ndarray:
-    """`keep_Z`: the rows a caller reads — every prefix of one candidate (`EVERY_ROW`); of several
-    (`placements`), the owners' row and each candidate's last (the compiled sums price only those)."""
-    if not start_Q[1:].any():
-        return EVERY_ROW
-    return np.concatenate([[True], np.append(start_Q[1:], True)])
-
-
-@njit(cache=True, nogil=True)
-def _kept(keep_Z, z):
-    return keep_Z.size == 0 or keep_Z[z]
+from moeflow.perf.compiled_routes import kept, link_maxima, on_routes, transposed
 
 
 @njit(cache=True, nogil=True)
 def owner_sums(flow_WE, owner_E, routes, L, n_classes, tok_bytes):
     """(tokens_W, local_W, calls_W, traffic_L, classes) of the owners alone, the flow transposed
-    (`[E, W]` float64: one expert's sources in a row, as every step reads them; copied in
-    tiles, which a strided NumPy copy is not). Between nodes hanging from the root only each
-    device's bytes out and in are summed (`_on_route`); the pairs inside a node, or of another
-    topology, pair by pair; and the tokens each expert receives `[E]`."""
+    (`compiled_routes.transposed`) and the tokens each expert receives `[E]`. Between nodes hanging
+    from the root only each device's bytes out and in are summed; the pairs inside a node, or of
+    another topology, pair by pair (`compiled_routes.on_routes`)."""
     W, E = flow_WE.shape
     node_W, leave_W2, enter_W2, cross, under_root = routes[2], routes[3], routes[4], routes[5], routes[6]
     # Each rank's column among the pairs summed one by one: its place in its node (or its rank).
@@ -88,13 +66,7 @@ def owner_sums(flow_WE, owner_E, routes, L, n_classes, tok_bytes):
     crossing = 0.0  # positive entries between nodes
     near_WM = np.zeros((W, M))  # the rest per (owner, source column)
     entries_WM = np.zeros((W, M))
-    flow_EW = np.empty((E, W))
-    T = 8  # tiles of T x T: the transposed copy reads and writes whole cache lines
-    for s0 in range(0, W, T):
-        for e0 in range(0, E, T):
-            for s in range(s0, min(s0 + T, W)):
-                for e in range(e0, min(e0 + T, E)):
-                    flow_EW[e, s] = flow_WE[s, e]
+    flow_EW = transposed(flow_WE)
     for e in range(E):
         o = owner_E[e]
         home = node_W[o]
@@ -138,37 +110,8 @@ def owner_sums(flow_WE, owner_E, routes, L, n_classes, tok_bytes):
                 pend_i[0, n_pend], pend_i[1, n_pend], pend_i[2, n_pend] = s, o, 0
                 pend_f[0, n_pend], pend_f[1, n_pend] = near_WM[o, c] * tok_bytes, entries_WM[o, c]
                 n_pend += 1
-    _on_routes(routes, pend_i, pend_f, n_pend, L, state)
+    on_routes(routes, pend_i, pend_f, n_pend, L, state)
     return tokens, local, calls, state[:L].copy(), state[L:].copy(), flow_EW, received_E
-
-
-@njit(cache=True, nogil=True)
-def _on_routes(routes, pend_i, pend_f, n, L, state):
-    """Apply the `n` pending entries: entry x adds `pend_f[0, x]` to every link of the route from
-    `pend_i[0, x]` to `pend_i[1, x]` (`state[offset + link]`, offset `pend_i[2, x]`) and
-    `pend_f[1, x]` entries to its route latency (`state[offset + L + class]`). Between two nodes
-    hanging from the root (`Topology.nodes_under_root`) the route is the source's two links up and
-    the destination's two down (`leave_W2`, `enter_W2`), of one latency (`cross_class`): read from
-    those small tables, not the `[W, W, H]` one. `routes`: `Topology.route_tables`. Entries are
-    gathered and applied in one call (a call per entry, with the route tables as arguments, cost
-    more than the entry's work)."""
-    route_WWH, class_WW, node_W, leave_W2, enter_W2, cross, under_root = routes
-    H = route_WWH.shape[2]
-    for x in range(n):
-        src, dst, offset = pend_i[0, x], pend_i[1, x], pend_i[2, x]
-        value, count = pend_f[0, x], pend_f[1, x]
-        if under_root and node_W[src] != node_W[dst]:
-            state[offset + leave_W2[src, 0]] += value
-            state[offset + leave_W2[src, 1]] += value
-            state[offset + enter_W2[dst, 0]] += value
-            state[offset + enter_W2[dst, 1]] += value
-            state[offset + L + cross] += count
-            continue
-        for h in range(H):
-            link = route_WWH[src, dst, h]
-            if link < L:
-                state[offset + link] += value
-        state[offset + L + class_WW[src, dst]] += count
 
 
 @njit(cache=True, nogil=True)
@@ -208,7 +151,7 @@ def _dispatch_one(
     entries per route latency), leaving out the sources on the nodes of `skip_N` (their dispatch is
     the same before and after the step: they would cancel), and the bytes out of the sources on the
     nodes of `bare_N` (no holder before or after: all they send leaves their node both times).
-    `work`: scratch `[4, W + 1]`; `pend_*`: `_on_routes`' entries, room for a node's ranks per source.
+    `work`: scratch `[4, W + 1]`; `pend_*`: `on_routes`' entries, room for a node's ranks per source.
 
     Sources whose node holds none spread over every holder: where nodes hang from the root, all of
     a source's tokens leave by its links up and each holder's share enters by its links down, so
@@ -224,7 +167,7 @@ def _dispatch_one(
             if flow_W[s] > 0 and not skip_N[node_W[s]]:
                 state[s] += sign * flow_W[s]
         return
-    n_pend = 0  # route entries gathered for `_on_routes`
+    n_pend = 0  # route entries gathered for `on_routes`
     if n_all == 1 and spread_by_holder:  # its owner alone: every token to it, summed
         d = every[0]
         total = into = crossing = 0.0
@@ -246,7 +189,7 @@ def _dispatch_one(
                 pend_i[0, n_pend], pend_i[1, n_pend], pend_i[2, n_pend] = s, d, W
                 pend_f[0, n_pend], pend_f[1, n_pend] = sign * f * tok_bytes, sign
                 n_pend += 1
-        _on_routes(routes, pend_i, pend_f, n_pend, L, state)
+        on_routes(routes, pend_i, pend_f, n_pend, L, state)
         state[d] += sign * total
         state[W + enter_W2[d, 0]] += sign * into * tok_bytes
         state[W + enter_W2[d, 1]] += sign * into * tok_bytes
@@ -311,7 +254,7 @@ def _dispatch_one(
                 pend_i[0, n_pend], pend_i[1, n_pend], pend_i[2, n_pend] = s, d, W
                 pend_f[0, n_pend], pend_f[1, n_pend] = sign * c * tok_bytes, sign
                 n_pend += 1
-    _on_routes(routes, pend_i, pend_f, n_pend, L, state)
+    on_routes(routes, pend_i, pend_f, n_pend, L, state)
     if spreading:
         state[B + cross] += sign * crossing
         ring = 0
@@ -359,33 +302,13 @@ def _unchanged_nodes(new_W, prev_W, node_W, skip_N, bare_N, held_new, held_prev)
 
 
 @njit(cache=True, nogil=True)
-def _link_maxima(state, offset, L, n_classes, inv_bw_L, latency_classes):
-    """(busiest link's time — its bytes `state[offset + link]` over its bandwidth, 0 with none —,
-    slowest route latency with a positive entry (`state[offset + L + class]`; 0 with none), whether
-    any entry is positive): the maxima of an exchange or of one stage of the copy trees."""
-    busiest = 0.0
-    for link in range(L):
-        t = state[offset + link] * inv_bw_L[link]
-        if t > busiest:
-            busiest = t
-    latency = 0.0
-    sends = False
-    for c in range(n_classes):
-        if state[offset + L + c] > 0.5:  # positive entries on routes of this latency (integer counts)
-            sends = True
-            if latency_classes[c] > latency:
-                latency = latency_classes[c]
-    return busiest, latency, sends
-
-
-@njit(cache=True, nogil=True)
 def _row_maxima(state, W, L, n_classes, inv_bw_L, latency_classes):
-    """(most tokens on a device, then the exchange's `_link_maxima`) of a row of `dispatch_terms`."""
+    """(most tokens on a device, then the exchange's `link_maxima`) of a row of `dispatch_terms`."""
     most = state[0]
     for w in range(1, W):
         if state[w] > most:
             most = state[w]
-    busiest, latency, sends = _link_maxima(state, W, L, n_classes, inv_bw_L, latency_classes)
+    busiest, latency, sends = link_maxima(state, W, L, n_classes, inv_bw_L, latency_classes)
     return most, busiest, latency, sends
 
 
@@ -416,7 +339,7 @@ def dispatch_terms(
     state = base.copy()
     most_Z, busiest_Z, latency_Z = np.zeros(Q + 1), np.zeros(Q + 1), np.zeros(Q + 1)
     sends_Z = np.zeros(Q + 1, dtype=np.bool_)
-    if _kept(keep_Z, 0):
+    if kept(keep_Z, 0):
         most_Z[0], busiest_Z[0], latency_Z[0], sends_Z[0] = _row_maxima(
             state, W, L, n_classes, inv_bw_L, latency_classes
         )
@@ -435,132 +358,11 @@ def dispatch_terms(
         rest = (routes, spread_by_holder, L, tok_bytes, state, work, pend_i, pend_f)
         _dispatch_one(flow_W, new_QW[j], *args, 1.0, *rest)
         _dispatch_one(flow_W, prev_QW[j], *args, -1.0, *rest)
-        if _kept(keep_Z, j + 1):
+        if kept(keep_Z, j + 1):
             most_Z[j + 1], busiest_Z[j + 1], latency_Z[j + 1], sends_Z[j + 1] = _row_maxima(
                 state, W, L, n_classes, inv_bw_L, latency_classes
             )
     return most_Z, busiest_Z, latency_Z, sends_Z
-
-
-@njit(cache=True, nogil=True)
-def _tree_one(rows_W, owner, sign, node_W, local_W, pos_W, routes, L, n_classes, nbytes, state, held, pend_i, pend_f):
-    """Add `sign` x the copy tree of `rows_W` from `owner` (`core.placement.tree_edges`) to `state`
-    (per stage, bytes per link then edges per route latency); returns the holders beyond the owner.
-    `held`: scratch `[W]`; `pend_*`: `_on_routes`' entries, room for W."""
-    stage2 = L + n_classes  # where the second stage's sums begin
-    n = 0  # edges gathered
-    k = 0
-    for w in range(rows_W.size):
-        if rows_W[w] and w != owner:
-            held[k] = w
-            k += 1
-    if k == 0:
-        return 0
-    if node_W.size == 0:  # no nodes: every copy straight from the owner
-        for i in range(k):
-            pend_i[0, n], pend_i[1, n], pend_i[2, n] = owner, held[i], 0
-            n += 1
-    else:
-        # The holders node by node, in rank order within a node (their place in `by_node`): already
-        # so where nodes are runs of ranks, else sorted (insertion: a few holders).
-        for i in range(1, k):
-            w = held[i]
-            m = i
-            while m > 0 and pos_W[held[m - 1]] > pos_W[w]:
-                held[m] = held[m - 1]
-                m -= 1
-            held[m] = w
-        home = node_W[owner]
-        i = 0
-        while i < k:  # the owner's node-mates from it; on every other node one relay, the rest from it
-            node = node_W[held[i]]
-            j = i
-            while j < k and node_W[held[j]] == node:
-                j += 1
-            if node == home:
-                for m in range(i, j):
-                    pend_i[0, n], pend_i[1, n], pend_i[2, n] = owner, held[m], 0
-                    n += 1
-            else:
-                relay = held[i + (local_W[owner] + home) % (j - i)]
-                pend_i[0, n], pend_i[1, n], pend_i[2, n] = owner, relay, 0
-                n += 1
-                for m in range(i, j):
-                    if held[m] != relay:
-                        pend_i[0, n], pend_i[1, n], pend_i[2, n] = relay, held[m], stage2
-                        n += 1
-            i = j
-    pend_f[0, :n] = sign * nbytes
-    pend_f[1, :n] = sign
-    _on_routes(routes, pend_i, pend_f, n, L, state)
-    return k
-
-
-@njit(cache=True, nogil=True)
-def _held_everywhere(rows_W):
-    """Whether a state holds its expert on every rank, beyond its owner (a broadcast, not a tree)."""
-    return rows_W.size >= 2 and rows_W.all()
-
-
-@njit(cache=True, nogil=True)
-def copy_terms(
-    new_QW,
-    prev_QW,
-    owner_Q,
-    start_Q,
-    keep_Z,
-    all_trees,
-    node_W,
-    local_W,
-    pos_W,
-    routes,
-    nbytes,
-    inv_bw_L,
-    latency_classes,
-):
-    """The copies' terms per row (`PlacementCopies._copies`):
-
-    - `[S, Z]` x 3, in the rows kept (`keep_Z`; the others 0): each stage's busiest link time,
-      slowest route latency and whether it sends, of
-      the copy trees of the partial sets — with `all_trees` also of the experts held everywhere
-      (gloo across nodes, `PlacementPricer.tree`);
-    - `[Q]` x 2: the step's owner's number of experts held everywhere after and before the step;
-    - `[Z]`: the copies beyond the owners.
-
-    `node_W` empty: no nodes (every copy from its owner)."""
-    Q, W = new_QW.shape
-    L, n_classes = inv_bw_L.size, latency_classes.size
-    stage_busiest, stage_latency = np.zeros((2, Q + 1)), np.zeros((2, Q + 1))
-    stage_active = np.zeros((2, Q + 1), dtype=np.bool_)
-    after_Q = np.zeros(Q, dtype=np.int64)
-    before_Q = np.zeros(Q, dtype=np.int64)
-    copies_Z = np.zeros(Q + 1, dtype=np.int64)
-    state = np.zeros(2 * (L + n_classes))
-    every_W = np.zeros(W, dtype=np.int64)
-    held = np.empty(W, dtype=np.int64)
-    pend_i, pend_f = np.empty((3, W), dtype=np.int64), np.empty((2, W))
-    copies = 0
-    for j in range(Q):
-        if start_Q[j]:
-            state[:] = 0.0
-            every_W[:] = 0
-            copies = 0
-        o = owner_Q[j]
-        every_new, every_prev = _held_everywhere(new_QW[j]), _held_everywhere(prev_QW[j])
-        before_Q[j] = every_W[o]
-        every_W[o] += int(every_new) - int(every_prev)
-        after_Q[j] = every_W[o]
-        # Trees of the partial sets (or of all: `all_trees`); an expert held everywhere has W − 1 copies.
-        tree = (node_W, local_W, pos_W, routes, L, n_classes, nbytes, state, held, pend_i, pend_f)
-        k_new = _tree_one(new_QW[j], o, 1.0, *tree) if all_trees or not every_new else W - 1
-        k_prev = _tree_one(prev_QW[j], o, -1.0, *tree) if all_trees or not every_prev else W - 1
-        copies += k_new - k_prev
-        copies_Z[j + 1] = copies
-        for stage in range(2 if _kept(keep_Z, j + 1) else 0):
-            stage_busiest[stage, j + 1], stage_latency[stage, j + 1], stage_active[stage, j + 1] = _link_maxima(
-                state, stage * (L + n_classes), L, n_classes, inv_bw_L, latency_classes
-            )
-    return stage_busiest, stage_latency, stage_active, after_Q, before_Q, copies_Z
 
 
 @njit(cache=True, nogil=True)
@@ -585,30 +387,3 @@ def previous_rows(experts_Q, owner_Q, new_QW, start_Q, E):
         stamp_E[e] = candidate
         last_E[e] = j
     return prev_QW, earlier_Q
-
-
-@njit(cache=True, nogil=True)
-def owner_price_sums(after_Q, before_Q, start_Q, price_X):
-    """`[Z]`: the running sums of `price_X[after] − price_X[before]` as `prefix_max.running_sums`
-    adds them (one cumulative sum, each candidate's start subtracted, then the base 0.0), so the
-    floats are its own."""
-    Q = after_Q.size
-    total_Q = np.empty(Q)
-    acc = 0.0
-    for j in range(Q):
-        d = price_X[after_Q[j]] - price_X[before_Q[j]]
-        acc = d if j == 0 else acc + d
-        total_Q[j] = acc
-    starts = 0
-    for j in range(Q):
-        if start_Q[j]:
-            starts += 1
-    out = np.empty(Q + 1)
-    out[0] = 0.0
-    before = 0.0  # the cumulative sum before the current candidate's first step
-    for j in range(Q):
-        if start_Q[j]:
-            before = total_Q[j - 1] if j > 0 else 0.0
-        value = total_Q[j] - before if starts > 1 else total_Q[j]
-        out[j + 1] = value + 0.0
-    return out

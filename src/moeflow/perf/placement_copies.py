@@ -21,41 +21,18 @@ N latency classes here (`PlacementPricer.N`).
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
 from moeflow.core.placement import tree_edges
-from moeflow.perf import compiled_sums
 from moeflow.perf import prefix_max as running
 from moeflow.perf.copies_pricing import pipelined_trees
+from moeflow.perf.placement_compiled import CompiledPricing
 from moeflow.perf.prefix_max import prefix_max, prefix_max_entries, running_sums
 
 DIRECTIONS = ("materialize", "reduce")
 
 
-@lru_cache(maxsize=64)
-def _tree_layout(node_of: tuple | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(node of every rank, its index among its node's ranks, its place among the ranks ordered
-    node by node then by rank) as `core.placement.tree_edges` reads them; all empty without nodes."""
-    if node_of is None:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    node = np.asarray(node_of, dtype=np.int64)
-    W = node.size
-    by_node = np.lexsort((np.arange(W), node))
-    first_W = np.searchsorted(node[by_node], node)
-    local_W = np.empty(W, dtype=np.int64)
-    local_W[by_node] = np.arange(W) - first_W[by_node]
-    pos_W = np.empty(W, dtype=np.int64)
-    pos_W[by_node] = np.arange(W)
-    arrays = (node, local_W, pos_W)
-    for a in arrays:
-        a.flags.writeable = False  # shared by every pricer on this layout
-    return arrays
-
-
-class PlacementCopies:
+class PlacementCopies(CompiledPricing):
     """The copies' terms of `PlacementPricer` (module docstring)."""
 
     def _copies(self, experts, owner_Q, new_QW, prev_QW, start):
@@ -83,32 +60,6 @@ class PlacementCopies:
         if self.tree:  # as `materialize` sends them: everything through the trees, at once
             full = self._stages(Q, np.concatenate([new_QW, prev_QW]), owner_F, self.topology.node_of, start)
             every = pipelined_trees(*full, chunks)
-            return every, every, trans, agg, copies
-        if chunks == 1:
-            return trans, agg, trans, agg, copies
-        piped = pipelined_trees(*terms, chunks)
-        return every_trans + piped, every_agg + piped, trans, agg, copies
-
-    def _compiled_copies(self, owner_Q, new_QW, prev_QW, start):
-        """`_copies` from the compiled running sums (`compiled_sums.copy_terms`): the same maxima
-        as the NumPy path, priced by the same calls."""
-        new_QW, prev_QW = np.ascontiguousarray(new_QW), np.ascontiguousarray(prev_QW)
-        topo = self.topology
-        layout = _tree_layout(None if topo.node_of is None else tuple(topo.node_of))
-        args = (*layout, topo.route_tables, float(self.param_bytes), self.inv_bw_L, topo.latency_classes)
-        keep = compiled_sums.kept_rows(start)
-        busiest, latency, active, after, before, copies = compiled_sums.copy_terms(
-            new_QW, prev_QW, owner_Q, start, keep, False, *args
-        )
-        terms = [(busiest[s], latency[s], active[s]) for s in (0, 1)]
-        tables = self._owner_price_tables()
-        every_trans, every_agg = (compiled_sums.owner_price_sums(after, before, start, t) for t in tables)
-        trees = pipelined_trees(*terms, 1)  # the prefetch sends each stage whole (`strategies.prefetch`)
-        trans, agg = every_trans + trees, every_agg + trees
-        chunks = self.cm.copy_chunks
-        if self.tree:  # as `materialize` sends them: everything through the trees, at once
-            full = compiled_sums.copy_terms(new_QW, prev_QW, owner_Q, start, keep, True, *args)
-            every = pipelined_trees(*[(full[0][s], full[1][s], full[2][s]) for s in (0, 1)], chunks)
             return every, every, trans, agg, copies
         if chunks == 1:
             return trans, agg, trans, agg, copies
@@ -212,14 +163,3 @@ class PlacementCopies:
             price = cm.collective_times(kind, np.arange(top + 1) * self.param_bytes)
             out.append(running_sums((price[after] - price[before])[:, None], np.zeros(1), start)[:, 0])
         return out[0], out[1]
-
-    def _owner_price_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """The broadcast and the reduce of n experts' parameters, n = 0 .. the most experts an owner
-        has (`CostModel.collective_table`, elementwise: each entry as `_everywhere` prices it), for the
-        compiled sums (`compiled_sums.owner_price_sums`)."""
-        if self._price_tables is None:
-            most = int(np.bincount(self.owner, minlength=1).max())
-            self._price_tables = tuple(
-                self.cm.collective_table(k, self.param_bytes, most) for k in ("broadcast", "reduce")
-            )
-        return self._price_tables

@@ -32,7 +32,8 @@ fall from one prefix to the next). Token counts and bytes are whole numbers in f
 sum is exact in any order: prices equal the dense computation's to the bit, and a fractional flow
 takes the dense path.
 
-On a whole flow the sums and maxima above are numba kernels instead (`perf.compiled_sums`: the
+On a whole flow the sums and maxima above are numba kernels instead (`perf.placement_compiled` on
+`perf.compiled_sums` and `perf.compiled_copies`: the
 owners' terms, each step's dispatch and copy trees, in one call per search): the same floats, priced
 by the same `CostModel` calls, without the few hundred NumPy calls per search whose overhead was most
 of a planner's time at 64 ranks. The NumPy path stays for fractional flows, the per-device local
@@ -46,7 +47,6 @@ candidates, N nodes, X any; route-latency classes have no letter (`PlacementPric
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -57,32 +57,9 @@ from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_own
 from moeflow.perf import compiled_sums
 from moeflow.perf import prefix_max as running
 from moeflow.perf.placement_copies import PlacementCopies
+from moeflow.perf.placement_terms import PlacementTerms
 from moeflow.perf.prefix_max import prefix_max_of_entries, running_sums
 from moeflow.perf.spread_pricing import Spread
-
-
-@dataclass
-class PlacementTerms:
-    """The terms of every candidate ``[Z]`` (seconds unless said), as `CostModel` prices a plan."""
-
-    compute_s: np.ndarray
-    """One forward expert compute of the slowest device (`CostModel.compute_time`)."""
-    a2a_s: np.ndarray
-    """One token exchange (`CostModel.a2a_time` of the plan's sends; a step has four)."""
-    trans_s: np.ndarray
-    """Copies out, as the sparse collectives run them (`CostModel.copies_time`, materialize)."""
-    agg_s: np.ndarray
-    """Their gradients back (`copies_time`, reduce)."""
-    trans_prefetched_s: np.ndarray
-    """Copies out as the block-wise prefetch sends them (`copies_time(tree=False)`)."""
-    agg_prefetched_s: np.ndarray
-    tokens_ZW: np.ndarray | None
-    """Tokens each device computes (None from the compiled sums, which keep only the most: a search
-    that reads them — Pro-Prophet's Eq. 1 as printed — asks for `detail`)."""
-    local_ZW: np.ndarray | None
-    """Of which its own tokens (with `detail=True`; Pro-Prophet's Eq. 1 as printed needs them)."""
-    copies_Z: np.ndarray
-    """Copies beyond the owners."""
 
 
 @lru_cache(maxsize=64)
@@ -374,41 +351,6 @@ class PlacementPricer(PlacementCopies):
             copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
         trans, agg, trans_pf, agg_pf, n_copies = copies
         return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, local_Z, n_copies)
-
-    def _compiled_terms(self, detail: bool) -> bool:
-        """Whether `_terms` runs on `perf.compiled_sums`: a whole flow, no per-device local counts
-        (`detail`), and a slowest device that is the one with the most tokens (no processor sharing,
-        `CostModel.compute_grows_with_tokens`)."""
-        return self.compiled and not detail and self.max_compute and self.cm.compute_grows_with_tokens
-
-    def _compiled(self, experts, owner_Q, new_QW, prev_QW, start) -> PlacementTerms:
-        """`_terms` from the compiled running sums of the dispatch (`compiled_sums.dispatch_terms`):
-        the same maxima as the NumPy path, priced by the same `CostModel` calls."""
-        topo, cm, shape = self.topology, self.cm, self.shape
-        most, busiest, latency, sends = compiled_sums.dispatch_terms(
-            self._flow_EW,
-            experts,
-            np.ascontiguousarray(new_QW),
-            prev_QW,
-            start,
-            self._node_W,
-            topo.route_tables,
-            self._spread_by_holder,
-            float(self.tok_bytes),
-            self.tokens0,
-            self.traffic0,
-            self.classes0,
-            self.inv_bw_L,
-            topo.latency_classes,
-            compiled_sums.kept_rows(start),
-        )
-        compute = cm.expert_forward_time(most, shape, None) + cm.elementwise_time(most, shape)
-        a2a = cm.a2a_from_busiest(busiest, latency, sends)
-        copies = self._known_copies(experts, new_QW) if int(start.sum()) == 1 else None
-        if copies is None:
-            copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
-        trans, agg, trans_pf, agg_pf, n_copies = copies
-        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, None, None, n_copies)
 
     def _device_time(self, tokens: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """A device's forward expert time of `tokens` (elementwise: `CostModel.slowest` is then a max)."""

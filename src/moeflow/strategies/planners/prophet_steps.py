@@ -31,6 +31,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from moeflow.perf.compiled_routes import transposed
+
 
 @njit(cache=True, nogil=True)
 def search_steps(flow_WE, owner_E, total_E, start_W, node_W, N, keep_out, threshold):
@@ -42,7 +44,7 @@ def search_steps(flow_WE, owner_E, total_E, start_W, node_W, N, keep_out, thresh
     every device's load with each expert on its owner; `node_W`: nodes numbered 0..N-1; the search
     stops once ``max(H) − min(H) < threshold`` (Eq. 7)."""
     W, E = flow_WE.shape
-    flow_EW = _transposed(flow_WE)  # a step reads one expert's column: a row here
+    flow_EW = transposed(flow_WE)  # a step reads one expert's column: a row here
     # Senders without a copy per expert; an expert with some and with tokens is open.
     waiting_E = np.zeros(E, dtype=np.int64)
     for w in range(W):
@@ -187,22 +189,6 @@ def search_steps(flow_WE, owner_E, total_E, start_W, node_W, N, keep_out, thresh
             rows_QW[q, devices_T[i]] = True
         last_E[e] = q
     return expert_Q[:Q], bounds[: Q + 1], devices_T[:T], rows_QW
-
-
-@njit(cache=True, nogil=True)
-def _transposed(flow_WE):
-    """`flow_WE.T` in C order, copied in tiles of 8 x 8 (a column read rank by rank touches one
-    cache line and one page per rank: at 1024 ranks a step's reads would cost more than its work)."""
-    W, E = flow_WE.shape
-    flow_EW = np.empty((E, W))
-    for w0 in range(0, W, 8):
-        w1 = min(w0 + 8, W)
-        for e0 in range(0, E, 8):
-            e1 = min(e0 + 8, E)
-            for w in range(w0, w1):
-                for e in range(e0, e1):
-                    flow_EW[e, w] = flow_WE[w, e]
-    return flow_EW
 
 
 @njit(cache=True, nogil=True)
