@@ -70,10 +70,15 @@ def main() -> int:
     parser.add_argument("--pairs", nargs="+", default=None, help="E:k pairs instead of --experts x --top-k")
     parser.add_argument("--threads", type=int, nargs="+", default=None, help="torch threads (default: as set)")
     parser.add_argument("--no-tutel", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where every contender runs")
     args = parser.parse_args()
     pairs = [tuple(map(int, p.split(":"))) for p in args.pairs] if args.pairs else None
     if args.quick:
-        grid = [LayerBenchConfig(tokens=512, d_model=64, d_hidden=128, num_experts=8, min_run_time_s=0.2)]
+        grid = [
+            LayerBenchConfig(
+                tokens=512, d_model=64, d_hidden=128, num_experts=8, min_run_time_s=0.2, device=args.device
+            )
+        ]
     else:
         shapes = pairs or list(itertools.product(args.experts, args.top_k))
         grid = [
@@ -89,6 +94,7 @@ def main() -> int:
                 rounds=args.rounds,
                 block=args.block,
                 hf_impl=args.hf_impl,
+                device=args.device,
             )
             for dt, t, (e, k) in itertools.product(args.dtype, args.tokens, shapes)
         ]

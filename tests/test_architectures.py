@@ -265,6 +265,11 @@ def test_the_fine_grained_layer_benchmark_compares_the_same_block():
     torch.testing.assert_close(block(x_TD[None])[0], layer(x_TD), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="block='deepseek_v3' has swiglu experts, got expert='ffn'"):
         LayerBenchConfig(block="deepseek_v3", expert="ffn")
+    with pytest.raises(ValueError, match="device='tpu' must be 'cpu', 'cuda' or 'cuda:N'"):
+        LayerBenchConfig(device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda': no CUDA device is available here"):
+            LayerBenchConfig(device="cuda")
 
 
 def test_stable_topk_is_the_stable_sort_prefix_with_and_without_ties():

@@ -65,6 +65,8 @@ class LayerBenchConfig:
     of the experts' width): the Hugging Face block compared, and moeflow configured as it."""
     hf_impl: str = "grouped_mm"
     """The Hugging Face experts implementation timed (`grouped_mm`: a model's default; `eager`)."""
+    device: str = "cpu"
+    """Where every contender runs (`cpu`, `cuda`); the timer synchronises the device around each run."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -82,6 +84,11 @@ class LayerBenchConfig:
             raise ValueError(f"block='deepseek_v3' has swiglu experts, got expert={self.expert!r}")
         if self.hf_impl not in ("grouped_mm", "eager", "batched_mm"):
             raise ValueError(f"hf_impl={self.hf_impl!r} must be 'grouped_mm', 'batched_mm' or 'eager'")
+        kind = self.device.split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} must be 'cpu', 'cuda' or 'cuda:N'")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}: no CUDA device is available here")
 
     @property
     def groups(self) -> int:
@@ -306,8 +313,10 @@ def run_layer_bench(
     `progress`: a progress bar over the timed runs (tqdm, on stderr)."""
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(seed)
-    layer = MoELayer(cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, **cfg.layer_kwargs()).to(dtype)
-    x = torch.randn(cfg.tokens, cfg.d_model, dtype=dtype, requires_grad=True)
+    device = torch.device(cfg.device)
+    layer = MoELayer(cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, **cfg.layer_kwargs())
+    layer = layer.to(device=device, dtype=dtype)
+    x = torch.randn(cfg.tokens, cfg.d_model, dtype=dtype, device=device, requires_grad=True)
     result = {"config": asdict(cfg), "threads": torch.get_num_threads(), "torch": torch.__version__}
     params = list(layer.parameters())
     steps = {"moeflow": _Step(layer, x, params), "bound": _Step(_balanced_bound(layer, cfg), x, params)}
@@ -322,7 +331,7 @@ def run_layer_bench(
         except ImportError:
             result["hf"] = None
         else:
-            block = block.to(dtype)
+            block = block.to(device=device, dtype=dtype)
             with torch.no_grad():
                 result["hf_max_abs_diff"] = float((ours.float() - block(x[None])[0].float()).abs().max())
             steps["hf"] = _Step(lambda t: block(t[None]), x, list(block.parameters()))
@@ -333,7 +342,7 @@ def run_layer_bench(
         except ImportError:
             result["tutel"] = None
         else:
-            tutel = tutel.to(dtype)
+            tutel = tutel.to(device=device, dtype=dtype)
             with torch.no_grad():
                 result["tutel_max_abs_diff"] = float((ours.float() - tutel(x).float()).abs().max())
             counts_E = tutel.dispatch_count.to(torch.int64).cpu()
@@ -346,7 +355,7 @@ def run_layer_bench(
         torch.manual_seed(seed)
         base = load_moeflow_layer_class(baseline_src)(
             cfg.d_model, cfg.d_hidden, cfg.num_experts, top_k=cfg.top_k, **cfg.layer_kwargs()
-        ).to(dtype)
+        ).to(device=device, dtype=dtype)
         base.load_state_dict(_state_for(base, layer.state_dict()))
         with torch.no_grad():
             result["baseline_max_abs_diff"] = float((ours.float() - base(x).float()).abs().max())
@@ -389,4 +398,5 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "cpu_amx": "amx_tile" in flags.split(),
         "cpu_avx512_bf16": "avx512_bf16" in flags.split(),
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }

@@ -59,6 +59,9 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--hf-impl", choices=("grouped_mm", "batched_mm", "eager"), default="grouped_mm", help="HF experts (1 process)"
     )
+    parser.add_argument(
+        "--device", default="cpu", help="1 process: where the layer and its peers run, cpu or cuda (default: cpu)"
+    )
     parser.add_argument("--nproc", type=int, default=None, help="local ranks for the strategy benchmark")
     parser.add_argument("--cost-model", default=None, help="preset name or profile JSON (planners need one)")
     parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.8, 1.2, 1.6], help="Zipf exponents")
@@ -207,6 +210,7 @@ def _layer_result(args) -> dict:
         min_run_time_s=args.min_run_time,
         block=args.block,
         hf_impl=args.hf_impl,
+        device=args.device,
     )
     with transformers_quiet():
         return run_layer_bench(cfg, compare_hf=not args.no_hf, progress=True)
