@@ -27,8 +27,9 @@ from moeflow.perf.compiled_routes import kept, link_maxima, on_routes
 @njit(cache=True, nogil=True)
 def _tree_one(rows_W, owner, sign, node_W, local_W, pos_W, routes, L, n_classes, nbytes, state, held, pend_i, pend_f):
     """Add `sign` x the copy tree of `rows_W` from `owner` (`core.placement.tree_edges`) to `state`
-    (per stage, bytes per link then edges per route latency); returns the holders beyond the owner.
-    `held`: scratch `[W]`; `pend_*`: `on_routes`' entries, room for W."""
+    (per stage, bytes per link then edges per route latency); returns (the holders beyond the owner,
+    the edges: left in `pend_*[:, :edges]`). `held`: scratch `[W]`; `pend_*`: `on_routes`' entries,
+    room for W."""
     stage2 = L + n_classes  # where the second stage's sums begin
     n = 0  # edges gathered
     k = 0
@@ -37,7 +38,7 @@ def _tree_one(rows_W, owner, sign, node_W, local_W, pos_W, routes, L, n_classes,
             held[k] = w
             k += 1
     if k == 0:
-        return 0
+        return 0, 0
     if node_W.size == 0:  # no nodes: every copy straight from the owner
         for i in range(k):
             pend_i[0, n], pend_i[1, n], pend_i[2, n] = owner, held[i], 0
@@ -75,7 +76,38 @@ def _tree_one(rows_W, owner, sign, node_W, local_W, pos_W, routes, L, n_classes,
     pend_f[0, :n] = sign * nbytes
     pend_f[1, :n] = sign
     on_routes(routes, pend_i, pend_f, n, L, state)
-    return k
+    return k, n
+
+
+@njit(cache=True, nogil=True)
+def _raise_maxima(routes, pend_i, n, L, n_classes, state, inv_bw_L, latency_classes, busiest_2, latency_2, active_2):
+    """The stages' maxima (`link_maxima` of each) after the `n` edges in `pend_i` were added to a
+    state whose maxima they were: where every change is an increase, a maximum can only move to an
+    entry changed, so only the links and route latencies of those edges are read (the same products,
+    so the same floats as a full scan)."""
+    route_WWH, class_WW, node_W, leave_W2, enter_W2, cross, under_root = routes
+    for x in range(n):
+        src, dst, offset = pend_i[0, x], pend_i[1, x], pend_i[2, x]
+        s = 0 if offset == 0 else 1
+        if under_root and node_W[src] != node_W[dst]:
+            links = (leave_W2[src, 0], leave_W2[src, 1], enter_W2[dst, 0], enter_W2[dst, 1])
+            c = cross
+            for link in links:
+                t = state[offset + link] * inv_bw_L[link]
+                if t > busiest_2[s]:
+                    busiest_2[s] = t
+        else:
+            for h in range(route_WWH.shape[2]):
+                link = route_WWH[src, dst, h]
+                if link < L:
+                    t = state[offset + link] * inv_bw_L[link]
+                    if t > busiest_2[s]:
+                        busiest_2[s] = t
+            c = class_WW[src, dst]
+        if state[offset + L + c] > 0.5:  # as `link_maxima` reads a route latency's entries
+            active_2[s] = True
+            if latency_classes[c] > latency_2[s]:
+                latency_2[s] = latency_classes[c]
 
 
 @njit(cache=True, nogil=True)
@@ -122,11 +154,20 @@ def copy_terms(
     held = np.empty(W, dtype=np.int64)
     pend_i, pend_f = np.empty((3, W), dtype=np.int64), np.empty((2, W))
     copies = 0
+    # The stages' maxima of the state as it stands (`link_maxima`), while `exact`: a step that only
+    # adds edges raises them from the edges' links (`_raise_maxima`), one that removes edges (an
+    # earlier tree of the same expert, a partial set before) leaves them to a full scan at the next
+    # row read, and one without trees (an expert held everywhere: a broadcast) keeps them.
+    busiest_2, latency_2 = np.zeros(2), np.zeros(2)
+    active_2 = np.zeros(2, dtype=np.bool_)
+    exact = True
     for j in range(Q):
         if start_Q[j]:
             state[:] = 0.0
             every_W[:] = 0
             copies = 0
+            busiest_2[:], latency_2[:], active_2[:] = 0.0, 0.0, False
+            exact = True
         o = owner_Q[j]
         every_new, every_prev = _held_everywhere(new_QW[j]), _held_everywhere(prev_QW[j])
         before_Q[j] = every_W[o]
@@ -134,14 +175,28 @@ def copy_terms(
         after_Q[j] = every_W[o]
         # Trees of the partial sets (or of all: `all_trees`); an expert held everywhere has W − 1 copies.
         tree = (node_W, local_W, pos_W, routes, L, n_classes, nbytes, state, held, pend_i, pend_f)
-        k_new = _tree_one(new_QW[j], o, 1.0, *tree) if all_trees or not every_new else W - 1
-        k_prev = _tree_one(prev_QW[j], o, -1.0, *tree) if all_trees or not every_prev else W - 1
+        k_new, k_prev = W - 1, W - 1
+        if all_trees or not every_new:
+            k_new, added = _tree_one(new_QW[j], o, 1.0, *tree)
+            if exact and added > 0:
+                maxima = (inv_bw_L, latency_classes, busiest_2, latency_2, active_2)
+                _raise_maxima(routes, pend_i, added, L, n_classes, state, *maxima)
+        if all_trees or not every_prev:
+            k_prev, removed = _tree_one(prev_QW[j], o, -1.0, *tree)
+            exact = exact and removed == 0
         copies += k_new - k_prev
         copies_Z[j + 1] = copies
-        for stage in range(2 if kept(keep_Z, j + 1) else 0):
-            stage_busiest[stage, j + 1], stage_latency[stage, j + 1], stage_active[stage, j + 1] = link_maxima(
-                state, stage * (L + n_classes), L, n_classes, inv_bw_L, latency_classes
-            )
+        if not kept(keep_Z, j + 1):
+            continue
+        for stage in range(2):
+            if not exact:
+                busiest_2[stage], latency_2[stage], active_2[stage] = link_maxima(
+                    state, stage * (L + n_classes), L, n_classes, inv_bw_L, latency_classes
+                )
+            stage_busiest[stage, j + 1] = busiest_2[stage]
+            stage_latency[stage, j + 1] = latency_2[stage]
+            stage_active[stage, j + 1] = active_2[stage]
+        exact = True
     return stage_busiest, stage_latency, stage_active, after_Q, before_Q, copies_Z
 
 

@@ -128,6 +128,7 @@ class PlacementPricer(PlacementCopies):
         )
         self._price_tables: tuple | None = None
         """Each owner's broadcast and reduce of its experts held everywhere (`_owner_price_tables`)."""
+        self._owners_alone: np.ndarray | None = None
         self._copies_of: tuple | None = None
         """(steps, holders, `_copies`) of the last prefix search's copies (`_prefix_copies`)."""
         self.inv_bw_L = 1.0 / topo.bandwidth_L
@@ -208,8 +209,7 @@ class PlacementPricer(PlacementCopies):
         """Candidate c = the placement with holders `holders_ZEW[c]` (same owners)."""
         holders_ZEW = np.asarray(holders_ZEW, dtype=bool).reshape(-1, self.E, self.W)
         # Each candidate's steps: the experts held other than by their owner alone.
-        alone_ZE = (np.count_nonzero(holders_ZEW, axis=2) == 1) & holders_ZEW[:, np.arange(self.E), self.owner]
-        z, experts = np.nonzero(~alone_ZE)
+        z, experts = np.nonzero((holders_ZEW != self._owners_EW()).any(axis=2))
         steps = np.bincount(z, minlength=holders_ZEW.shape[0])
         start = np.ones(z.size, dtype=bool)
         start[1:] = z[1:] != z[:-1]
@@ -218,6 +218,13 @@ class PlacementPricer(PlacementCopies):
         pick = np.where(steps > 0, np.cumsum(steps), 0)
         fields = {f: getattr(terms, f) for f in PlacementTerms.__dataclass_fields__}
         return PlacementTerms(**{f: None if v is None else v[pick] for f, v in fields.items()})
+
+    def _owners_EW(self) -> np.ndarray:
+        """Every expert held by its owner alone `[E, W]` (made once per pricer)."""
+        if self._owners_alone is None:
+            self._owners_alone = np.zeros((self.E, self.W), dtype=bool)
+            self._owners_alone[np.arange(self.E), self.owner] = True
+        return self._owners_alone
 
     def cheapest_prefixes(self, experts_Q, holders_QW, price, detail: bool = False, bounded: bool = True) -> np.ndarray:
         """`price(terms) -> [Z]` of the prefixes of the steps, up to the last that can be the
