@@ -112,8 +112,12 @@ def _raise_maxima(routes, pend_i, n, L, n_classes, state, inv_bw_L, latency_clas
 
 @njit(cache=True, nogil=True)
 def _held_everywhere(rows_W):
-    """Whether a state holds its expert on every rank, beyond its owner (a broadcast, not a tree)."""
-    return rows_W.size >= 2 and rows_W.all()
+    """Whether a state holds its expert on every rank, beyond its owner (a broadcast, not a tree);
+    read up to the first rank without it."""
+    for w in range(rows_W.size):
+        if not rows_W[w]:
+            return False
+    return rows_W.size >= 2
 
 
 @njit(cache=True, nogil=True)
