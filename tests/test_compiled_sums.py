@@ -146,6 +146,71 @@ def test_spread_sources_summed_per_holder_at_64_ranks(monkeypatch):
         _equal(got, want)
 
 
+def test_a_state_taken_back_from_its_memo_equals_it_dispatched_again():
+    """`dispatch_terms` takes a step's before-state back from the sums the earlier step that made it
+    kept for the sources that spread (`_dispatch_memo`): the same rows as dispatching it again
+    (no step named in `earlier_Q`), from the owners' state and from an empty one (so that every
+    entry counted per route latency shows), with experts copied again and again as EPLB does."""
+    from moeflow.perf import compiled_sums
+    from moeflow.perf.compiled_routes import EVERY_ROW, kept_rows
+
+    rng = np.random.default_rng(5)
+    memo_used = 0
+    for _ in range(60):
+        cm = CostModel.from_preset(f"johnny@{int(rng.choice([16, 24, 32, 64]))}")
+        world = cm.topology.num_devices
+        experts = world * int(rng.integers(1, 3))
+        flow = _flow(rng, world, experts).astype(float)
+        owner_E = np.arange(experts) % world
+        pricer = PlacementPricer(flow, owner_E, cm, SHAPE, cm.topology.node_of)
+        assert pricer.compiled and pricer._spread_by_holder
+        # An expert's holders grow one rank at a time (EPLB's copies), or are drawn anew.
+        steps, rows, held = [], [], {}
+        for _ in range(int(rng.integers(4, 40))):
+            e = int(rng.integers(0, min(experts, 6)))
+            row = held.get(e, np.eye(world, dtype=bool)[owner_E[e]]).copy()
+            if rng.random() < 0.7:
+                row[int(rng.integers(world))] = True
+            else:
+                row = _holders(rng, cm, owner_E[e])
+            steps.append(e)
+            rows.append(row)
+            held[e] = row
+        steps, rows = np.array(steps), np.stack(rows)
+        start = np.zeros(steps.size, dtype=bool)
+        start[0] = True
+        if rng.random() < 0.5:  # several candidates: each starts again from the owners
+            start[rng.random(steps.size) < 0.2] = True
+        prev = pricer._previous(steps, owner_E[steps], rows, start)
+        memo_used += int((pricer._earlier >= 0).sum())
+        topo = cm.topology
+        for zero in (False, True):
+            base = [np.zeros_like(a) if zero else a for a in (pricer.tokens0, pricer.traffic0, pricer.classes0)]
+            keep = kept_rows(start) if rng.random() < 0.5 else EVERY_ROW
+            runs = [
+                compiled_sums.dispatch_terms(
+                    pricer._flow_EW,
+                    steps,
+                    rows,
+                    prev,
+                    start,
+                    earlier,
+                    pricer._node_W,
+                    topo.route_tables,
+                    True,
+                    float(pricer.tok_bytes),
+                    *base,
+                    pricer.inv_bw_L,
+                    topo.latency_classes,
+                    keep,
+                )
+                for earlier in (pricer._earlier, np.full(steps.size, -1))
+            ]
+            for got, want in zip(*runs):
+                np.testing.assert_array_equal(got, want)
+    assert memo_used > 200
+
+
 def test_fractional_flows_and_local_counts_take_the_numpy_path():
     """A window's mean (fractional counts) and Pro-Prophet's per-device local counts are not summed
     compiled: the pricer says so, and still prices."""

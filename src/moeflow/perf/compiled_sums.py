@@ -1,4 +1,4 @@
-"""The pricer's running sums compiled (numba): the owners' terms and every step's dispatch.
+"""The pricer's running sums compiled (numba): every step's dispatch.
 
 `perf.placement_pricing.PlacementPricer` prices every candidate of a search from sums over experts
 kept as running sums of each step's change, and from the maxima that make a price (the device with
@@ -6,15 +6,15 @@ the most tokens, the busiest link, the slowest route used). In NumPy that is a f
 calls per search on a few thousand numbers each: at 64 ranks x 256 experts their call overhead, not
 their work, was most of the time a layer waits for FasterMoE's shadowing or `auto` (docs/speed.md,
 "Planning off the critical path"). Here the same sums and maxima are loops, one call per search
-(the state, the route entries and the maxima: `perf.compiled_routes`; the copies:
-`perf.compiled_copies`):
+(the state, the route entries and the maxima: `perf.compiled_routes`; the owners' starting state:
+`perf.compiled_owners`; the copies: `perf.compiled_copies`):
 
-- `owner_sums`: the owners alone (plain EP): tokens per device, bytes per link, positive entries
-  per route latency — the pricer's starting state — and the flow transposed;
 - `dispatch_terms`: every step's expert dispatched before and after the step (Hecate §4.4 order,
   `core.placement.dispatch_entries`: the source itself, else the holders on its node spread evenly
   from its place in ring order, else every holder), then per row the most tokens on a device, the
-  busiest link's time, the slowest route with a positive entry and whether anything is sent;
+  busiest link's time, the slowest route with a positive entry and whether anything is sent; a
+  state an earlier step made (an expert copied again, as EPLB's steps do) taken back from the sums
+  that step kept of the sources that spread over every holder, not from a pass over every source;
 - `previous_rows`: each step's expert's holders before it.
 
 The pricer calls these only for whole flows, and the `CostModel` turns the maxima into prices with
@@ -31,87 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from moeflow.perf.compiled_routes import kept, link_maxima, on_routes, transposed
-
-
-@njit(cache=True, nogil=True)
-def owner_sums(flow_WE, owner_E, routes, L, n_classes, tok_bytes):
-    """(tokens_W, local_W, calls_W, traffic_L, classes) of the owners alone, the flow transposed
-    (`compiled_routes.transposed`) and the tokens each expert receives `[E]`. Between nodes hanging
-    from the root only each device's bytes out and in are summed; the pairs inside a node, or of
-    another topology, pair by pair (`compiled_routes.on_routes`)."""
-    W, E = flow_WE.shape
-    node_W, leave_W2, enter_W2, cross, under_root = routes[2], routes[3], routes[4], routes[5], routes[6]
-    # Each rank's column among the pairs summed one by one: its place in its node (or its rank).
-    column_W = np.arange(W)
-    members_W = np.arange(W)  # ranks node by node
-    start_W = np.zeros(W + 1, dtype=np.int64)  # where each node's ranks begin in `members_W`
-    if under_root:
-        for w in range(W):
-            start_W[node_W[w] + 1] += 1
-        for n in range(W):
-            start_W[n + 1] += start_W[n]
-        fill = start_W[:W].copy()
-        for w in range(W):
-            column_W[w] = fill[node_W[w]] - start_W[node_W[w]]
-            members_W[fill[node_W[w]]] = w
-            fill[node_W[w]] += 1
-    M = column_W.max() + 1 if under_root else W
-    tokens = np.zeros(W)
-    local = np.zeros(W)
-    calls = np.zeros(W)
-    received_E = np.empty(E)
-    out_W = np.zeros(W)  # bytes each device sends to other nodes, and receives from them
-    in_W = np.zeros(W)
-    crossing = 0.0  # positive entries between nodes
-    near_WM = np.zeros((W, M))  # the rest per (owner, source column)
-    entries_WM = np.zeros((W, M))
-    flow_EW = transposed(flow_WE)
-    for e in range(E):
-        o = owner_E[e]
-        home = node_W[o]
-        received = 0.0
-        into = 0.0  # from other nodes
-        for s in range(W):
-            f = flow_EW[e, s]
-            received += f
-            if s == o:
-                continue
-            if under_root and node_W[s] != home:
-                out_W[s] += f
-                into += f
-                if f > 0:
-                    crossing += 1.0
-            else:
-                near_WM[o, column_W[s]] += f
-                if f > 0:
-                    entries_WM[o, column_W[s]] += 1.0
-        in_W[o] += into
-        received_E[e] = received
-        tokens[o] += received
-        local[o] += flow_EW[e, o]
-        if received > 0:
-            calls[o] += 1.0
-    state = np.zeros(L + n_classes)  # bytes per link, then positive entries per route latency
-    if under_root:
-        for w in range(W):
-            for h in range(2):
-                state[leave_W2[w, h]] += out_W[w] * tok_bytes
-                state[enter_W2[w, h]] += in_W[w] * tok_bytes
-        state[L + cross] += crossing
-    pend_i, pend_f = np.empty((3, W * M + 1), dtype=np.int64), np.empty((2, W * M + 1))
-    n_pend = 0
-    for o in range(W):
-        lo, hi = (start_W[node_W[o]], start_W[node_W[o] + 1]) if under_root else (0, W)
-        for m in range(lo, hi):
-            s = members_W[m]
-            c = column_W[s]
-            if s != o and (near_WM[o, c] != 0 or entries_WM[o, c] != 0):
-                pend_i[0, n_pend], pend_i[1, n_pend], pend_i[2, n_pend] = s, o, 0
-                pend_f[0, n_pend], pend_f[1, n_pend] = near_WM[o, c] * tok_bytes, entries_WM[o, c]
-                n_pend += 1
-    on_routes(routes, pend_i, pend_f, n_pend, L, state)
-    return tokens, local, calls, state[:L].copy(), state[L:].copy(), flow_EW, received_E
+from moeflow.perf.compiled_routes import kept, link_maxima, on_routes
 
 
 @njit(cache=True, nogil=True)
@@ -144,19 +64,38 @@ def _holder_runs(holders_W, node_W, nodes, one_alone, every, grouped, end):
 
 @njit(cache=True, nogil=True)
 def _dispatch_one(
-    flow_W, holders_W, node_W, skip_N, bare_N, sign, routes, spread_by_holder, L, tok_bytes, state, work, pend_i, pend_f
+    flow_W,
+    holders_W,
+    node_W,
+    skip_N,
+    bare_N,
+    sign,
+    routes,
+    spread_by_holder,
+    L,
+    tok_bytes,
+    state,
+    work,
+    pend_i,
+    pend_f,
+    memo_f,
+    memo_x,
 ):
     """Add `sign` x the dispatch of one expert's flow `flow_W` to `holders_W`
     (`core.placement.dispatch_entries`) to `state` (tokens per device, then bytes per link, then
     entries per route latency), leaving out the sources on the nodes of `skip_N` (their dispatch is
     the same before and after the step: they would cancel), and the bytes out of the sources on the
     nodes of `bare_N` (no holder before or after: all they send leaves their node both times).
-    `work`: scratch `[4, W + 1]`; `pend_*`: `on_routes`' entries, room for a node's ranks per source.
+    `work`: scratch `[6, W + 1]` (rows 4 and 5: the ranks node by node, `_ranks_by_node`); `pend_*`:
+    `on_routes`' entries, room for a node's ranks per source.
 
     Sources whose node holds none spread over every holder: where nodes hang from the root, all of
     a source's tokens leave by its links up and each holder's share enters by its links down, so
     the shares are summed per holder — the even part once, the remainders as runs on the ring of
-    holders (a difference array) — instead of expanded per (source, holder)."""
+    holders (a difference array) — instead of expanded per (source, holder). Those sums are left in
+    `memo_f` (the even part, the entries, whether any source spread) and `memo_x` (the difference
+    array) where they are not empty, for the step that takes this state back (`_dispatch_memo`);
+    returns whether it left them."""
     W = holders_W.size
     every, grouped, end, extra = work[0], work[1], work[2], work[3]
     n_all = _holder_runs(holders_W, node_W, skip_N.size, spread_by_holder, every, grouped, end)
@@ -166,7 +105,7 @@ def _dispatch_one(
         for s in range(W):
             if flow_W[s] > 0 and not skip_N[node_W[s]]:
                 state[s] += sign * flow_W[s]
-        return
+        return False
     n_pend = 0  # route entries gathered for `on_routes`
     if n_all == 1 and spread_by_holder:  # its owner alone: every token to it, summed
         d = every[0]
@@ -194,7 +133,7 @@ def _dispatch_one(
         state[W + enter_W2[d, 0]] += sign * into * tok_bytes
         state[W + enter_W2[d, 1]] += sign * into * tok_bytes
         state[B + cross] += sign * crossing
-        return
+        return False
     spread = 0.0  # the even part every holder takes from the sources that spread
     crossing = 0.0  # and their positive entries
     extra[: n_all + 1] = 0
@@ -238,35 +177,101 @@ def _dispatch_one(
                 state[W + leave_W2[s, 1]] += value
             crossing += n if base > 0 else r
             continue
-        m0 = 0  # the source's place in the ring: the candidates of lower rank
-        while m0 < n and work[run, first + m0] < s:
-            m0 += 1
-        for t in range(n):
-            c = base + (1.0 if t < rem else 0.0)
-            if not c > 0:
-                break
-            m = m0 + t
-            if m >= n:
-                m -= n
-            d = work[run, first + m]
-            state[d] += sign * c
-            if d != s:
-                pend_i[0, n_pend], pend_i[1, n_pend], pend_i[2, n_pend] = s, d, W
-                pend_f[0, n_pend], pend_f[1, n_pend] = sign * c * tok_bytes, sign
-                n_pend += 1
+        n_pend = _to_candidates(s, work[run], first, n, base, rem, sign, W, tok_bytes, state, pend_i, pend_f, n_pend)
     on_routes(routes, pend_i, pend_f, n_pend, L, state)
+    stored = spread_by_holder and memo_f.size > 0
+    if stored:
+        memo_f[0], memo_f[1], memo_f[2] = spread, crossing, 1.0 if spreading else 0.0
+        memo_x[: n_all + 1] = extra[: n_all + 1]
     if spreading:
-        state[B + cross] += sign * crossing
-        ring = 0
-        for i in range(n_all):
-            ring += extra[i]
-            share = spread + ring
-            if share > 0:
-                d = every[i]
-                state[d] += sign * share
-                value = sign * share * tok_bytes
-                state[W + enter_W2[d, 0]] += value
-                state[W + enter_W2[d, 1]] += value
+        _spread_shares(every, extra, n_all, spread, crossing, sign, W, L, enter_W2, cross, tok_bytes, state)
+    return stored
+
+
+@njit(cache=True, nogil=True)
+def _to_candidates(s, candidates, first, n, base, rem, sign, W, tok_bytes, state, pend_i, pend_f, n_pend):
+    """Source s's tokens to its `n` candidates `candidates[first:first + n]` (rank order), `base`
+    each and one more to the `rem` from its place in the ring (`core.placement.dispatch_entries`);
+    the entries to other ranks appended to `pend_*` from `n_pend` (links from `state[W]`). Returns
+    the entries pending."""
+    m0 = 0  # the source's place in the ring: the candidates of lower rank
+    while m0 < n and candidates[first + m0] < s:
+        m0 += 1
+    for t in range(n):
+        c = base + (1.0 if t < rem else 0.0)
+        if not c > 0:
+            break
+        m = m0 + t
+        if m >= n:
+            m -= n
+        d = candidates[first + m]
+        state[d] += sign * c
+        if d != s:
+            pend_i[0, n_pend], pend_i[1, n_pend], pend_i[2, n_pend] = s, d, W
+            pend_f[0, n_pend], pend_f[1, n_pend] = sign * c * tok_bytes, sign
+            n_pend += 1
+    return n_pend
+
+
+@njit(cache=True, nogil=True)
+def _spread_shares(every, extra, n_all, spread, crossing, sign, W, L, enter_W2, cross, tok_bytes, state):
+    """Each holder's share of the sources that spread over every holder (the even part and the
+    remainders' runs, `extra` a difference array on the ring of holders), entering by its links
+    down, and their entries."""
+    state[W + L + cross] += sign * crossing
+    ring = 0
+    for i in range(n_all):
+        ring += extra[i]
+        share = spread + ring
+        if share > 0:
+            d = every[i]
+            state[d] += sign * share
+            value = sign * share * tok_bytes
+            state[W + enter_W2[d, 0]] += value
+            state[W + enter_W2[d, 1]] += value
+
+
+@njit(cache=True, nogil=True)
+def _dispatch_memo(
+    flow_W, holders_W, node_W, skip_N, bare_N, sign, routes, L, tok_bytes, state, work, pend_i, pend_f, memo_f, memo_x
+):
+    """`_dispatch_one` of a state an earlier step dispatched as its after-state with sources that
+    spread (`memo_*`: what that step left): the sources on the nodes holding the expert are
+    dispatched here, those on the nodes that hold it in the other state send their bytes out, and
+    the spreading sources' shares and entries are the memo's — the same sums without a pass over
+    every source (a step that adds a holder to an expert already copied, as EPLB's do)."""
+    W = holders_W.size
+    every, grouped, end = work[0], work[1], work[2]
+    nodes = skip_N.size
+    n_all = _holder_runs(holders_W, node_W, nodes, True, every, grouped, end)
+    leave_W2, enter_W2, cross = routes[3], routes[4], routes[5]
+    members_W, start_N = work[4], work[5]  # the ranks node by node (`dispatch_terms` fills them)
+    n_pend = 0
+    for node in range(nodes):
+        if skip_N[node]:
+            continue
+        hi = end[node]
+        lo = end[node - 1] if node > 0 else 0
+        if hi == lo and bare_N[node]:  # spreads; bare before and after: its bytes out cancel
+            continue
+        for m in range(start_N[node], start_N[node + 1]):
+            s = members_W[m]
+            f = flow_W[s]
+            if not f > 0:
+                continue
+            if hi == lo:  # spreads (the memo's shares), from a node that holds in the other state
+                value = sign * f * tok_bytes
+                state[W + leave_W2[s, 0]] += value
+                state[W + leave_W2[s, 1]] += value
+            elif holders_W[s]:
+                state[s] += sign * f
+            else:
+                base, rem = _split(f, hi - lo)
+                to = (sign, W, tok_bytes, state, pend_i, pend_f, n_pend)
+                n_pend = _to_candidates(s, grouped, lo, hi - lo, base, rem, *to)
+    on_routes(routes, pend_i, pend_f, n_pend, L, state)
+    if memo_f[2] > 0:
+        _spread_shares(every, memo_x, n_all, memo_f[0], memo_f[1], sign, W, L, enter_W2, cross, tok_bytes, state)
 
 
 @njit(cache=True, nogil=True)
@@ -319,6 +324,7 @@ def dispatch_terms(
     new_QW,
     prev_QW,
     start_Q,
+    earlier_Q,
     node_W,
     routes,
     spread_by_holder,
@@ -332,7 +338,9 @@ def dispatch_terms(
 ):
     """Per row `[Z]` kept (`keep_Z`; the others 0): the most tokens a device computes, the
     exchange's busiest link time (bytes over bandwidth), its slowest route latency with a positive
-    entry and whether it sends at all."""
+    entry and whether it sends at all. `earlier_Q`: the step whose holders each step's expert had
+    before it (-1: its owner's; `previous_rows`): that step's sums of the sources that spread are
+    kept for it (`_dispatch_memo`)."""
     Q, W = new_QW.shape
     L, n_classes = traffic0_L.size, classes0.size
     base = np.concatenate((tokens0_W, traffic0_L, classes0))
@@ -343,12 +351,24 @@ def dispatch_terms(
         most_Z[0], busiest_Z[0], latency_Z[0], sends_Z[0] = _row_maxima(
             state, W, L, n_classes, inv_bw_L, latency_classes
         )
-    work = np.empty((4, W + 1), dtype=np.int64)
     nodes = node_W.max() + 1
+    work = np.empty((6, W + 1), dtype=np.int64)
+    _ranks_by_node(node_W, nodes, work[4], work[5])
     per_node = np.bincount(node_W).max()  # a source's candidates on its node, at most
     pend_i, pend_f = np.empty((3, W * per_node + 1), dtype=np.int64), np.empty((2, W * per_node + 1))
     skip_N, bare_N = np.empty(nodes, dtype=np.bool_), np.empty(nodes, dtype=np.bool_)
     held_new, held_prev = np.empty(nodes, dtype=np.bool_), np.empty(nodes, dtype=np.bool_)
+    # Room for the sums a later step takes back: the steps some later step names in `earlier_Q`.
+    memo_at = np.zeros(Q + 1, dtype=np.int64)
+    wanted = np.zeros(Q, dtype=np.bool_)
+    if spread_by_holder:
+        for j in range(Q):
+            if earlier_Q[j] >= 0:
+                wanted[earlier_Q[j]] = True
+    for j in range(Q):
+        memo_at[j + 1] = memo_at[j] + (np.count_nonzero(new_QW[j]) + 1 if wanted[j] else 0)
+    memo_f, memo_x = np.zeros((Q, 3)), np.zeros(memo_at[Q], dtype=np.int64)
+    memo_ok = np.zeros(Q, dtype=np.bool_)
     for j in range(Q):
         if start_Q[j] and j > 0:
             state[:] = base
@@ -356,13 +376,34 @@ def dispatch_terms(
         _unchanged_nodes(new_QW[j], prev_QW[j], node_W, skip_N, bare_N, held_new, held_prev)
         args = (node_W, skip_N, bare_N)
         rest = (routes, spread_by_holder, L, tok_bytes, state, work, pend_i, pend_f)
-        _dispatch_one(flow_W, new_QW[j], *args, 1.0, *rest)
-        _dispatch_one(flow_W, prev_QW[j], *args, -1.0, *rest)
+        keep = memo_f[j, : 3 if wanted[j] else 0], memo_x[memo_at[j] : memo_at[j + 1]]
+        memo_ok[j] = _dispatch_one(flow_W, new_QW[j], *args, 1.0, *rest, *keep)
+        e = earlier_Q[j]
+        if e >= 0 and memo_ok[e]:
+            memo = memo_f[e], memo_x[memo_at[e] : memo_at[e + 1]]
+            _dispatch_memo(flow_W, prev_QW[j], *args, -1.0, routes, L, tok_bytes, state, work, pend_i, pend_f, *memo)
+        else:
+            _dispatch_one(flow_W, prev_QW[j], *args, -1.0, *rest, memo_f[j, :0], memo_x[:0])
         if kept(keep_Z, j + 1):
             most_Z[j + 1], busiest_Z[j + 1], latency_Z[j + 1], sends_Z[j + 1] = _row_maxima(
                 state, W, L, n_classes, inv_bw_L, latency_classes
             )
     return most_Z, busiest_Z, latency_Z, sends_Z
+
+
+@njit(cache=True, nogil=True)
+def _ranks_by_node(node_W, nodes, members_W, start_N):
+    """The ranks node by node, in rank order within a node (`members_W`), node n's from `start_N[n]`
+    to `start_N[n + 1]`."""
+    start_N[: nodes + 1] = 0
+    for w in range(node_W.size):
+        start_N[node_W[w] + 1] += 1
+    for n in range(nodes):
+        start_N[n + 1] += start_N[n]
+    fill = start_N[:nodes].copy()
+    for w in range(node_W.size):
+        members_W[fill[node_W[w]]] = w
+        fill[node_W[w]] += 1
 
 
 @njit(cache=True, nogil=True)

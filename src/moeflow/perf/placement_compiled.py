@@ -63,6 +63,7 @@ class CompiledPricing:
             np.ascontiguousarray(new_QW),
             prev_QW,
             start,
+            self._earlier,
             self._node_W,
             topo.route_tables,
             self._spread_by_holder,

@@ -54,7 +54,7 @@ import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner
-from moeflow.perf import compiled_sums
+from moeflow.perf import compiled_owners, compiled_sums
 from moeflow.perf import prefix_max as running
 from moeflow.perf.placement_copies import PlacementCopies
 from moeflow.perf.placement_terms import PlacementTerms
@@ -110,7 +110,7 @@ class PlacementPricer(PlacementCopies):
         # is a whole number.
         self.compiled = COMPILED and whole and W > 0
         if self.compiled:
-            owners = compiled_sums.owner_sums(
+            owners = compiled_owners.owner_sums(
                 np.ascontiguousarray(self.flow), self.owner, topo.route_tables, self.L, self.N, float(self.tok_bytes)
             )
             self.tokens0, self.local0, self.calls0, self.traffic0, self.classes0, self._flow_EW, self.received_E = (
