@@ -274,15 +274,30 @@ def test_the_fine_grained_layer_benchmark_compares_the_same_block():
 
 def test_stable_topk_is_the_stable_sort_prefix_with_and_without_ties():
     """`stable_topk` (top-k, then the k ordered; the full sort only where the k-th score ties one
-    outside) equals the first k of a stable descending sort, on distinct, tied and masked scores."""
-    from moeflow.routing.routing import stable_topk
+    outside) equals the first k of a stable descending sort, on distinct, tied and masked scores;
+    so does its branch-free path for accelerators (`stable_topk_by_key`, forced here on the CPU),
+    in every dtype it takes, with −0 beside +0, ±∞ and NaN among the ties."""
+    from moeflow.routing.routing import stable_topk, stable_topk_by_key
 
     gen = torch.Generator().manual_seed(9)
+    signed_zeros = torch.randint(-1, 2, (200, 64), generator=gen).float()
+    signed_zeros[signed_zeros == 0] = -0.0  # −0 and +0 (−1 · 0 = −0) tie in the sort
+    signed_zeros[torch.rand(200, 64, generator=gen) < 0.3] *= 0.0
+    specials = torch.randint(-2, 3, (200, 64), generator=gen).float()
+    for value, share in ((math.inf, 0.1), (-math.inf, 0.1), (math.nan, 0.05), (-math.nan, 0.05)):
+        specials[torch.rand(200, 64, generator=gen) < share] = value
     for scores in (
         torch.randn(200, 64, generator=gen),
         torch.randint(0, 4, (200, 64), generator=gen).float(),  # ties everywhere
         torch.randn(200, 64, generator=gen).masked_fill(torch.rand(200, 64, generator=gen) < 0.7, -math.inf),
+        signed_zeros,
     ):
         for k in (1, 6, 8, 64):
             want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
             assert torch.equal(stable_topk(scores, k), want), k
+    for scores in (signed_zeros, specials, torch.randn(200, 64, generator=gen)):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):  # bf16: ties from rounding
+            typed = scores.to(dtype)
+            for k in (1, 2, 6, 63):
+                want = torch.sort(typed, dim=-1, descending=True, stable=True).indices[:, :k]
+                assert torch.equal(stable_topk_by_key(typed, k), want), (dtype, k)

@@ -130,6 +130,50 @@ def test_choices_per_token():
     assert dispatch.choices_per_token(torch.zeros(0, dtype=torch.long), 0) == 0
 
 
+def test_scatter_counts_equal_bincount():
+    """The count an accelerator takes (`scatter_counts`, no read-back of the largest id) and
+    `count_per_expert` equal `bincount` with `minlength`: random ids, every id equal, none."""
+    gen = torch.Generator().manual_seed(4)
+    for ids, size in (
+        (torch.randint(0, 8, (1000,), generator=gen), 8),
+        (torch.randint(0, 3, (7,), generator=gen), 16),  # the high ids never chosen
+        (torch.full((5,), 2), 3),
+        (torch.zeros(0, dtype=torch.int64), 4),
+    ):
+        want = torch.bincount(ids, minlength=size)
+        for got in (dispatch.scatter_counts(ids, size), dispatch.count_per_expert(ids, size)):
+            assert got.dtype == torch.int64
+            assert torch.equal(got, want)
+
+
+def test_routing_counts_once_and_knows_its_choice_major_rows():
+    """`token_choices` says its rows are choice-major (`choice_major_k`, what the check would
+    find); `expert_counts` is the bincount, computed once; capacity drops keep or forget the claim."""
+    torch.manual_seed(0)
+    for tokens, k in ((5, 2), (1, 3), (0, 2)):
+        expert_TK = torch.randint(0, 4, (tokens, k))
+        routing = token_choices(expert_TK, torch.rand(tokens, k), torch.rand(tokens, 4), torch.rand(tokens, 4))
+        assert routing.choice_major_k == dispatch.choices_per_token(routing.token_A, tokens)
+        counts_E = routing.expert_counts(4)
+        assert torch.equal(counts_E, torch.bincount(routing.expert_A, minlength=4))
+        assert routing.expert_counts(4) is counts_E
+    expert_TK = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1]])
+    routing = token_choices(expert_TK, torch.rand(4, 2), torch.rand(4, 4), torch.rand(4, 4))
+    roomy, dropped = routing.within_capacity(2.0, 4, 2)  # 4 per expert: nothing dropped
+    assert dropped == 0 and roomy.choice_major_k == 2 and roomy._counts_E is None
+    tight, dropped = routing.within_capacity(0.5, 4, 2)  # 1 per expert
+    assert dropped == 6 and tight.choice_major_k is None  # unknown: checked where used
+    assert tight._choices_per_token(4) == dispatch.choices_per_token(tight.token_A, 4) == 0
+    assert torch.equal(tight.expert_counts(4), torch.tensor([1, 1, 0, 0]))
+
+
+def test_group_offsets_are_the_running_sums():
+    offs_J = experts.group_offsets(COUNTS, torch.device("cpu"))
+    assert offs_J.dtype == torch.int32
+    assert offs_J.tolist() == torch.tensor(COUNTS).cumsum(0).tolist()
+    assert experts.group_offsets([], torch.device("cpu")).numel() == 0
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_token_rows_and_combine_equal_index_select_and_index_add(k, dtype):

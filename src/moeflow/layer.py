@@ -315,7 +315,7 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         x_TD = run_hooks(self.hooks, "before_moe_start", self, x.reshape(-1, self.d_model))
         me = dispatch.group_rank(self.group)
         routing = self._route(x_TD, me, x.shape[-2] if x.dim() > 2 else None)
-        choices_E = torch.bincount(routing.expert_A, minlength=self.num_experts)
+        choices_E = routing.expert_counts(self.num_experts)
         routing, dropped = routing.within_capacity(self.capacity_factor, self.num_experts, self.top_k)
         expert_A = routing.expert_A
 
@@ -328,7 +328,8 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
             # Count exchange → global flow (and choices before capacity) → plan, the same on every rank.
             # (Both rows whenever capacity may drop, on every rank alike: the gather's size must agree.)
             may_drop = self.capacity_factor is not None
-            counts = [torch.bincount(expert_A, minlength=self.num_experts)] + ([choices_E] if may_drop else [])
+            # Dropless, the routing is the one before capacity: its count is `choices_E`, not recounted.
+            counts = [routing.expert_counts(self.num_experts)] + ([choices_E] if may_drop else [])
             rows = dispatch.exchange_counts(counts, self.group)
             flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
             counts_E = self._balance_counts(choices_WE)

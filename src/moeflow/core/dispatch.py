@@ -112,11 +112,28 @@ def block_permutation(lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
     return np.repeat(starts[order] - out_starts, picked) + np.arange(total, dtype=np.int64)
 
 
+def count_per_expert(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 `[E]`: how many rows go to each expert (`torch.bincount(expert_A, minlength=E)` for ids
+    in `[0, E)`). On the CPU it is that bincount (the fastest there); on an accelerator a scatter
+    into E zeros (`scatter_counts`), because CUDA's bincount reads the largest id back to the host
+    to size its output: two device synchronisations per count."""
+    if expert_A.device.type == "cpu":
+        return torch.bincount(expert_A, minlength=num_experts)
+    return scatter_counts(expert_A, num_experts)
+
+
+def scatter_counts(index_A: torch.Tensor, size: int) -> torch.Tensor:
+    """int64 `[size]`: occurrences of each value of `index_A` (all in `[0, size)`), by a scatter-add
+    of ones: the output's size is known beforehand, so nothing is read back to the host."""
+    counts = torch.zeros(size, dtype=torch.int64, device=index_A.device)
+    return counts.scatter_add_(0, index_A.to(torch.int64), torch.ones_like(index_A, dtype=torch.int64))
+
+
 def position_in_expert(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:
     """For each assignment, how many assignments to the same expert come before it (in `A` order):
     the priority rank used by capacity dropping and by the split of an expert's rows over holders."""
     order_A = torch.sort(expert_A, stable=True).indices
-    counts_E = torch.bincount(expert_A, minlength=num_experts)
+    counts_E = count_per_expert(expert_A, num_experts)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     position_A = torch.empty_like(expert_A)
     position_A[order_A] = torch.arange(expert_A.numel(), device=expert_A.device) - starts_E[expert_A[order_A]]
@@ -227,16 +244,28 @@ class _GatherTokenRows(torch.autograd.Function):
         return (grad_KTD[0] if ctx.k == 1 else grad_KTD.sum(0)), None, None, None
 
 
-def gather_token_rows(x_TD: torch.Tensor, token_A: torch.Tensor, order_A: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows `x_TD[token_A[order_A]]` of choice-major token choices (`choices_per_token` = k > 0)."""
-    return _GatherTokenRows.apply(x_TD, token_A.index_select(0, order_A), inverse_permutation(order_A), k)
+def gather_token_rows(
+    x_TD: torch.Tensor, token_A: torch.Tensor, order_A: torch.Tensor, k: int, inverse_A: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows `x_TD[token_A[order_A]]` of choice-major token choices (`choices_per_token` = k > 0);
+    `inverse_A`: `inverse_permutation(order_A)` where the caller has it."""
+    inverse_A = inverse_permutation(order_A) if inverse_A is None else inverse_A
+    return _GatherTokenRows.apply(x_TD, token_A.index_select(0, order_A), inverse_A, k)
 
 
-def sum_token_rows(y_AD: torch.Tensor, weight_A: torch.Tensor, order_A: torch.Tensor, k: int) -> torch.Tensor:
+def sum_token_rows(
+    y_AD: torch.Tensor,
+    weight_A: torch.Tensor,
+    order_A: torch.Tensor,
+    k: int,
+    inverse_A: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Each token's `Σ_k weight · y` over its k rows, for rows `y_AD` in `order_A` order of
     choice-major token choices (`choices_per_token` = k > 0): the rows go back to choice-major
     order by a gather (backward: the inverse gather) and are summed over K, where `index_add`
-    would scatter-accumulate them forward and gather backward (k = 2: bit-identical to it)."""
-    y_KTD = permute_rows(y_AD, inverse_permutation(order_A), order_A).view(k, -1, y_AD.shape[1])
+    would scatter-accumulate them forward and gather backward (k = 2: bit-identical to it).
+    `inverse_A`: `inverse_permutation(order_A)` where the caller has it."""
+    inverse_A = inverse_permutation(order_A) if inverse_A is None else inverse_A
+    y_KTD = permute_rows(y_AD, inverse_A, order_A).view(k, -1, y_AD.shape[1])
     weighted_KTD = y_KTD * weight_A.view(k, -1, 1).to(y_AD.dtype)
     return weighted_KTD[0] if k == 1 else weighted_KTD.sum(0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from functools import cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,7 +136,7 @@ class _GroupBias(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_RH, b_JH, counts_J):
-        counts_t = torch.tensor(counts_J, device=x_RH.device)
+        counts_t = host_to_device(np.asarray(counts_J, dtype=np.int64), x_RH.device)
         ctx.save_for_backward(counts_t)
         ctx.counts = counts_J
         return x_RH + b_JH.repeat_interleave(counts_t, dim=0, output_size=x_RH.shape[0])
@@ -157,6 +158,23 @@ class _GroupBias(torch.autograd.Function):
                 torch.sum(grad_RH[start : start + n], 0, out=grad_b[i])
             start += n
         return grad_RH, grad_b, None
+
+
+def host_to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array (group sizes, offsets) as a tensor on `device`: the array itself on the
+    CPU; elsewhere copied from a pinned buffer without blocking — a copy from pageable memory
+    waits for the device to finish its queue (a synchronisation per call). The caching host
+    allocator keeps the buffer until the copy has run."""
+    values_t = torch.from_numpy(values)
+    if device.type == "cpu":
+        return values_t
+    return values_t.pin_memory().to(device, non_blocking=True)
+
+
+def group_offsets(counts_J: list[int], device: torch.device) -> torch.Tensor:
+    """int32 `[J]`: the end row of each consecutive group of `counts_J` rows (`torch._grouped_mm`'s
+    `offs`), summed on the host, which has the counts, and sent without a synchronisation."""
+    return host_to_device(np.cumsum(np.asarray(counts_J, dtype=np.int64)).astype(np.int32), device)
 
 
 @cache
@@ -187,7 +205,7 @@ def grouped_mm(
     counts_J = [int(n) for n in counts_J]
     gemm = _gemm_dtype(x_RD)
     if gemm == dtype and _use_grouped_mm_kernel(x_RD, w_JDH):
-        offs_J = torch.tensor(counts_J, dtype=torch.int64).cumsum(0).to(torch.int32).to(x_RD.device)
+        offs_J = group_offsets(counts_J, x_RD.device)
         out_RH = _ContiguousGrad.apply(torch._grouped_mm(x_RD.contiguous(), w_JDH.contiguous(), offs=offs_J))
     else:
         out_RH = _PerExpertMM.apply(x_RD.contiguous(), w_JDH.contiguous(), counts_J, gemm)

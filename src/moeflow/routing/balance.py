@@ -28,13 +28,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from moeflow.core import dispatch
 from moeflow.core.checks import finite_number
 from moeflow.routing.gates import Routing
 
 
 def assignment_share_E(routing: Routing, num_experts: int) -> torch.Tensor:
     """f_e: share of this rank's assignments (all k choices, before capacity) that go to e."""
-    counts_E = torch.bincount(routing.expert_A, minlength=num_experts).float()
+    counts_E = routing.expert_counts(num_experts).float()  # the layer's count of the same rows
     return counts_E / max(routing.expert_A.numel(), 1)
 
 
@@ -127,7 +128,7 @@ class SequenceBalance(BalanceTerm):
         sequences = tokens // length
         k = routing.expert_A.numel() / tokens  # choices per token
         seq_A = routing.token_A // length
-        counts_BE = torch.bincount(seq_A * self.num_experts + routing.expert_A, minlength=sequences * self.num_experts)
+        counts_BE = dispatch.count_per_expert(seq_A * self.num_experts + routing.expert_A, sequences * self.num_experts)
         share_BE = counts_BE.view(sequences, self.num_experts).float() * (self.num_experts / (k * length))
         mean_BE = routing.probs_TE.view(sequences, length, self.num_experts).mean(1)
         return (share_BE * mean_BE).sum(1).mean()

@@ -19,7 +19,7 @@ the slots of slot-based routing).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -68,6 +68,15 @@ class Routing:
     sequence_length: int | None = None
     """The rank's tokens are consecutive sequences of `sequence_length` tokens (the layer sets it
     from its input's shape `[..., T, D]`; sequence-wise balance terms use it); None: one sequence."""
+    choice_major_k: int | None = None
+    """K when the rows are known to be choice-major token choices with none dropped (`token_A` is
+    `0..T-1` repeated K times: `token_choices` builds them so), 0 when known not to be; None:
+    unknown, checked where used (`dispatch.choices_per_token`, which compares on the device and
+    so waits for it: the gates that know say so instead)."""
+    _counts_E: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    """`expert_counts`, once computed (never copied by `dataclasses.replace`: new rows, new counts)."""
+    _inverse: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+    """(order, its inverse permutation): `rows` and `combine` of one forward share the inverse."""
 
     def __post_init__(self) -> None:
         if self.kind not in ROUTING_KINDS:
@@ -83,18 +92,44 @@ class Routing:
             return self, 0
         capacity = math.ceil(capacity_factor * top_k * self.num_tokens / num_experts)
         keep_A = dispatch.position_in_expert(self.expert_A, num_experts) < capacity
+        dropped = int((~keep_A).sum())
         kept = replace(
-            self, token_A=self.token_A[keep_A], expert_A=self.expert_A[keep_A], weight_A=self.weight_A[keep_A]
+            self,
+            token_A=self.token_A[keep_A],
+            expert_A=self.expert_A[keep_A],
+            weight_A=self.weight_A[keep_A],
+            # Nothing dropped: the rows are those of before. Some dropped: the rows may still happen
+            # to be whole choices (every second choice dropped), which only the check can tell.
+            choice_major_k=self.choice_major_k if dropped == 0 else None,
         )
-        return kept, int((~keep_A).sum())
+        return kept, dropped
+
+    def expert_counts(self, num_experts: int) -> torch.Tensor:
+        """int64 `[E]`: rows per expert (`dispatch.count_per_expert`), computed once per routing:
+        the layer's flow, its choices before capacity and the balance term's share all read it."""
+        if self._counts_E is None:
+            self._counts_E = dispatch.count_per_expert(self.expert_A, num_experts)
+        return self._counts_E
+
+    def _choices_per_token(self, num_tokens: int) -> int:
+        """`dispatch.choices_per_token` of the rows, without the check where the gate said it."""
+        if self.choice_major_k is not None and num_tokens == self.num_tokens:
+            return self.choice_major_k
+        return dispatch.choices_per_token(self.token_A, num_tokens)
+
+    def _inverse_of(self, order_A: torch.Tensor) -> torch.Tensor:
+        """`dispatch.inverse_permutation(order_A)`, computed once for the `rows` and `combine` of an order."""
+        if self._inverse is None or self._inverse[0] is not order_A:
+            self._inverse = (order_A, dispatch.inverse_permutation(order_A))
+        return self._inverse[1]
 
     def rows(self, x_TD: torch.Tensor, order_A: torch.Tensor) -> torch.Tensor:
         """The rows to send `[A, D]`, in the order `order_A` (one gather for token rows; backward a
         gather and a sum over K for undropped token choices, a scatter otherwise)."""
         if self.slots is None:
-            k = dispatch.choices_per_token(self.token_A, self.num_tokens)
+            k = self._choices_per_token(self.num_tokens)
             if k:
-                rows_AD = dispatch.gather_token_rows(x_TD, self.token_A, order_A, k)
+                rows_AD = dispatch.gather_token_rows(x_TD, self.token_A, order_A, k, self._inverse_of(order_A))
             else:
                 rows_AD = x_TD.index_select(0, self.token_A[order_A])
             return rows_AD * self.weight_A[order_A, None].to(rows_AD.dtype) if self.input_scaled else rows_AD
@@ -105,9 +140,9 @@ class Routing:
         of its rows (rows of dropped assignments are absent and add zero), or the mix of the slots."""
         if self.slots is None:
             weight_A = torch.ones_like(self.weight_A) if self.input_scaled else self.weight_A
-            k = dispatch.choices_per_token(self.token_A, num_tokens)
+            k = self._choices_per_token(num_tokens)
             if k:  # every token has its k rows: gather back and sum, no scatter
-                return dispatch.sum_token_rows(y_AD, weight_A, order_A, k)
+                return dispatch.sum_token_rows(y_AD, weight_A, order_A, k, self._inverse_of(order_A))
             weighted_AD = y_AD * weight_A[order_A, None].to(y_AD.dtype)
             out = torch.zeros((num_tokens, y_AD.shape[1]), dtype=y_AD.dtype, device=y_AD.device)
             return out.index_add(0, self.token_A[order_A], weighted_AD)
@@ -144,9 +179,15 @@ def stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     fine-grained experts the sort was the gate's largest op. So: `topk`, then the k chosen ordered
     by (score, index) with a sort of k; rows where the k-th score ties a score outside the k (the
     chosen set itself is ambiguous: a zero router ties everything) take the full stable sort.
+    Choosing those rows is a host branch, which on an accelerator waits for the device; there the
+    top-k runs on a key without ties instead (`stable_topk_by_key`), or the full sort.
     """
     num = scores_TE.shape[-1]
     if k >= num or scores_TE.numel() == 0:
+        return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :k]
+    if scores_TE.device.type != "cpu":
+        if scores_TE.dtype in _KEYED_DTYPES:
+            return stable_topk_by_key(scores_TE, k)
         return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :k]
     top = torch.topk(scores_TE, k, dim=-1)
     kth = top.values[..., -1:]
@@ -158,6 +199,30 @@ def stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
         rows = ambiguous.nonzero(as_tuple=True)
         out[rows] = torch.sort(scores_TE[rows], dim=-1, descending=True, stable=True).indices[..., :k]
     return out
+
+
+_KEYED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Score dtypes `stable_topk_by_key` orders exactly: each value is a float32 (its 32 bits a key)."""
+
+
+def stable_topk_by_key(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """`stable_topk` as one `topk` on int64 keys that tie nowhere (no host branch; for float32,
+    float16 and bfloat16 scores, each exactly a float32).
+
+    A float32's bits, read as an int32 with the 31 low bits of the negatives flipped, order as the
+    floats do (−∞ < ... < −0 < +0 < ... < +∞ < NaN, NaN made positive and quiet first, −0 made +0
+    first since the sort holds them equal). The key `order · 2³² + (E − 1 − e)` then orders by score,
+    and equal scores by the lower expert id first; keys are distinct within a row, so the k largest
+    in descending order are exactly the prefix of the stable descending sort.
+    """
+    num = scores_TE.shape[-1]
+    scores = scores_TE.float()
+    scores = torch.where(scores == 0, 0.0, scores)  # −0 → +0
+    scores = torch.where(scores.isnan(), math.nan, scores)  # one NaN, above +∞ (the sort's NaN)
+    bits = scores.view(torch.int32)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    below_E = torch.arange(num - 1, -1, -1, device=scores_TE.device)  # E − 1 − e: lower ids larger
+    return torch.topk(order * 2**32 + below_E, k, dim=-1).indices
 
 
 def token_choices(
@@ -176,4 +241,5 @@ def token_choices(
         token_A=token_KT.reshape(-1),
         redirected=redirected,
         input_scaled=input_scaled,
+        choice_major_k=k if num_tokens else 0,  # `dispatch.choices_per_token` of these rows
     )

@@ -180,7 +180,7 @@ class TAMoEBalance(BalanceTerm):
         S = routing.num_tokens
         probs_TE = routing.probs_TE
         target_E = torch.as_tensor(self.target(S)[rank], dtype=probs_TE.dtype, device=probs_TE.device)
-        c_E = torch.bincount(routing.expert_A, minlength=self.num_experts).to(probs_TE.dtype) / S
+        c_E = routing.expert_counts(self.num_experts).to(probs_TE.dtype) / S
         return ((c_E / target_E) * probs_TE.mean(0)).sum()
 
     @torch.no_grad()
