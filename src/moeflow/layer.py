@@ -345,7 +345,9 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
         dest_A = dispatch.assignment_destinations(expert_A, plan_SEW[me])
         remote_nodes = self._remote_nodes_per_token(routing, dest_A, me)
-        order_A = torch.sort(dest_A * self.num_experts + expert_A, stable=True).indices
+        # One rank: every destination is this one, the key is the expert.
+        key_A = expert_A if self.placement.world_size == 1 else dest_A * self.num_experts + expert_A
+        order_A = torch.sort(key_A, stable=True).indices
         block = ExchangeBlock(
             x_sent_AD=routing.rows(x_TD, order_A),
             send_WW=plan_SEW.sum(1),

@@ -29,7 +29,8 @@ def exchange_counts(counts: list[torch.Tensor], group: dist.ProcessGroup | None)
     """All-gather per-expert count rows (each `[E]`: the counts dispatched, and the choices before
     capacity drops when they differ) in one collective → one global matrix `[W, E]` (int64 numpy)
     per row, identical on every rank. A list of one row returns it twice (choices = flow)."""
-    rows_RE = torch.stack([c.to(torch.int64) for c in counts])
+    # One row (dropless) needs no stack: one op fewer per call.
+    rows_RE = counts[0].to(torch.int64)[None] if len(counts) == 1 else torch.stack([c.to(torch.int64) for c in counts])
     if group is None:
         gathered = rows_RE.cpu().numpy()[None]
     else:
@@ -38,7 +39,8 @@ def exchange_counts(counts: list[torch.Tensor], group: dist.ProcessGroup | None)
         out = torch.empty(world * rows_RE.numel(), dtype=torch.int64, device=rows_RE.device)
         dist.all_gather_single(out, rows_RE.contiguous().view(-1), group=group)
         gathered = out.view(world, *rows_RE.shape).cpu().numpy()
-    matrices = [np.ascontiguousarray(gathered[:, r]) for r in range(rows_RE.shape[0])]
+    # Copies: on the CPU `numpy()` shares the counts' memory, which the routing still reads.
+    matrices = [np.array(gathered[:, r]) for r in range(rows_RE.shape[0])]
     return matrices if len(matrices) > 1 else matrices * 2
 
 

@@ -21,10 +21,10 @@ held (computed) by this rank, O experts this rank owns (its parameters), X any w
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import cache
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -136,7 +136,7 @@ class _GroupBias(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_RH, b_JH, counts_J):
-        counts_t = host_to_device(np.asarray(counts_J, dtype=np.int64), x_RH.device)
+        counts_t = host_to_device(counts_J, torch.int64, x_RH.device)
         ctx.save_for_backward(counts_t)
         ctx.counts = counts_J
         return x_RH + b_JH.repeat_interleave(counts_t, dim=0, output_size=x_RH.shape[0])
@@ -160,21 +160,20 @@ class _GroupBias(torch.autograd.Function):
         return grad_RH, grad_b, None
 
 
-def host_to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array (group sizes, offsets) as a tensor on `device`: the array itself on the
-    CPU; elsewhere copied from a pinned buffer without blocking — a copy from pageable memory
+def host_to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Small host integers (group sizes, offsets) as a tensor on `device`: made there on the CPU;
+    elsewhere made in pinned memory and copied without blocking — a copy from pageable memory
     waits for the device to finish its queue (a synchronisation per call). The caching host
     allocator keeps the buffer until the copy has run."""
-    values_t = torch.from_numpy(values)
     if device.type == "cpu":
-        return values_t
-    return values_t.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def group_offsets(counts_J: list[int], device: torch.device) -> torch.Tensor:
     """int32 `[J]`: the end row of each consecutive group of `counts_J` rows (`torch._grouped_mm`'s
     `offs`), summed on the host, which has the counts, and sent without a synchronisation."""
-    return host_to_device(np.cumsum(np.asarray(counts_J, dtype=np.int64)).astype(np.int32), device)
+    return host_to_device(list(itertools.accumulate(counts_J)), torch.int32, device)
 
 
 @cache

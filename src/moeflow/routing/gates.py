@@ -21,7 +21,7 @@ from torch import nn
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.routing.group_limited import GroupLimit
-from moeflow.routing.routing import Routing, RoutingLayout, stable_topk, token_choices
+from moeflow.routing.routing import Routing, RoutingLayout, stable_topk, token_choices, without_autocast
 
 __all__ = [
     "NoisyTopKGate",
@@ -122,7 +122,7 @@ class TokenChoiceGate(nn.Module):
     def forward(
         self, x_TD: torch.Tensor, selection_bias_E: torch.Tensor | None = None, layout: RoutingLayout | None = None
     ) -> Routing:
-        with torch.autocast(x_TD.device.type, enabled=False):
+        with without_autocast(x_TD.device.type):
             return self._route(self.logits(x_TD), selection_bias_E, layout)
 
     def _select(self, scores_TE: torch.Tensor, layout: RoutingLayout | None) -> tuple[torch.Tensor, int]:
@@ -222,7 +222,7 @@ class NoisyTopKGate(TopKGate):
     def forward(
         self, x_TD: torch.Tensor, selection_bias_E: torch.Tensor | None = None, layout: RoutingLayout | None = None
     ) -> Routing:
-        with torch.autocast(x_TD.device.type, enabled=False):
+        with without_autocast(x_TD.device.type):
             logits_TE = self.logits(x_TD)
             if not self.training:
                 return self._route(logits_TE, selection_bias_E, layout)

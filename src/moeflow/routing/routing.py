@@ -18,6 +18,7 @@ the slots of slot-based routing).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field, replace
 
@@ -179,8 +180,10 @@ def stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     fine-grained experts the sort was the gate's largest op. So: `topk`, then the k chosen ordered
     by (score, index) with a sort of k; rows where the k-th score ties a score outside the k (the
     chosen set itself is ambiguous: a zero router ties everything) take the full stable sort.
-    Choosing those rows is a host branch, which on an accelerator waits for the device; there the
-    top-k runs on a key without ties instead (`stable_topk_by_key`), or the full sort.
+    Most batches have no tie at all: where the k + 1 largest of every row strictly decrease (no
+    two equal, no NaN), the k chosen and their order are the only ones, and topk's own answer is
+    the sort's prefix. Branching is a host decision, which on an accelerator waits for the device;
+    there the top-k runs on a key without ties instead (`stable_topk_by_key`), or the full sort.
     """
     num = scores_TE.shape[-1]
     if k >= num or scores_TE.numel() == 0:
@@ -189,9 +192,11 @@ def stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
         if scores_TE.dtype in _KEYED_DTYPES:
             return stable_topk_by_key(scores_TE, k)
         return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :k]
-    top = torch.topk(scores_TE, k, dim=-1)
-    kth = top.values[..., -1:]
-    chosen = top.indices.sort(dim=-1).values  # ascending ids
+    top = torch.topk(scores_TE, k + 1, dim=-1)  # one more: does the k-th tie the next?
+    if bool((top.values[..., :-1] > top.values[..., 1:]).all()):  # `>`: false for ±0 and NaN
+        return top.indices[..., :k]
+    kth = top.values[..., k - 1 : k]
+    chosen = top.indices[..., :k].sort(dim=-1).values  # ascending ids (the first k are a top-k)
     order = torch.sort(scores_TE.gather(-1, chosen), dim=-1, descending=True, stable=True).indices
     out = chosen.gather(-1, order)
     ambiguous = (scores_TE >= kth).sum(-1) > k
@@ -199,6 +204,14 @@ def stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
         rows = ambiguous.nonzero(as_tuple=True)
         out[rows] = torch.sort(scores_TE[rows], dim=-1, descending=True, stable=True).indices[..., :k]
     return out
+
+
+def without_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast turned off for the routing math (fp32 whatever the caller's autocast state):
+    entered only where autocast is on, since entering it costs a few microseconds every call."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 _KEYED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
