@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,54 @@ def test_layer_on_cuda_equals_cpu(expert):
     torch.testing.assert_close(gx_gpu, gx_cpu, rtol=1e-4, atol=1e-5)
     for name, grad in grads_cpu.items():
         torch.testing.assert_close(grads_gpu[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""What `torch.cuda.set_sync_debug_mode(1)` warns at every call that waits for the device."""
+
+LAYERS_ON_ONE_GPU = {
+    "mixtral": {"expert": "swiglu"},
+    "mixtral_ffn": {"expert": "ffn"},  # the per-group bias
+    "deepseek_v3": {
+        "expert": "swiglu",
+        "gate": "sigmoid",
+        "gate_options": {"n_group": 4, "topk_group": 2, "normalize": True, "scaling_factor": 2.5},
+        "num_shared_experts": 1,
+    },
+}
+
+
+def _synchronising_calls(step) -> list[str]:
+    """The messages of the synchronising calls `step()` makes (the device idle before it)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [str(w.message) for w in caught if SYNC_WARNING in str(w.message)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # bf16: torch._grouped_mm
+@pytest.mark.parametrize("block", sorted(LAYERS_ON_ONE_GPU))
+def test_one_process_step_synchronises_once(block, dtype):
+    """A one-process forward+backward waits for the GPU once: the per-expert counts the planner
+    and the dispatch plan read on the host (`dispatch.exchange_counts`); nothing else does."""
+    torch.manual_seed(0)
+    layer = MoELayer(64, 128, 16, top_k=2, **LAYERS_ON_ONE_GPU[block]).to("cuda", dtype)
+    x = torch.randn(512, 64, device="cuda", dtype=dtype, requires_grad=True)
+
+    def step():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        (layer(x).float().square().mean() + layer.aux_loss).backward()
+
+    for _ in range(2):  # warm-up: kernels loaded, allocators filled
+        step()
+    calls = _synchronising_calls(step)
+    assert len(calls) <= 1, calls
 
 
 def test_auto_learns_from_the_timed_gpu_forwards():
