@@ -90,6 +90,9 @@ class HeldExperts:
         """Re-materialization (`core.rematerialize`, the planner's `rematerialize` option): free the
         copies this forward computed with, gather them again for backward. Records their bytes."""
         weights, self._held = self._held, None
+        if weights is None:  # exactly its own experts: nothing gathered, nothing to free
+            self.held_bytes = (0, 0)
+            return y_TD
         rematerialize = self.planner.rematerializes
         held_J = np.flatnonzero(placement.holders_EW[:, me])
 
