@@ -26,6 +26,7 @@ combine (`moeflow.layer_held.HeldExperts`).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -203,7 +204,7 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         self._choices_WE: torch.Tensor | None = None  # the step's expert choices, for balance.observe
         self._forwards = 0
         self.aux_loss = torch.zeros(())
-        self.stats: MoEStats | None = None
+        self._stats: MoEStats | functools.partial | None = None  # `stats`, or how to build it
         self._held: dict[str, torch.Tensor] | None = None  # this forward's held weights (copies)
         self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
         self.group: dist.ProcessGroup | None = None
@@ -404,13 +405,15 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         return pairs.numel() / routing.num_tokens
 
     def _record(self, block, flow_WE, choices_WE, plan_SEW, placement, dropped, redirected, me, remote_nodes) -> None:
-        """`stats` of this forward; in training, the expert choices for the step's balance update."""
+        """`stats` of this forward (built when read); in training, the expert choices for the step's
+        balance update."""
         wire = WIRE_DTYPES[self.dispatch_dtype] if self.dispatch_dtype else block.x_sent_AD.dtype
-        self.stats = MoEStats.of_forward(
+        self._stats = functools.partial(
+            MoEStats.of_forward,
             flow_WE,
             choices_WE,
             plan_SEW,
-            block.send_splits,
+            block.send_WW[me],  # rows sent to each rank (`block.send_splits`)
             me,
             wire.itemsize * self.d_model,  # bytes of a row on the wire
             self.node_of,
@@ -424,9 +427,17 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
             held_bytes=self.held_bytes[1],
         )
         if self.training and self.balance.observes:
-            choices = self.stats.choices.to(torch.float64)
+            choices = torch.from_numpy(choices_WE).to(torch.float64)  # `stats.choices`, a copy
             self._choices_WE = choices if self._choices_WE is None else self._choices_WE + choices
             self._forwards += 1
+
+    @property
+    def stats(self) -> MoEStats | None:
+        """`MoEStats` of the last forward (None before one), built from its counts and plan when
+        first read: most steps never read it, and building it costs as much as a few ops."""
+        if isinstance(self._stats, functools.partial):  # the last forward's, not built yet
+            self._stats = self._stats()
+        return self._stats
 
     def _notice_mismatch(self) -> None:
         """Say once per layer (not per step) that the cost model is unused; the layers of a model say it
