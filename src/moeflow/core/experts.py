@@ -176,6 +176,20 @@ def group_offsets(counts_J: list[int], device: torch.device) -> torch.Tensor:
     return host_to_device(list(itertools.accumulate(counts_J)), torch.int32, device)
 
 
+class GroupSizes:
+    """Row counts of consecutive groups, with their `torch._grouped_mm` offsets made once for
+    every GEMM over the same groups (an expert's two projections)."""
+
+    def __init__(self, counts_J) -> None:
+        self.counts = [int(n) for n in counts_J]
+        self._offsets_J: torch.Tensor | None = None
+
+    def offsets(self, device: torch.device) -> torch.Tensor:
+        if self._offsets_J is None:
+            self._offsets_J = group_offsets(self.counts, device)
+        return self._offsets_J
+
+
 @cache
 def _cpu_has_amx_bf16() -> bool:
     return bool(torch.cpu.get_capabilities().get("amx_bf16", False))
@@ -194,17 +208,19 @@ def _gemm_dtype(x_RD: torch.Tensor) -> torch.dtype:
 
 
 def grouped_mm(
-    x_RD: torch.Tensor, w_JDH: torch.Tensor, counts_J: list[int], b_JH: torch.Tensor | None = None
+    x_RD: torch.Tensor, w_JDH: torch.Tensor, counts_J: list[int] | GroupSizes, b_JH: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`out[rows of group l] = x[rows of group l] @ w[l] (+ b[l])` for consecutive groups of
-    `counts_J` rows, in `x_RD`'s dtype (weights and bias cast to it). The bias is added per group
-    after the GEMM's result is rounded to that dtype, as `mm` then `+ b[row_expert]` did."""
+    `counts_J` rows (a list, or `GroupSizes` shared by several calls), in `x_RD`'s dtype (weights
+    and bias cast to it). The bias is added per group after the GEMM's result is rounded to that
+    dtype, as `mm` then `+ b[row_expert]` did."""
     dtype = x_RD.dtype
     w_JDH = w_JDH.to(dtype)
-    counts_J = [int(n) for n in counts_J]
+    groups = counts_J if isinstance(counts_J, GroupSizes) else GroupSizes(counts_J)
+    counts_J = groups.counts
     gemm = _gemm_dtype(x_RD)
     if gemm == dtype and _use_grouped_mm_kernel(x_RD, w_JDH):
-        offs_J = group_offsets(counts_J, x_RD.device)
+        offs_J = groups.offsets(x_RD.device)
         out_RH = _ContiguousGrad.apply(torch._grouped_mm(x_RD.contiguous(), w_JDH.contiguous(), offs=offs_J))
     else:
         out_RH = _PerExpertMM.apply(x_RD.contiguous(), w_JDH.contiguous(), counts_J, gemm)
@@ -309,14 +325,13 @@ class GroupedExperts(nn.Module):
         # backward is a sum over contiguous rows, not a scatter over all of them.
         spec = EXPERT_KINDS[self.kind]
         bias = w.get(spec.first_bias)
-        h_RX = grouped_mm(
-            x_RD, w[spec.first_projection].flatten(2), counts_J, None if bias is None else bias.flatten(1)
-        )
+        groups = GroupSizes(counts_J)  # both projections' groups: their offsets made once
+        h_RX = grouped_mm(x_RD, w[spec.first_projection].flatten(2), groups, None if bias is None else bias.flatten(1))
         hidden_RH = activate(self.kind, self.options, h_RX)
         b2 = w.get("b2")
         if b2 is not None and self.esp_rank is not None:
             b2 = ForwardOnMemberZero.apply(b2, self.esp_rank == 0)
-        return grouped_mm(hidden_RH, w["w2"], counts_J, b2)
+        return grouped_mm(hidden_RH, w["w2"], groups, b2)
 
     def row_of(self, expert: int) -> int:
         """Local row of global expert `expert` (KeyError when this rank does not own it)."""

@@ -244,14 +244,14 @@ def token_choices(
     """Token-choice routing from `[T, K]` choices, stored choice-major (all first choices, then all
     second choices, ...): the capacity priority order."""
     num_tokens, k = expert_TK.shape
-    token_A = torch.arange(num_tokens, device=expert_TK.device).repeat(k)  # 0..T-1, K times
+    token_KT = torch.arange(num_tokens, device=expert_TK.device).expand(k, num_tokens)
     return Routing(
         expert_A=expert_TK.t().reshape(-1),
         weight_A=weight_TK.t().reshape(-1),
         probs_TE=probs_TE,
         logits_TE=logits_TE,
         num_tokens=num_tokens,
-        token_A=token_A,
+        token_A=token_KT.reshape(-1),
         redirected=redirected,
         input_scaled=input_scaled,
         choice_major_k=k if num_tokens else 0,  # `dispatch.choices_per_token` of these rows
