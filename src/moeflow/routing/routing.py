@@ -193,8 +193,8 @@ def stable_topk(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
             return stable_topk_by_key(scores_TE, k)
         return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[..., :k]
     top = torch.topk(scores_TE, k + 1, dim=-1)  # one more: does the k-th tie the next?
-    if bool((top.values[..., :-1] > top.values[..., 1:]).all()):  # `>`: false for ±0 and NaN
-        return top.indices[..., :k]
+    if bool((top.values.narrow(-1, 0, k) > top.values.narrow(-1, 1, k)).all()):  # `>`: false for ±0, NaN
+        return top.indices.narrow(-1, 0, k)
     kth = top.values[..., k - 1 : k]
     chosen = top.indices[..., :k].sort(dim=-1).values  # ascending ids (the first k are a top-k)
     order = torch.sort(scores_TE.gather(-1, chosen), dim=-1, descending=True, stable=True).indices
