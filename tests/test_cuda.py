@@ -89,6 +89,13 @@ LAYERS_ON_ONE_GPU = {
         "gate_options": {"n_group": 4, "topk_group": 2, "normalize": True, "scaling_factor": 2.5},
         "num_shared_experts": 1,
     },
+    "deepseek_v3_aux_free": {  # the selection bias, and the choices kept for the balance update
+        "expert": "swiglu",
+        "gate": "sigmoid",
+        "balance": "aux_free",
+        "gate_options": {"n_group": 4, "topk_group": 2, "normalize": True, "scaling_factor": 2.5},
+        "num_shared_experts": 1,
+    },
 }
 
 

@@ -162,11 +162,11 @@ class _GroupBias(torch.autograd.Function):
 
 def host_to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Small host integers (group sizes, offsets) as a tensor on `device`: made there on the CPU;
-    elsewhere made in pinned memory and copied without blocking — a copy from pageable memory
+    on CUDA made in pinned memory and copied without blocking — a copy from pageable memory
     waits for the device to finish its queue (a synchronisation per call). The caching host
     allocator keeps the buffer until the copy has run."""
-    if device.type == "cpu":
-        return torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":  # the CPU, or a device without pinned memory (meta)
+        return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
