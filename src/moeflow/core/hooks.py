@@ -86,6 +86,8 @@ def run_hooks(
     """`hooks` at `point`; `first`/`last`: the piece is the block's first/last (module docstring,
     "Pieces": a `once_per_block` hook runs at the first piece's dispatch points and the last's
     combine points only)."""
+    if not hooks:  # most layers have none: six calls per forward that would only look up the point
+        return tensor
     once = first if point in ("before_dispatch", "after_dispatch") else last
     method = _POINTS[point]
     for hook in hooks:

@@ -37,6 +37,8 @@ class A2ADispatcher(Dispatcher):
 
     def exchange(self, x_AD: torch.Tensor, send_WW: np.ndarray, me: int, group: Any, node_of=None) -> torch.Tensor:
         """Rows of `send_WW[me]` out, rows of `send_WW[:, me]` in (by source rank)."""
+        if group is None:  # one process: the rows stay (`all_to_all_v`), the splits are not needed
+            return x_AD
         return dispatch.all_to_all_v(x_AD, send_WW[me].tolist(), send_WW[:, me].tolist(), group)
 
     def price(self, cost_model: Any, bytes_WW: np.ndarray) -> np.ndarray:
