@@ -56,6 +56,11 @@ from moeflow.strategies.planners.ep import plan_ep
 from moeflow.strategies.timing import LayerTimer
 
 
+def _no_hooks(point: str, t: torch.Tensor, first: bool = True, last: bool = True) -> torch.Tensor:
+    """`ExchangeBlock.hooks` of a layer without hooks: the tensor as it is."""
+    return t
+
+
 class ClusterMismatchWarning(UserWarning):
     """The layer's cost model describes another number of devices than its group: it runs without it."""
 
@@ -358,7 +363,7 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
             group=self.group,
             node_of=self.node_of,
             dispatcher=self.dispatcher,
-            hooks=lambda point, t, first=True, last=True: run_hooks(self.hooks, point, self, t, first, last),
+            hooks=self._block_hooks if self.hooks else _no_hooks,
             call_id=call_id,
             plan_SEW=plan_SEW,
             esp_group=self.esp_group,
@@ -376,6 +381,10 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         if mode != "replay":  # recomputation never records stats or balance choices a second time
             self._record(block, flow_WE, choices_WE, plan_SEW, placement, dropped, routing.redirected, me, remote_nodes)
         return y_TD.reshape(x.shape)
+
+    def _block_hooks(self, point: str, t: torch.Tensor, first: bool = True, last: bool = True) -> torch.Tensor:
+        """The layer's hooks at a point of the exchange block (`ExchangeBlock.hooks`)."""
+        return run_hooks(self.hooks, point, self, t, first, last)
 
     def _replicas_flow(self, flow_WE: np.ndarray, device: torch.device) -> np.ndarray:
         """What the planner plans on: this EP group's flow, or with data-parallel replicas (the
