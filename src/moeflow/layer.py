@@ -305,6 +305,7 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         """Set the owners and decide whether the cost model describes this group (as many devices as
         the group has ranks)."""
         self.placement = placement
+        self._layout = None  # `_routing_layout`, built again for these owners
         world = placement.world_size
         devices = None if self.cost_model is None else self.cost_model.topology.num_devices
         self.cluster_mismatch = devices is not None and devices != world

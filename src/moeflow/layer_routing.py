@@ -12,7 +12,8 @@ group (`cluster_mismatch` False); otherwise it runs in its topology-free form.
 
 It reads from the layer: `gate`, `balance`, `balance_weight`, `z_loss_weight`, `check_finite`,
 `cluster_mismatch`, `placement`, `node_of`, `experts`, `balance_group`, `aux_loss`, and the
-choices `_record` accumulates (`_choices_WE`, `_forwards`).
+choices `_record` accumulates (`_choices_WE`, `_forwards`); it keeps the routing layout of the
+layer's owners in `_layout`, which the layer clears when it binds new owners.
 
 Shape suffixes: T tokens on this rank, D d_model, E experts, W ranks in the expert-parallel group.
 """
@@ -46,12 +47,17 @@ class LayerRouting:
         return routing
 
     def _routing_layout(self, me: int) -> RoutingLayout | None:
-        """What a topology-aware gate may know; None where the cost model describes another group."""
+        """What a topology-aware gate may know; None where the cost model describes another group.
+        Built once per binding of the owners (`MoELayer._bind` clears it): the owners, the nodes and
+        the group change only there, and a forward would otherwise build the same one again."""
         if self.cluster_mismatch:
             return None
-        world = self.placement.world_size
-        node_of = tuple(self.node_of) if self.node_of is not None else (0,) * world
-        return RoutingLayout(me, torch.from_numpy(self.placement.owner_E), node_of)
+        layout = self._layout
+        if layout is None or layout.rank != me:
+            world = self.placement.world_size
+            node_of = tuple(self.node_of) if self.node_of is not None else (0,) * world
+            layout = self._layout = RoutingLayout(me, torch.from_numpy(self.placement.owner_E), node_of)
+        return layout
 
     def _balance_counts(self, choices_WE: np.ndarray) -> torch.Tensor | None:
         """A global-batch balance term's expert choices: summed over the EP group (the count exchange
