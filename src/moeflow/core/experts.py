@@ -208,20 +208,28 @@ def _gemm_dtype(x_RD: torch.Tensor) -> torch.dtype:
 
 
 def grouped_mm(
-    x_RD: torch.Tensor, w_JDH: torch.Tensor, counts_J: list[int] | GroupSizes, b_JH: torch.Tensor | None = None
+    x_RD: torch.Tensor,
+    w_JDH: torch.Tensor,
+    counts_J: list[int] | GroupSizes,
+    b_JH: torch.Tensor | None = None,
+    dense_grad: bool = False,
 ) -> torch.Tensor:
     """`out[rows of group l] = x[rows of group l] @ w[l] (+ b[l])` for consecutive groups of
     `counts_J` rows (a list, or `GroupSizes` shared by several calls), in `x_RD`'s dtype (weights
     and bias cast to it). The bias is added per group after the GEMM's result is rounded to that
-    dtype, as `mm` then `+ b[row_expert]` did."""
+    dtype, as `mm` then `+ b[row_expert]` did. `dense_grad`: the caller's next op always hands back
+    a dense gradient (an activation's backward), so the output needs no `_ContiguousGrad` node."""
     dtype = x_RD.dtype
-    w_JDH = w_JDH.to(dtype)
+    if w_JDH.dtype != dtype:  # a cast of the right dtype returns the tensor: the call alone costs
+        w_JDH = w_JDH.to(dtype)
     groups = counts_J if isinstance(counts_J, GroupSizes) else GroupSizes(counts_J)
     counts_J = groups.counts
     gemm = _gemm_dtype(x_RD)
     if gemm == dtype and _use_grouped_mm_kernel(x_RD, w_JDH):
         offs_J = groups.offsets(x_RD.device)
-        out_RH = _ContiguousGrad.apply(torch._grouped_mm(x_RD.contiguous(), w_JDH.contiguous(), offs=offs_J))
+        out_RH = torch._grouped_mm(x_RD.contiguous(), w_JDH.contiguous(), offs=offs_J)
+        if not dense_grad:
+            out_RH = _ContiguousGrad.apply(out_RH)
     else:
         out_RH = _PerExpertMM.apply(x_RD.contiguous(), w_JDH.contiguous(), counts_J, gemm)
     return out_RH if b_JH is None else _GroupBias.apply(out_RH, b_JH.to(dtype), counts_J)
@@ -326,7 +334,9 @@ class GroupedExperts(nn.Module):
         spec = EXPERT_KINDS[self.kind]
         bias = w.get(spec.first_bias)
         groups = GroupSizes(counts_J)  # both projections' groups: their offsets made once
-        h_RX = grouped_mm(x_RD, w[spec.first_projection].flatten(2), groups, None if bias is None else bias.flatten(1))
+        # The activation's backward (a stack of the gated halves, gelu's) hands back a dense gradient.
+        b_JX = None if bias is None else bias.flatten(1)
+        h_RX = grouped_mm(x_RD, w[spec.first_projection].flatten(2), groups, b_JX, dense_grad=True)
         hidden_RH = activate(self.kind, self.options, h_RX)
         b2 = w.get("b2")
         if b2 is not None and self.esp_rank is not None:
