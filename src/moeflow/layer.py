@@ -210,7 +210,6 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         self._forwards = 0
         self.aux_loss = torch.zeros(())
         self._stats: MoEStats | functools.partial | None = None  # `stats`, or how to build it
-        self._held: dict[str, torch.Tensor] | None = None  # this forward's held weights (copies)
         self.held_bytes = (0, 0)  # (when built, after the forward) of this forward's held weights
         self.group: dist.ProcessGroup | None = None
         self.esp_group: dist.ProcessGroup | None = None  # expert sharding (core.expert_sharding)
@@ -355,12 +354,13 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         # One rank: every destination is this one, the key is the expert.
         key_A = expert_A if self.placement.world_size == 1 else dest_A * self.num_experts + expert_A
         order_A = torch.sort(key_A, stable=True).indices
+        compute, weights_J = self._compute_held(placement, me)
         block = ExchangeBlock(
             x_sent_AD=routing.rows(x_TD, order_A),
             send_WW=plan_SEW.sum(1),
             me=me,
             counts_SJ=plan_SEW[:, placement.holders_EW[:, me], me],
-            compute=self._compute_held(placement, me),
+            compute=compute,
             group=self.group,
             node_of=self.node_of,
             dispatcher=self.dispatcher,
@@ -375,7 +375,7 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         # assignments add zero. It accumulates in the input's dtype (fp32 under autocast; a bf16
         # model sums k bf16 terms, as Hugging Face's and MegaBlocks' combines do).
         y_TD = routing.combine(y_back_AD.to(x.dtype), order_A, x_TD.shape[0])
-        y_TD = self._release_copies(y_TD, placement, me)
+        y_TD = self._release_copies(y_TD, placement, me, weights_J)
         y_TD = run_hooks(self.hooks, "before_moe_end", self, y_TD)
         if self.shared_experts is not None:  # dense, on every token: added to the routed output
             y_TD = y_TD + self.shared_experts(x_TD)

@@ -12,7 +12,7 @@ activation checkpointing), and after the combine frees the copies and gathers th
 backward where the planner re-materializes (`core.rematerialize`, Hecate §4.2).
 
 It reads from the layer: `experts`, `hooks`, `group`, `esp_group`, `node_of`, `copy_chunks`, `planner`,
-`recompute`, and writes `_held` and `held_bytes`.
+`recompute`, and writes `held_bytes`.
 
 Shape suffixes: D d_model, R rows received by this rank, S source ranks, J experts held (computed) by
 this rank this iteration, T tokens on this rank.
@@ -34,11 +34,11 @@ class HeldExperts:
     """The held experts' weights, compute and release of `MoELayer` (module docstring)."""
 
     def _compute_held(self, placement: Placement, me: int):
-        """`compute(x_RD, counts_SJ)` for the schedule: the experts this rank holds (owned, or
-        materialized by the planner's copies) on rows received source-major."""
+        """(`compute(x_RD, counts_SJ)` for the schedule: the experts this rank holds (owned, or
+        materialized by the planner's copies) on rows received source-major; their weights, for
+        `_release_copies` — passed along, not kept on the module, whose attribute writes cost)."""
         held_J = np.flatnonzero(placement.holders_EW[:, me])
         weights_J = self._held_weights(placement, held_J)
-        self._held = weights_J
 
         def compute(x_recv_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
             if held_J.size == 0:  # a rank that owns none of this layer's experts (Hecate §4.3)
@@ -50,7 +50,7 @@ class HeldExperts:
 
         for hook in reversed(self.hooks):  # the first hook's wrapper outermost
             compute = hook.wrap_compute(self, compute)
-        return compute
+        return compute, weights_J
 
     def _run_experts(self, x_RD: torch.Tensor, counts_J: list[int], weights_J) -> torch.Tensor:
         """The held experts on rows grouped by expert; over the ESP group when sharded (FSMoE §3)."""
@@ -86,12 +86,13 @@ class HeldExperts:
         experts = self.experts
         return materialize(weights, placement, self.group, experts.expert_ids, held_J, self.node_of, self.copy_chunks)
 
-    def _release_copies(self, y_TD: torch.Tensor, placement: Placement, me: int) -> torch.Tensor:
+    def _release_copies(self, y_TD: torch.Tensor, placement: Placement, me: int, weights) -> torch.Tensor:
         """Re-materialization (`core.rematerialize`, the planner's `rematerialize` option): free the
-        copies this forward computed with, gather them again for backward. Records their bytes."""
-        weights, self._held = self._held, None
+        copies `weights` this forward computed with, gather them again for backward. Records their
+        bytes."""
         if weights is None:  # exactly its own experts: nothing gathered, nothing to free
-            self.held_bytes = (0, 0)
+            if self.held_bytes != (0, 0):  # (a module's attribute write costs more than the check)
+                self.held_bytes = (0, 0)
             return y_TD
         rematerialize = self.planner.rematerializes
         held_J = np.flatnonzero(placement.holders_EW[:, me])
