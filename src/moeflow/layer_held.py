@@ -57,6 +57,10 @@ class HeldExperts:
         experts = self.experts
         if self.recompute == "selective" and torch.is_grad_enabled():
             experts = self._experts_recomputed
+        if self.esp_group is None and not self.hooks and experts is self.experts:
+            # Without hooks the outputs go on through moeflow's own exchange and combine only, whose
+            # backwards (a gather, a transport, a product) hand back dense gradients.
+            return experts(x_RD, counts_J, weights_J, dense_grad=True)
         if self.esp_group is None:
             return experts(x_RD, counts_J, weights_J)
         return sharded_compute(experts, x_RD, counts_J, self.esp_group, weights_J)

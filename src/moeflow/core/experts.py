@@ -323,9 +323,12 @@ class GroupedExperts(nn.Module):
         without children, without its walk, which costs more than the dict every forward.)"""
         return {name: param for name, param in self._parameters.items() if param is not None}
 
-    def forward(self, x_RD: torch.Tensor, counts_J: list[int], weights: dict | None = None) -> torch.Tensor:
+    def forward(
+        self, x_RD: torch.Tensor, counts_J: list[int], weights: dict | None = None, dense_grad: bool = False
+    ) -> torch.Tensor:
         """Rows of `x_RD` are grouped by expert, `counts_J[l]` rows for expert l of `weights`
-        (default: this module's own parameters; a planner may pass materialized copies)."""
+        (default: this module's own parameters; a planner may pass materialized copies).
+        `dense_grad`: the caller's next ops hand the output a dense gradient (`grouped_mm`)."""
         w = self.weights() if weights is None else weights
         dtype = _compute_dtype(x_RD)
         x_RD = x_RD.to(dtype)
@@ -341,7 +344,7 @@ class GroupedExperts(nn.Module):
         b2 = w.get("b2")
         if b2 is not None and self.esp_rank is not None:
             b2 = ForwardOnMemberZero.apply(b2, self.esp_rank == 0)
-        return grouped_mm(hidden_RH, w["w2"], groups, b2)
+        return grouped_mm(hidden_RH, w["w2"], groups, b2, dense_grad=dense_grad)
 
     def row_of(self, expert: int) -> int:
         """Local row of global expert `expert` (KeyError when this rank does not own it)."""
