@@ -29,8 +29,12 @@ def exchange_counts(counts: list[torch.Tensor], group: dist.ProcessGroup | None)
     """All-gather per-expert count rows (each `[E]`: the counts dispatched, and the choices before
     capacity drops when they differ) in one collective → one global matrix `[W, E]` (int64 numpy)
     per row, identical on every rank. A list of one row returns it twice (choices = flow)."""
+    counts = [c if c.dtype == torch.int64 else c.to(torch.int64) for c in counts]  # (bincount's already are)
+    if group is None and len(counts) == 1:  # one process, dropless: the row itself, one copy to the host
+        flow_WE = np.array(counts[0].cpu().numpy()[None])  # a copy: on the CPU `numpy()` shares memory
+        return [flow_WE, flow_WE]
     # One row (dropless) needs no stack: one op fewer per call.
-    rows_RE = counts[0].to(torch.int64)[None] if len(counts) == 1 else torch.stack([c.to(torch.int64) for c in counts])
+    rows_RE = counts[0][None] if len(counts) == 1 else torch.stack(counts)
     if group is None:
         gathered = rows_RE.cpu().numpy()[None]
     else:
