@@ -1,15 +1,19 @@
 """The layer's fast paths equal the plain formulas they replace, values and gradients: per-group
 bias (vs `x + b[row_expert]`), widened GEMMs for bf16 (vs fp32 matmuls rounded to bf16), and the
-gather/sum token rows and combine (vs `index_select` / `index_add`)."""
+gather/sum token rows and combine (vs `index_select` / `index_add`), the one-process dispatch plan
+and count exchange (vs the general ones)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moeflow import MoELayer
 from moeflow.core import dispatch, experts
+from moeflow.core.dispatch import exchange_counts
+from moeflow.core.placement import dispatch_counts
 from moeflow.routing.routing import token_choices
 
 COUNTS = [3, 0, 6, 1, 0]  # empty groups in the middle and at the end
@@ -220,3 +224,28 @@ def test_dropped_rows_take_the_scatter_path_and_still_match():
         dense = dense.index_add(0, torch.tensor([t]), (wt * out_D)[None])
     torch.testing.assert_close(y, dense)
     torch.testing.assert_close(*[torch.autograd.grad(v.square().sum(), x)[0] for v in (y, dense)])
+
+
+def test_one_process_dispatch_plan_is_dispatch_counts():
+    """The one-process plan the layer builds is `dispatch_counts`' own: same values, dtype and shape."""
+    layer = MoELayer(8, 16, 6, top_k=2)
+    flow_WE = np.array([[3, 0, 7, 1, 0, 5]], dtype=np.int64)
+    plan_SEW = layer._dispatch_plan(flow_WE, layer.placement)
+    expected = dispatch_counts(flow_WE, layer.placement, layer.node_of)
+    assert plan_SEW.dtype == expected.dtype and plan_SEW.shape == expected.shape
+    np.testing.assert_array_equal(plan_SEW, expected)
+    assert not np.shares_memory(plan_SEW, flow_WE)
+
+
+def test_exchange_counts_one_process_copies():
+    """One process: the count row comes back as a `[1, E]` int64 copy (flow and choices), not a view
+    of the routing's counts; with two rows (capacity) each has its own matrix."""
+    counts_E = torch.tensor([2, 0, 5], dtype=torch.int64)
+    flow_WE, choices_WE = exchange_counts([counts_E], None)
+    assert flow_WE is choices_WE and flow_WE.dtype == np.int64 and flow_WE.shape == (1, 3)
+    np.testing.assert_array_equal(flow_WE, [[2, 0, 5]])
+    counts_E[0] = 9
+    assert flow_WE[0, 0] == 2
+    flow_WE, choices_WE = exchange_counts([counts_E.to(torch.int32), torch.tensor([1, 1, 1])], None)
+    np.testing.assert_array_equal(flow_WE, [[9, 0, 5]])
+    np.testing.assert_array_equal(choices_WE, [[1, 1, 1]])

@@ -340,7 +340,7 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
             flow_WE, choices_WE = rows[0], rows[1] if may_drop else rows[0]
             counts_E = self._balance_counts(choices_WE)
             placement = self._plan(self._replicas_flow(flow_WE, x_TD.device))
-            plan_SEW = dispatch_counts(flow_WE, placement, self.node_of)
+            plan_SEW = self._dispatch_plan(flow_WE, placement)
             self._calls += 1
             call_id = self._calls
             if mode == "record":
@@ -349,10 +349,12 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         self.aux_loss = self._aux(routing, me, counts_E)
 
         # Order: sort assignments by (destination, expert); the dispatch plan picks the holder.
-        dest_A = dispatch.assignment_destinations(expert_A, plan_SEW[me])
-        remote_nodes = self._remote_nodes_per_token(routing, dest_A, me)
-        # One rank: every destination is this one, the key is the expert.
-        key_A = expert_A if self.placement.world_size == 1 else dest_A * self.num_experts + expert_A
+        if self.placement.world_size == 1:  # one rank: every destination is this one, the key is the expert
+            key_A, remote_nodes = expert_A, 0.0  # (no other node either)
+        else:
+            dest_A = dispatch.assignment_destinations(expert_A, plan_SEW[me])
+            remote_nodes = self._remote_nodes_per_token(routing, dest_A, me)
+            key_A = dest_A * self.num_experts + expert_A
         order_A = torch.sort(key_A, stable=True).indices
         compute, weights_J = self._compute_held(placement, me)
         block = ExchangeBlock(
@@ -403,6 +405,14 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         if self.cluster_mismatch:
             return plan_ep(flow_WE, self.placement)
         return self.planner(flow_WE, self.placement, self.cost_model)
+
+    def _dispatch_plan(self, flow_WE: np.ndarray, placement: Placement) -> np.ndarray:
+        """`plan_SEW` (`core.placement.dispatch_counts`). One process holds every expert and keeps
+        every row: the plan is its flow, `[1, E, 1]` — what `dispatch_counts` builds, without the
+        checks, the zeros and the scatter it spends on a general group every forward."""
+        if placement.world_size == 1:
+            return flow_WE[:, :, None].copy()
+        return dispatch_counts(flow_WE, placement, self.node_of)
 
     def _remote_nodes_per_token(self, routing: Routing, dest_A: torch.Tensor, me: int) -> float:
         """`MoEStats.remote_nodes_per_token`: distinct other nodes the rows of a token go to, averaged."""
