@@ -233,9 +233,11 @@ def stable_topk_by_key(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     scores = torch.where(scores == 0, 0.0, scores)  # −0 → +0
     scores = torch.where(scores.isnan(), math.nan, scores)  # one NaN, above +∞ (the sort's NaN)
     bits = scores.view(torch.int32)
-    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     below_E = torch.arange(num - 1, -1, -1, device=scores_TE.device)  # E − 1 − e: lower ids larger
-    return torch.topk(order * 2**32 + below_E, k, dim=-1).indices
+    # `below_E + 2³² · order` in one op: the int32 order is widened to int64 before the product
+    # (type promotion), as `order.to(int64) * 2**32 + below_E` computed it in three.
+    return torch.topk(torch.add(below_E, order, alpha=2**32), k, dim=-1).indices
 
 
 def token_choices(
