@@ -99,7 +99,10 @@ class GroupLimit:
             size = self.num_experts // self.n_group
             group_TG = scores_TE.view(num_tokens, self.n_group, size).topk(self.group_topn, dim=-1).values.sum(-1)
             kept_TG = _top_groups(group_TG, self.topk_group)
-            return scores_TE.masked_fill(~kept_TG.repeat_interleave(size, dim=1), -math.inf)
+            # Each group's experts kept or −∞ by one `where` over the group-major view (the same
+            # values as masking with the group mask repeated per expert, without making that mask).
+            kept_TG1 = kept_TG.unsqueeze(-1)
+            return torch.where(kept_TG1, scores_TE.view(num_tokens, self.n_group, size), -math.inf).view_as(scores_TE)
         group_E = self._node_of_experts(layout, scores_TE.device)
         if group_E is None:
             return scores_TE
