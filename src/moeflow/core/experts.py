@@ -375,6 +375,12 @@ class GroupedExperts(nn.Module):
         return f"kind={self.kind}, experts={self.expert_ids}, d_model={self.d_model}, d_hidden={self.d_hidden}"
 
 
+def _dense_projection(x_TX: torch.Tensor, w_X: torch.Tensor, b_X: torch.Tensor | None, dtype) -> torch.Tensor:
+    """`x @ w (+ b)` in `dtype`, the weight `[D, ...]` as `[D, X]` (w13: `[D, 2, H]` as `[D, 2H]`)."""
+    out = x_TX @ w_X.to(dtype).flatten(1)
+    return out if b_X is None else out + b_X.to(dtype).flatten()
+
+
 class SharedExperts(nn.Module):
     """Shared experts (DeepSeek-MoE, DeepSeek-V3 §2.1.2): one dense MLP of the routed experts' kind,
     hidden width `d_hidden` (= shared experts × their width), applied to every token and added to
@@ -406,17 +412,14 @@ class SharedExperts(nn.Module):
                 nn.init.zeros_(param)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        w = dict(self.named_parameters())
+        # Its own parameters by name, without `named_parameters`' walk (a module without children).
+        w = self._parameters
         dtype = _compute_dtype(x_TD)
         x_TD = x_TD.to(dtype)
-
-        def project(name: str, bias: str, x: torch.Tensor) -> torch.Tensor:
-            out = x @ w[name].to(dtype).flatten(1)  # w13: [D, 2, H] as [D, 2H]
-            return out if bias not in w else out + w[bias].to(dtype).flatten()
-
         spec = EXPERT_KINDS[self.kind]
-        hidden_TH = activate(self.kind, self.options, project(spec.first_projection, spec.first_bias, x_TD))
-        return project("w2", "b2", hidden_TH)
+        h_TX = _dense_projection(x_TD, w[spec.first_projection], w.get(spec.first_bias), dtype)
+        hidden_TH = activate(self.kind, self.options, h_TX)
+        return _dense_projection(hidden_TH, w["w2"], w.get("b2"), dtype)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, d_model={self.d_model}, d_hidden={self.d_hidden}"
