@@ -5,6 +5,8 @@ and count exchange (vs the general ones)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -249,3 +251,22 @@ def test_exchange_counts_one_process_copies():
     flow_WE, choices_WE = exchange_counts([counts_E.to(torch.int32), torch.tensor([1, 1, 1])], None)
     np.testing.assert_array_equal(flow_WE, [[9, 0, 5]])
     np.testing.assert_array_equal(choices_WE, [[1, 1, 1]])
+
+
+def test_stable_topk_by_key_keeps_subnormals_and_every_nan_apart():
+    """The accelerator top-k's key (`stable_topk_by_key`, run here on the CPU) is the stable sort's
+    prefix also where scores are subnormal (kept, not flushed to zero: `x + 0 = x`), NaNs carry
+    other signs and payloads (all one NaN, above +∞) and −0 ties +0."""
+    from moeflow.routing.routing import stable_topk_by_key
+
+    gen = torch.Generator().manual_seed(1)
+    special = torch.tensor([1e-45, -1e-45, 1e-40, -1e-40, 0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 3.0])
+    pick = torch.randint(0, len(special), (300, 40), generator=gen)
+    scores = torch.where(torch.rand(300, 40, generator=gen) < 0.6, special[pick], torch.randn(300, 40, generator=gen))
+    payload_nans = torch.tensor([0x7FC00001, 0xFFC00123 - 2**32, 0x7F800001], dtype=torch.int32).view(torch.float32)
+    scores[:, :3] = payload_nans
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        typed = scores.to(dtype)
+        for k in (1, 2, 5, 40):
+            want = torch.sort(typed, dim=-1, descending=True, stable=True).indices[:, :k]
+            assert torch.equal(stable_topk_by_key(typed, k), want), (dtype, k)

@@ -230,8 +230,9 @@ def stable_topk_by_key(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     """
     num = scores_TE.shape[-1]
     scores = scores_TE.float()
-    scores = torch.where(scores == 0, 0.0, scores)  # −0 → +0
-    scores = torch.where(scores.isnan(), math.nan, scores)  # one NaN, above +∞ (the sort's NaN)
+    # −0 → +0 (IEEE: −0 + 0 = +0, and x + 0 = x for every other x) and every NaN (the one value
+    # unequal to itself) → one NaN, above +∞ as in the sort: three kernels, where two `where`s took four.
+    scores = torch.where(scores == scores, scores + 0.0, math.nan)
     bits = scores.view(torch.int32)
     order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     below_E = torch.arange(num - 1, -1, -1, device=scores_TE.device)  # E − 1 − e: lower ids larger
