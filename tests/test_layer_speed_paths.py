@@ -270,3 +270,20 @@ def test_stable_topk_by_key_keeps_subnormals_and_every_nan_apart():
         for k in (1, 2, 5, 40):
             want = torch.sort(typed, dim=-1, descending=True, stable=True).indices[:, :k]
             assert torch.equal(stable_topk_by_key(typed, k), want), (dtype, k)
+
+
+def test_run_expert_major_one_source_runs_the_rows_as_they_came():
+    """One source: the rows reach the experts as they came, with that source's counts (a list of
+    ints, as the general path's `sum(0)` gives), and come back in the same order."""
+    seen = []
+
+    def experts(x_RD, counts_J):
+        seen.append(counts_J)
+        return x_RD * 2
+
+    x_RD = torch.arange(12.0).reshape(6, 2)
+    out = dispatch.run_expert_major(experts, x_RD, np.array([[2, 0, 4]], dtype=np.int64))
+    assert seen == [[2, 0, 4]] and all(type(n) is int for n in seen[0])
+    assert torch.equal(out, x_RD * 2)
+    two_sources = dispatch.run_expert_major(experts, x_RD, np.array([[1, 0, 2], [1, 0, 2]], dtype=np.int64))
+    assert seen[-1] == [2, 0, 4] and torch.equal(two_sources, x_RD * 2)

@@ -211,7 +211,10 @@ def permute_rows(x_RD: torch.Tensor, perm_R: torch.Tensor, inverse_R: torch.Tens
 def run_expert_major(fn, x_RD: torch.Tensor, counts_SJ: np.ndarray) -> torch.Tensor:
     """`fn(x_grouped, counts_J)` on rows that arrived (source, expert)-major, regrouped
     (expert, source)-major for it (`source_major_to_expert_major`); its output back in arrival order."""
-    counts_J = np.asarray(counts_SJ).sum(0).tolist()
+    counts_SJ = np.asarray(counts_SJ)
+    if counts_SJ.shape[0] == 1:  # one source (one process): its rows are grouped by expert already
+        return fn(x_RD, counts_SJ[0].tolist())
+    counts_J = counts_SJ.sum(0).tolist()
     perm = source_major_to_expert_major(counts_SJ)
     if perm is None:  # one source: already grouped by expert
         return fn(x_RD, counts_J)
