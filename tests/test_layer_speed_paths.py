@@ -287,3 +287,23 @@ def test_run_expert_major_one_source_runs_the_rows_as_they_came():
     assert torch.equal(out, x_RD * 2)
     two_sources = dispatch.run_expert_major(experts, x_RD, np.array([[1, 0, 2], [1, 0, 2]], dtype=np.int64))
     assert seen[-1] == [2, 0, 4] and torch.equal(two_sources, x_RD * 2)
+
+
+def test_remote_nodes_per_token_counts_the_pairs_without_unique():
+    """`dispatch.remote_nodes_per_token` (a mask of (token, node) pairs on the device) equals the
+    count of distinct remote (token, node) pairs over the tokens, on random rows, node ids that are
+    not 0..N-1 runs, every row local, and one token."""
+    gen = torch.Generator().manual_seed(4)
+    for trial in range(40):
+        tokens, k = int(torch.randint(1, 50, (1,), generator=gen)), int(torch.randint(1, 5, (1,), generator=gen))
+        node_W = torch.randint(0, 7, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen)
+        if trial % 10 == 0:
+            node_W = torch.zeros_like(node_W)  # one node: nothing is remote
+        token_A = torch.arange(tokens).repeat(k)[torch.randperm(tokens * k, generator=gen)]
+        dest_A = torch.randint(0, node_W.numel(), (tokens * k,), generator=gen)
+        me = int(torch.randint(0, node_W.numel(), (1,), generator=gen))
+        node_A = node_W[dest_A]
+        remote = node_A != node_W[me]
+        pairs = {(int(t), int(n)) for t, n in zip(token_A[remote], node_A[remote])}
+        got = dispatch.remote_nodes_per_token(token_A, node_A, int(node_W[me]), tokens, int(node_W.max()) + 1)
+        assert got.dim() == 0 and float(got) == len(pairs) / tokens

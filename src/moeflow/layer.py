@@ -40,7 +40,7 @@ from moeflow.core import dispatch
 from moeflow.core.checks import check_layer_input, finite_number, positive_int
 from moeflow.core.exchange import ExchangeBlock
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.experts import GroupedExperts, shared_experts_of
+from moeflow.core.experts import GroupedExperts, host_to_device, shared_experts_of
 from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.core.registry import LayerContext
@@ -414,15 +414,16 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
             return flow_WE[:, :, None].copy()
         return dispatch_counts(flow_WE, placement, self.node_of)
 
-    def _remote_nodes_per_token(self, routing: Routing, dest_A: torch.Tensor, me: int) -> float:
-        """`MoEStats.remote_nodes_per_token`: distinct other nodes the rows of a token go to, averaged."""
+    def _remote_nodes_per_token(self, routing: Routing, dest_A: torch.Tensor, me: int) -> torch.Tensor | float:
+        """`MoEStats.remote_nodes_per_token`: distinct other nodes the rows of a token go to, averaged
+        (`dispatch.remote_nodes_per_token`: on the device, read when the stats are read)."""
         if self.node_of is None or routing.token_A is None or routing.num_tokens == 0:
             return 0.0
-        node_W = torch.tensor(self.node_of, dtype=torch.int64, device=dest_A.device)
-        node_A = node_W[dest_A]
-        remote_A = node_A != self.node_of[me]
-        pairs = torch.unique(routing.token_A[remote_A] * len(self.node_of) + node_A[remote_A])
-        return pairs.numel() / routing.num_tokens
+        node_W = host_to_device(list(self.node_of), torch.int64, dest_A.device)
+        nodes = max(self.node_of) + 1
+        return dispatch.remote_nodes_per_token(
+            routing.token_A, node_W[dest_A], self.node_of[me], routing.num_tokens, nodes
+        )
 
     def _record(self, block, flow_WE, choices_WE, plan_SEW, placement, dropped, redirected, me, remote_nodes) -> None:
         """`stats` of this forward (built when read); in training, the expert choices for the step's

@@ -135,6 +135,19 @@ def scatter_counts(index_A: torch.Tensor, size: int) -> torch.Tensor:
     return counts.scatter_add_(0, index_A.to(torch.int64), torch.ones_like(index_A, dtype=torch.int64))
 
 
+def remote_nodes_per_token(
+    token_A: torch.Tensor, node_A: torch.Tensor, my_node: int, num_tokens: int, nodes: int
+) -> torch.Tensor:
+    """Distinct nodes other than `my_node` that the rows of a token go to (`node_A`: each row's
+    destination node, in `[0, nodes)`), averaged over `num_tokens` tokens: a 0-dim float tensor on
+    the rows' device. The (token, node) pairs are marked in a `[T · nodes]` mask — every row of a
+    pair writes the same value, whether its node is another — so nothing is read back to the host
+    (a `unique` of the remote pairs waits for the device to size its output)."""
+    seen = torch.zeros(num_tokens * nodes, dtype=torch.bool, device=token_A.device)
+    seen.index_put_((token_A * nodes + node_A,), node_A != my_node)
+    return seen.sum().double() / num_tokens  # float64, as `count / tokens` in Python
+
+
 def position_in_expert(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:
     """For each assignment, how many assignments to the same expert come before it (in `A` order):
     the priority rank used by capacity dropping and by the split of an expert's rows over holders."""

@@ -64,10 +64,12 @@ class MoEStats:
         me: int,
         row_bytes: int,
         node_of: Sequence[int] | None,
+        remote_nodes_per_token: float | torch.Tensor = 0.0,
         **named,
     ) -> MoEStats:
         """The stats of a forward from its global flow, choices and dispatch plan `[S, E, W]`, this
-        rank's send splits (rows per destination) and the bytes of a row on the wire; `named`: the
+        rank's send splits (rows per destination) and the bytes of a row on the wire;
+        `remote_nodes_per_token` as the layer counted it (a device tensor, read here); `named`: the
         remaining fields as they are."""
         rows_W = np.array(send_splits, dtype=np.int64)  # numpy: a few small ops, each cheaper than torch's
         rows_W[me] = 0
@@ -77,6 +79,7 @@ class MoEStats:
             device_loads=torch.from_numpy(plan_SEW.sum((0, 1))),
             bytes_sent=torch.from_numpy(rows_W * row_bytes),
             cross_node_share=0.0 if node_of is None else cross_node_share(plan_SEW.sum(1), node_of),
+            remote_nodes_per_token=float(remote_nodes_per_token),
             **named,
         )
 
