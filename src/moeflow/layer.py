@@ -21,7 +21,8 @@ computed on every token and added to the routed output; they never enter the ste
 Two parts of the layer are base classes, each in its own module: the gate call, `aux_loss` and the
 once-per-step balance update (`moeflow.layer_routing.LayerRouting`), and the experts this rank
 computes in a forward — the copies' gather, the compute the schedule runs, their release after the
-combine (`moeflow.layer_held.HeldExperts`).
+combine (`moeflow.layer_held.HeldExperts`). What a forward reports (`stats`, built when read) and
+the choices it leaves for the balance update come from `moeflow.layer_stats.LayerStats`.
 """
 
 from __future__ import annotations
@@ -40,16 +41,16 @@ from moeflow.core import dispatch
 from moeflow.core.checks import check_layer_input, finite_number, positive_int
 from moeflow.core.exchange import ExchangeBlock
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.experts import GroupedExperts, host_to_device, shared_experts_of
-from moeflow.core.hooks import WIRE_DTYPES, MoEHook, layer_hooks, run_hooks
+from moeflow.core.experts import GroupedExperts, shared_experts_of
+from moeflow.core.hooks import MoEHook, layer_hooks, run_hooks
 from moeflow.core.placement import Placement, dispatch_counts
 from moeflow.core.registry import LayerContext
 from moeflow.core.replay import RECOMPUTE_MODES, Decision, replay_state
 from moeflow.core.stats import MoEStats
 from moeflow.layer_held import HeldExperts
 from moeflow.layer_routing import LayerRouting
+from moeflow.layer_stats import LayerStats
 from moeflow.routing import BALANCES, GATES, check_balance_fits_gate, default_balance, routing_kind
-from moeflow.routing.gates import Routing
 from moeflow.strategies import DISPATCHERS, PLANNERS, SCHEDULES
 from moeflow.strategies.planners.base import as_planner
 from moeflow.strategies.planners.ep import plan_ep
@@ -69,7 +70,7 @@ AXES = {"gate": GATES, "balance": BALANCES, "strategy": PLANNERS, "schedule": SC
 """The axes of a MoE layer and the registry of names of each (docs/architecture.md)."""
 
 
-class MoELayer(LayerRouting, HeldExperts, nn.Module):
+class MoELayer(LayerRouting, HeldExperts, LayerStats, nn.Module):
     """A Mixture-of-Experts FFN layer (docs/architecture.md).
 
     Args:
@@ -413,52 +414,6 @@ class MoELayer(LayerRouting, HeldExperts, nn.Module):
         if placement.world_size == 1:
             return flow_WE[:, :, None].copy()
         return dispatch_counts(flow_WE, placement, self.node_of)
-
-    def _remote_nodes_per_token(self, routing: Routing, dest_A: torch.Tensor, me: int) -> torch.Tensor | float:
-        """`MoEStats.remote_nodes_per_token`: distinct other nodes the rows of a token go to, averaged
-        (`dispatch.remote_nodes_per_token`: on the device, read when the stats are read)."""
-        if self.node_of is None or routing.token_A is None or routing.num_tokens == 0:
-            return 0.0
-        node_W = host_to_device(list(self.node_of), torch.int64, dest_A.device)
-        nodes = max(self.node_of) + 1
-        return dispatch.remote_nodes_per_token(
-            routing.token_A, node_W[dest_A], self.node_of[me], routing.num_tokens, nodes
-        )
-
-    def _record(self, block, flow_WE, choices_WE, plan_SEW, placement, dropped, redirected, me, remote_nodes) -> None:
-        """`stats` of this forward (built when read); in training, the expert choices for the step's
-        balance update."""
-        wire = WIRE_DTYPES[self.dispatch_dtype] if self.dispatch_dtype else block.x_sent_AD.dtype
-        self._stats = functools.partial(
-            MoEStats.of_forward,
-            flow_WE,
-            choices_WE,
-            plan_SEW,
-            block.send_WW[me],  # rows sent to each rank (`block.send_splits`)
-            me,
-            wire.itemsize * self.d_model,  # bytes of a row on the wire
-            self.node_of,
-            dropped=dropped,
-            placement=placement,
-            redirected=redirected,
-            remote_nodes_per_token=remote_nodes,
-            strategy=self.planner.choice() or self.strategy,
-            schedule=self.schedule.choice() or self.axes["schedule"],
-            materialized_bytes=self.held_bytes[0],
-            held_bytes=self.held_bytes[1],
-        )
-        if self.training and self.balance.observes:
-            choices = torch.from_numpy(choices_WE).to(torch.float64)  # `stats.choices`, a copy
-            self._choices_WE = choices if self._choices_WE is None else self._choices_WE + choices
-            self._forwards += 1
-
-    @property
-    def stats(self) -> MoEStats | None:
-        """`MoEStats` of the last forward (None before one), built from its counts and plan when
-        first read: most steps never read it, and building it costs as much as a few ops."""
-        if isinstance(self._stats, functools.partial):  # the last forward's, not built yet
-            self._stats = self._stats()
-        return self._stats
 
     def _notice_mismatch(self) -> None:
         """Say once per layer (not per step) that the cost model is unused; the layers of a model say it

@@ -12,7 +12,7 @@ group (`cluster_mismatch` False); otherwise it runs in its topology-free form.
 
 It reads from the layer: `gate`, `balance`, `balance_weight`, `z_loss_weight`, `check_finite`,
 `cluster_mismatch`, `placement`, `node_of`, `experts`, `balance_group`, `aux_loss`, and the
-choices `_record` accumulates (`_choices_WE`, `_forwards`); it keeps the routing layout of the
+choices `LayerStats._record` accumulates (`_choices_WE`, `_forwards`); it keeps the routing layout of the
 layer's owners in `_layout`, which the layer clears when it binds new owners.
 
 Shape suffixes: T tokens on this rank, D d_model, E experts, W ranks in the expert-parallel group.
