@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from moeflow.perf.compiled_routes import on_routes, transposed
+from moeflow.perf.compiled_routes import on_routes, ranks_by_node, transposed
 
 
 @njit(cache=True, nogil=True)
@@ -29,15 +29,9 @@ def owner_sums(flow_WE, owner_E, routes, L, n_classes, tok_bytes):
     members_W = np.arange(W)  # ranks node by node
     start_W = np.zeros(W + 1, dtype=np.int64)  # where each node's ranks begin in `members_W`
     if under_root:
-        for w in range(W):
-            start_W[node_W[w] + 1] += 1
-        for n in range(W):
-            start_W[n + 1] += start_W[n]
-        fill = start_W[:W].copy()
-        for w in range(W):
-            column_W[w] = fill[node_W[w]] - start_W[node_W[w]]
-            members_W[fill[node_W[w]]] = w
-            fill[node_W[w]] += 1
+        ranks_by_node(node_W, node_W.max() + 1, members_W, start_W)
+        for m in range(W):
+            column_W[members_W[m]] = m - start_W[node_W[members_W[m]]]
     M = column_W.max() + 1 if under_root else W
     tokens = np.zeros(W)
     local = np.zeros(W)

@@ -96,6 +96,21 @@ def link_maxima(state, offset, L, n_classes, inv_bw_L, latency_classes):
 
 
 @njit(cache=True, nogil=True)
+def ranks_by_node(node_W, nodes, members_W, start_N):
+    """The ranks node by node, in rank order within a node (`members_W`), node n's from `start_N[n]`
+    to `start_N[n + 1]`."""
+    start_N[: nodes + 1] = 0
+    for w in range(node_W.size):
+        start_N[node_W[w] + 1] += 1
+    for n in range(nodes):
+        start_N[n + 1] += start_N[n]
+    fill = start_N[:nodes].copy()
+    for w in range(node_W.size):
+        members_W[fill[node_W[w]]] = w
+        fill[node_W[w]] += 1
+
+
+@njit(cache=True, nogil=True)
 def transposed(flow_WE):
     """`flow_WE.T` in C order, float64, copied in tiles of 8 x 8 (a column read rank by rank touches one
     cache line and one page per rank: at 1024 ranks a step's reads would cost more than its work)."""

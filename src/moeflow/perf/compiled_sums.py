@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from moeflow.perf.compiled_routes import kept, link_maxima, on_routes
+from moeflow.perf.compiled_routes import kept, link_maxima, on_routes, ranks_by_node
 
 
 @njit(cache=True, nogil=True)
@@ -86,8 +86,9 @@ def _dispatch_one(
     entries per route latency), leaving out the sources on the nodes of `skip_N` (their dispatch is
     the same before and after the step: they would cancel), and the bytes out of the sources on the
     nodes of `bare_N` (no holder before or after: all they send leaves their node both times).
-    `work`: scratch `[6, W + 1]` (rows 4 and 5: the ranks node by node, `_ranks_by_node`); `pend_*`:
-    `on_routes`' entries, room for a node's ranks per source.
+    `work`: scratch `[6, W + 1]` (rows 4 and 5: the ranks node by node,
+    `compiled_routes.ranks_by_node`); `pend_*`: `on_routes`' entries, room for a node's ranks per
+    source.
 
     Sources whose node holds none spread over every holder: where nodes hang from the root, all of
     a source's tokens leave by its links up and each holder's share enters by its links down, so
@@ -353,7 +354,7 @@ def dispatch_terms(
         )
     nodes = node_W.max() + 1
     work = np.empty((6, W + 1), dtype=np.int64)
-    _ranks_by_node(node_W, nodes, work[4], work[5])
+    ranks_by_node(node_W, nodes, work[4], work[5])
     per_node = np.bincount(node_W).max()  # a source's candidates on its node, at most
     pend_i, pend_f = np.empty((3, W * per_node + 1), dtype=np.int64), np.empty((2, W * per_node + 1))
     skip_N, bare_N = np.empty(nodes, dtype=np.bool_), np.empty(nodes, dtype=np.bool_)
@@ -389,21 +390,6 @@ def dispatch_terms(
                 state, W, L, n_classes, inv_bw_L, latency_classes
             )
     return most_Z, busiest_Z, latency_Z, sends_Z
-
-
-@njit(cache=True, nogil=True)
-def _ranks_by_node(node_W, nodes, members_W, start_N):
-    """The ranks node by node, in rank order within a node (`members_W`), node n's from `start_N[n]`
-    to `start_N[n + 1]`."""
-    start_N[: nodes + 1] = 0
-    for w in range(node_W.size):
-        start_N[node_W[w] + 1] += 1
-    for n in range(nodes):
-        start_N[n + 1] += start_N[n]
-    fill = start_N[:nodes].copy()
-    for w in range(node_W.size):
-        members_W[fill[node_W[w]]] = w
-        fill[node_W[w]] += 1
 
 
 @njit(cache=True, nogil=True)
