@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import copies_by_tree, dispatch_entries, send_by_owner
+from moeflow.core.placement import Placement, copies_by_tree, dispatch_entries, send_by_owner
 from moeflow.perf import compiled_owners, compiled_sums
 from moeflow.perf import prefix_max as running
 from moeflow.perf.placement_copies import PlacementCopies
@@ -222,8 +222,7 @@ class PlacementPricer(PlacementCopies):
     def _owners_EW(self) -> np.ndarray:
         """Every expert held by its owner alone `[E, W]` (made once per pricer)."""
         if self._owners_alone is None:
-            self._owners_alone = np.zeros((self.E, self.W), dtype=bool)
-            self._owners_alone[np.arange(self.E), self.owner] = True
+            self._owners_alone = Placement.owners_only(self.owner, self.W).holders_EW
         return self._owners_alone
 
     def cheapest_prefixes(self, experts_Q, holders_QW, price, detail: bool = False, bounded: bool = True) -> np.ndarray:
