@@ -247,3 +247,37 @@ def test_planners_decide_alike_compiled_or_not(monkeypatch, preset):
         got, want = _both(monkeypatch, _decide, ctx, flow, owners, cm)
         for a, b in zip(got, want):
             assert a == b
+
+
+def test_a_shadow_search_on_the_everywhere_kernel_equals_the_general_one(monkeypatch):
+    """`EverywherePricer.cheapest_prefixes` on `perf.compiled_everywhere` (the copies of every prefix
+    first, then rounds of prefixes going on from the last state) against the general pricer's
+    search: the same floats, bounded and not, with searches of one round and of several."""
+    from moeflow.perf import compiled_everywhere
+
+    rounds = []
+    rows_of = compiled_everywhere.everywhere_rows
+    monkeypatch.setattr(compiled_everywhere, "everywhere_rows", lambda *a: rounds.append(a[1].size) or rows_of(*a))
+    big = ExpertShape(1024, 4096)  # copies that cost as much as some tokens: the bound stops searches
+    rng = np.random.default_rng(8)
+    several = 0
+    for case in range(24):
+        cm = CostModel.from_preset(["johnny@64", "johnny@16", "hecate_a@16"][case % 3])
+        world = cm.topology.num_devices
+        experts = world * int(rng.choice([2, 4]))
+        skew = rng.uniform(0.6, 1.6)
+        flow = synthetic_trace("zipf", 1, 1, world, experts, 8192, 2, skew=skew, seed=case).flow_ILWE[0, 0]
+        flow = np.rint(flow).astype(np.int64)
+        owner_E = np.arange(experts) // (experts // world)
+        order = np.argsort(-flow.sum(0), kind="stable")[: int(rng.integers(1, experts + 1))]
+        ones = np.ones((order.size, world), dtype=bool)
+        for bounded in (True, False):
+            rounds.clear()
+            every = EverywherePricer(flow.astype(float), owner_E, cm, big, cm.topology.node_of, whole=True)
+            got = every.cheapest_prefixes(order, ones, _shadow_price, bounded=bounded)
+            general = PlacementPricer(flow.astype(float), owner_E, cm, big, cm.topology.node_of, whole=True)
+            want = general.cheapest_prefixes(order, ones, _shadow_price, bounded=bounded)
+            np.testing.assert_array_equal(got, want)
+            assert sum(rounds) == got.size - 1  # every prefix priced once, on the everywhere kernel
+            several += len(rounds) > 1
+    assert several >= 3

@@ -106,6 +106,27 @@ def test_expert_parallel_placement_and_validation():
         dispatch_counts(np.zeros((2, 6)), p)
 
 
+def test_copied_experts_are_those_held_beyond_their_owner():
+    """`Placement.copied_E` (kept on the placement, read by `PlacementPricer.of_placements`) against
+    the holders compared with the owners alone; `held_everywhere` gives it without a pass."""
+    rng = np.random.default_rng(2)
+    for _ in range(60):
+        world = int(rng.integers(1, 9))
+        experts = world * int(rng.integers(1, 4))
+        owner = rng.integers(0, world, experts)
+        alone = Placement.owners_only(owner, world)
+        placement = alone.with_holders(rng.random((experts, world)) < rng.choice([0.0, 0.05, 0.3]))
+        want = np.flatnonzero((placement.holders_EW != alone.holders_EW).any(1))
+        np.testing.assert_array_equal(placement.copied_E, want)
+        shadows = rng.integers(0, experts, int(rng.integers(0, 4)))
+        everywhere = Placement.held_everywhere(owner, world, shadows)
+        assert everywhere == alone.with_holders(np.isin(np.arange(experts), shadows)[:, None])
+        np.testing.assert_array_equal(
+            everywhere.copied_E, np.flatnonzero((everywhere.holders_EW != alone.holders_EW).any(1))
+        )
+        assert everywhere.copied_E.dtype == np.int64
+
+
 def test_planner_registry_and_the_one_plain_ep_owner_formula():
     ctx = LayerContext(4, 1, ExpertShape(8, 8))
     p = Placement.expert_parallel(4, 2).with_holders(np.ones((4, 2), bool))

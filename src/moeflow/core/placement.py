@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -130,6 +131,23 @@ class Placement:
         extra = self.holders_EW.copy()
         extra[np.arange(self.num_experts), self.owner_E] = False
         return extra
+
+    @classmethod
+    def held_everywhere(cls, owner_E: np.ndarray, world_size: int, experts: Sequence[int]) -> Placement:
+        """The owners, and `experts` held by every rank (FasterMoE's shadows)."""
+        placement = cls.owners_only(owner_E, world_size)
+        placement.holders_EW[list(experts)] = True
+        if world_size > 1:  # `copied_E` known: no pass over the holders to find it
+            placement.__dict__["copied_E"] = np.unique(np.asarray(experts, dtype=np.int64))
+        return placement
+
+    @cached_property
+    def copied_E(self) -> np.ndarray:
+        """The experts held by any rank besides their owner, ascending (kept: a placement's holders
+        are not changed once it is made)."""
+        if self.is_owners_only():
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(np.count_nonzero(self.holders_EW, axis=1) > 1)
 
     def is_owners_only(self) -> bool:
         # Every owner holds its expert (checked on construction): owners only = one holder each.

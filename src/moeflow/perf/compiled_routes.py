@@ -38,7 +38,9 @@ def kept_rows(start_Q: np.ndarray) -> np.ndarray:
     (`placements`), the owners' row and each candidate's last (the compiled sums price only those)."""
     if not start_Q[1:].any():
         return EVERY_ROW
-    return np.concatenate([[True], np.append(start_Q[1:], True)])
+    keep_Z = np.ones(start_Q.size + 1, dtype=np.bool_)
+    keep_Z[1:-1] = start_Q[1:]
+    return keep_Z
 
 
 @njit(cache=True, nogil=True)

@@ -63,7 +63,7 @@ def _holder_runs(holders_W, node_W, nodes, one_alone, every, grouped, end):
 
 
 @njit(cache=True, nogil=True)
-def _dispatch_one(
+def dispatch_one(
     flow_W,
     holders_W,
     node_W,
@@ -236,7 +236,7 @@ def _spread_shares(every, extra, n_all, spread, crossing, sign, W, L, enter_W2, 
 def _dispatch_memo(
     flow_W, holders_W, node_W, skip_N, bare_N, sign, routes, L, tok_bytes, state, work, pend_i, pend_f, memo_f, memo_x
 ):
-    """`_dispatch_one` of a state an earlier step dispatched as its after-state with sources that
+    """`dispatch_one` of a state an earlier step dispatched as its after-state with sources that
     spread (`memo_*`: what that step left): the sources on the nodes holding the expert are
     dispatched here, those on the nodes that hold it in the other state send their bytes out, and
     the spreading sources' shares and entries are the memo's — the same sums without a pass over
@@ -308,7 +308,7 @@ def _unchanged_nodes(new_W, prev_W, node_W, skip_N, bare_N, held_new, held_prev)
 
 
 @njit(cache=True, nogil=True)
-def _row_maxima(state, W, L, n_classes, inv_bw_L, latency_classes):
+def row_maxima(state, W, L, n_classes, inv_bw_L, latency_classes):
     """(most tokens on a device, then the exchange's `link_maxima`) of a row of `dispatch_terms`."""
     most = state[0]
     for w in range(1, W):
@@ -349,7 +349,7 @@ def dispatch_terms(
     most_Z, busiest_Z, latency_Z = np.zeros(Q + 1), np.zeros(Q + 1), np.zeros(Q + 1)
     sends_Z = np.zeros(Q + 1, dtype=np.bool_)
     if kept(keep_Z, 0):
-        most_Z[0], busiest_Z[0], latency_Z[0], sends_Z[0] = _row_maxima(
+        most_Z[0], busiest_Z[0], latency_Z[0], sends_Z[0] = row_maxima(
             state, W, L, n_classes, inv_bw_L, latency_classes
         )
     nodes = node_W.max() + 1
@@ -378,15 +378,15 @@ def dispatch_terms(
         args = (node_W, skip_N, bare_N)
         rest = (routes, spread_by_holder, L, tok_bytes, state, work, pend_i, pend_f)
         keep = memo_f[j, : 3 if wanted[j] else 0], memo_x[memo_at[j] : memo_at[j + 1]]
-        memo_ok[j] = _dispatch_one(flow_W, new_QW[j], *args, 1.0, *rest, *keep)
+        memo_ok[j] = dispatch_one(flow_W, new_QW[j], *args, 1.0, *rest, *keep)
         e = earlier_Q[j]
         if e >= 0 and memo_ok[e]:
             memo = memo_f[e], memo_x[memo_at[e] : memo_at[e + 1]]
             _dispatch_memo(flow_W, prev_QW[j], *args, -1.0, routes, L, tok_bytes, state, work, pend_i, pend_f, *memo)
         else:
-            _dispatch_one(flow_W, prev_QW[j], *args, -1.0, *rest, memo_f[j, :0], memo_x[:0])
+            dispatch_one(flow_W, prev_QW[j], *args, -1.0, *rest, memo_f[j, :0], memo_x[:0])
         if kept(keep_Z, j + 1):
-            most_Z[j + 1], busiest_Z[j + 1], latency_Z[j + 1], sends_Z[j + 1] = _row_maxima(
+            most_Z[j + 1], busiest_Z[j + 1], latency_Z[j + 1], sends_Z[j + 1] = row_maxima(
                 state, W, L, n_classes, inv_bw_L, latency_classes
             )
     return most_Z, busiest_Z, latency_Z, sends_Z

@@ -104,6 +104,7 @@ class CostModel(CopiesPricing, CostModelSources):
                 raise TypeError(f"fits[{k!r}]={f!r}: expected AlphaBeta")
         topo, W = self.topology, self.topology.num_devices
         self._inv_bw_L = 1.0 / topo.bandwidth_L
+        self._inv_bw_L.flags.writeable = False  # read by every pricer (`inv_bw_L`)
         self._ring_memo: dict[tuple, Any] = {}
         off = ~np.eye(W, dtype=bool)
         self._max_latency = float(topo.path_latency_WW[off].max()) if W > 1 else 0.0
@@ -375,6 +376,19 @@ class CostModel(CopiesPricing, CostModelSources):
             table = self.collective_times(kind, np.arange(count + 1) * float(unit_bytes))
             table.flags.writeable = False
             self._ring_memo[key] = table
+        return self._ring_memo[key]
+
+    @property
+    def inv_bw_L(self) -> np.ndarray:
+        """1 / each link's bandwidth (s per byte), read-only: a link's time is its bytes times this."""
+        return self._inv_bw_L
+
+    def collective_never_falls(self, kind: str, unit_bytes: float) -> bool:
+        """Whether `collective_times` of `kind` over every device costs no less for more units of
+        `unit_bytes` (kept): its time is affine in its bytes past 0, so 0, 1 and 2 units tell."""
+        key = ("never_falls", kind, float(unit_bytes))
+        if key not in self._ring_memo:
+            self._ring_memo[key] = bool((np.diff(self.collective_table(kind, unit_bytes, 2)) >= 0).all())
         return self._ring_memo[key]
 
     def p2p_time(self, nbytes: Any, src: int, dst: int) -> np.ndarray:

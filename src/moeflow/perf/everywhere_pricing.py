@@ -18,6 +18,13 @@ the same floats (tests/test_vectorised_planners.py compares the two). Steps of a
 cost model that counts GEMM launches, gloo's trees across nodes (`PlacementPricer.tree`) and
 per-device local counts (`detail`) take the general path.
 
+On a whole flow (the compiled path, `perf.placement_compiled`) a search of such steps
+(`cheapest_prefixes`) runs on `perf.compiled_everywhere`: the copies of every prefix first (each
+owner's broadcasts, no tree), then the dispatch of as many prefixes as the copies' bound asks for,
+going on from the state where the last round stopped instead of pricing the first prefixes again
+— the same floats as the general path (tests/test_compiled_sums.py), without its copy trees, its
+per-step bookkeeping and its round of NumPy calls per pass.
+
 Shape suffixes: W ranks, E experts, Q steps (one expert each), Z candidates (prefixes: Q + 1).
 """
 
@@ -26,12 +33,71 @@ from __future__ import annotations
 import numpy as np
 
 from moeflow.core.placement import dispatch_entries
-from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms
+from moeflow.perf import compiled_copies, compiled_everywhere
+from moeflow.perf.placement_pricing import PRICED_FIRST, PlacementPricer, PlacementTerms
 from moeflow.perf.prefix_max import running_sums
 
 
 class EverywherePricer(PlacementPricer):
     """`PlacementPricer` with the shadow steps' prices computed directly (module docstring)."""
+
+    def cheapest_prefixes(self, experts_Q, holders_QW, price, detail: bool = False, bounded: bool = True) -> np.ndarray:
+        """`PlacementPricer.cheapest_prefixes`; on a whole flow, steps that each hold one more
+        expert everywhere run on `perf.compiled_everywhere` (module docstring)."""
+        experts = np.asarray(experts_Q, dtype=np.int64)
+        rows = np.asarray(holders_QW, dtype=bool).reshape(experts.size, self.W)
+        Q = experts.size
+        pruned = bounded and Q > PRICED_FIRST
+        compiled = (
+            Q > 0
+            and self._compiled_terms(detail)
+            and self.max_stages
+            and not self.tree
+            and self.W > 1
+            and bool(rows.all())
+            and self._distinct(experts)
+        )
+        if not compiled or (pruned and not self._copies_grow(experts, rows)):
+            return super().cheapest_prefixes(experts, rows, price, detail, bounded)
+        # Every prefix's copies: each owner's broadcasts out and reduces back (no copy tree).
+        start = np.zeros(Q, dtype=bool)
+        start[0] = True
+        after, before = compiled_everywhere.owner_counts(experts, self.owner, self.W)
+        trans, agg = (compiled_copies.owner_price_sums(after, before, start, t) for t in self._owner_price_tables())
+        n_copies = np.arange(Q + 1) * (self.W - 1)
+        copies = trans + agg
+        state = np.concatenate((self.tokens0, self.traffic0, self.classes0))
+        maxima: list[np.ndarray] = []
+        done, priced = 0, PRICED_FIRST if pruned else Q
+        while True:  # as `_cheapest_growing`: price, then as far as the copies' bound leaves
+            rows_Z = compiled_everywhere.everywhere_rows(
+                self._flow_EW,
+                experts[done:priced],
+                self.owner,
+                self._node_W,
+                self.topology.route_tables,
+                self._spread_by_holder,
+                float(self.tok_bytes),
+                state,
+                self.inv_bw_L,
+                self.topology.latency_classes,
+            )
+            # Row 0 of a later round is the last row of the one before.
+            maxima = [np.concatenate((m, r[1:])) for m, r in zip(maxima, rows_Z)] if done else list(rows_Z)
+            done = priced
+            compute, a2a = self._priced_maxima(*maxima)
+            kept = slice(0, priced + 1)
+            terms = PlacementTerms(
+                compute, a2a, trans[kept], agg[kept], trans[kept], agg[kept], None, None, n_copies[kept]
+            )
+            predicted = price(terms)
+            if not pruned:
+                return predicted
+            beyond = np.flatnonzero(copies > predicted.min())
+            last = int(beyond[0]) if beyond.size else Q
+            if last <= priced:
+                return predicted
+            priced = last
 
     def _direct(self, experts: np.ndarray, new_QW: np.ndarray, start: np.ndarray, detail: bool) -> bool:
         """Whether the steps are one prefix of distinct experts, each held everywhere after it."""

@@ -56,7 +56,7 @@ class CompiledPricing:
     def _compiled(self, experts, owner_Q, new_QW, prev_QW, start) -> PlacementTerms:
         """`_terms` from the compiled running sums of the dispatch (`compiled_sums.dispatch_terms`):
         the same maxima as the NumPy path, priced by the same `CostModel` calls."""
-        topo, cm, shape = self.topology, self.cm, self.shape
+        topo = self.topology
         most, busiest, latency, sends = compiled_sums.dispatch_terms(
             self._flow_EW,
             experts,
@@ -75,13 +75,20 @@ class CompiledPricing:
             topo.latency_classes,
             kept_rows(start),
         )
-        compute = cm.expert_forward_time(most, shape, None) + cm.elementwise_time(most, shape)
-        a2a = cm.a2a_from_busiest(busiest, latency, sends)
+        compute, a2a = self._priced_maxima(most, busiest, latency, sends)
         copies = self._known_copies(experts, new_QW) if int(start.sum()) == 1 else None
         if copies is None:
             copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
         trans, agg, trans_pf, agg_pf, n_copies = copies
         return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, None, None, n_copies)
+
+    def _priced_maxima(self, most, busiest, latency, sends) -> tuple[np.ndarray, np.ndarray]:
+        """(forward expert compute of the slowest device, one exchange) from the dispatch's maxima
+        (most tokens, busiest link time, slowest route used, whether it sends), by the NumPy path's
+        own `CostModel` calls."""
+        cm, shape = self.cm, self.shape
+        compute = cm.expert_forward_time(most, shape, None) + cm.elementwise_time(most, shape)
+        return compute, cm.a2a_from_busiest(busiest, latency, sends)
 
     def _compiled_copies(self, owner_Q, new_QW, prev_QW, start):
         """`_copies` from the compiled running sums (`compiled_copies.copy_terms`): the same maxima

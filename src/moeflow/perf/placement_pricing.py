@@ -120,7 +120,7 @@ class PlacementPricer(PlacementCopies):
             self._owners(whole)
         self.tree = copies_by_tree(topo.node_of, cost_model.backend)
         # Sources that spread over every holder are summed per holder where their nodes are the
-        # topology's and hang from the root (`compiled_sums._dispatch_one`).
+        # topology's and hang from the root (`compiled_sums.dispatch_one`).
         self._spread_by_holder = bool(
             topo.nodes_under_root
             and node_of is not None
@@ -131,7 +131,7 @@ class PlacementPricer(PlacementCopies):
         self._owners_alone: np.ndarray | None = None
         self._copies_of: tuple | None = None
         """(steps, holders, `_copies`) of the last prefix search's copies (`_prefix_copies`)."""
-        self.inv_bw_L = 1.0 / topo.bandwidth_L
+        self.inv_bw_L = cost_model.inv_bw_L
         # A prefix search keeps running maxima (`perf.prefix_max`) where a price is a maximum of per-device
         # or per-link terms of sums that are exact (whole counts and bytes: any order sums alike).
         self.max_compute = (
@@ -210,10 +210,28 @@ class PlacementPricer(PlacementCopies):
         holders_ZEW = np.asarray(holders_ZEW, dtype=bool).reshape(-1, self.E, self.W)
         # Each candidate's steps: the experts held other than by their owner alone.
         z, experts = np.nonzero((holders_ZEW != self._owners_EW()).any(axis=2))
-        steps = np.bincount(z, minlength=holders_ZEW.shape[0])
+        return self._candidates(z, experts, holders_ZEW[z, experts], holders_ZEW.shape[0], detail)
+
+    def of_placements(self, placements: list[Placement], detail: bool = False) -> PlacementTerms:
+        """`placements` of `Placement`s with the pricer's owners: each one's steps are its
+        `Placement.copied_E` (kept on it: a plan that stands several calls finds them once)."""
+        if any(p.owner_E is not self.owner and not np.array_equal(p.owner_E, self.owner) for p in placements):
+            raise ValueError("of_placements: a placement has other owners than the pricer's")
+        steps = [p.copied_E for p in placements]
+        z = np.repeat(np.arange(len(placements)), [s.size for s in steps])
+        experts = np.concatenate([np.zeros(0, dtype=np.int64), *steps])
+        rows = np.concatenate(
+            [np.zeros((0, self.W), dtype=bool), *(p.holders_EW[s] for p, s in zip(placements, steps))]
+        )
+        return self._candidates(z, experts, rows, len(placements), detail)
+
+    def _candidates(self, z, experts, new_QW, Z: int, detail: bool) -> PlacementTerms:
+        """Candidates `[Z]` from their steps in candidate order (step j: candidate `z[j]` gives
+        `experts[j]` the holders `new_QW[j]`)."""
+        steps = np.bincount(z, minlength=Z)
         start = np.ones(z.size, dtype=bool)
         start[1:] = z[1:] != z[:-1]
-        terms = self._terms(experts, holders_ZEW[z, experts], start, detail)
+        terms = self._terms(experts, new_QW, start, detail)
         # Row 0 is the owners alone; a candidate's row is its last step's (or row 0: unchanged).
         pick = np.where(steps > 0, np.cumsum(steps), 0)
         fields = {f: getattr(terms, f) for f in PlacementTerms.__dataclass_fields__}
@@ -253,14 +271,17 @@ class PlacementPricer(PlacementCopies):
         stage costs its busiest link (`CostModel.stage_on_busiest_link`) plus its slowest route, and
         a broadcast or reduce costs no less for more bytes."""
         Q = experts.size
-        if np.unique(experts).size != Q or not rows[np.arange(Q), self.owner[experts]].all():
+        if not self._distinct(experts) or not rows[np.arange(Q), self.owner[experts]].all():
             return False
         if not self.cm.stage_on_busiest_link or (self.topology.latency_classes < 0).any():
             return False
-        # A collective's time is affine in its bytes past 0: 0, 1 and 2 experts' parameters tell.
-        return all(
-            (np.diff(self.cm.collective_table(k, self.param_bytes, 2)) >= 0).all() for k in ("broadcast", "reduce")
-        )
+        return all(self.cm.collective_never_falls(k, self.param_bytes) for k in ("broadcast", "reduce"))
+
+    def _distinct(self, experts: np.ndarray) -> bool:
+        """Whether no expert is stepped twice."""
+        seen = np.zeros(self.E, dtype=bool)
+        seen[experts] = True
+        return int(np.count_nonzero(seen)) == experts.size
 
     def _cheapest_growing(self, experts: np.ndarray, rows: np.ndarray, price, detail: bool) -> np.ndarray:
         """`cheapest_prefixes` where the copies never fall from one prefix to the next

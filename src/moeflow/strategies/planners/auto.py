@@ -159,9 +159,9 @@ def _price_ahead(planners: dict, pricer: PlacementPricer, placement: Placement, 
         p = None if plan is None else plan[0]
         if p is not None and not p.is_owners_only() and np.array_equal(p.owner_E, placement.owner_E):
             wanted[name] = p
-    new = {p.holders_EW.tobytes(): p.holders_EW for p in wanted.values() if p.holders_EW.tobytes() not in seen}
+    new = {p.holders_EW.tobytes(): p for p in wanted.values() if p.holders_EW.tobytes() not in seen}
     if new:
-        more = pricer.placements(list(new.values()))
+        more = pricer.of_placements(list(new.values()))
         seen = seen | {key: (more, c) for c, key in enumerate(new)}
     return {name: (p, seen[p.holders_EW.tobytes()]) for name, p in wanted.items()}
 
@@ -253,7 +253,9 @@ class AutoPlanner(Planner):
         # changed experts); all share the layer's owners.
         raw = np.asarray(flow_WE)
         counts = raw.dtype.kind in "iub"  # the count exchange's int64 (a replicas' mean may be fractional)
-        flow = raw.astype(np.float64) if counts else np.rint(raw)
+        # Whole counts as they are (the pricer's compiled sums read them so): a copy, which the job
+        # after the call records too (captured now, as every input of the planning thread's work).
+        flow = np.array(raw) if counts else np.rint(raw)
         pricer = EverywherePricer(flow, placement.owner_E, cost_model, self.shape, node_of, whole=True)
         shared = pricer if counts or np.array_equal(flow, raw) else None
         self._settle()  # the last call's job: the candidates' windows and plans
@@ -270,7 +272,7 @@ class AutoPlanner(Planner):
         ]
         if moved:
             raise ValueError(f"strategy='auto': candidates {moved} proposed other owners than the layer's")
-        priced = pricer.placements([p.holders_EW for p in proposals.values()])
+        priced = pricer.of_placements(list(proposals.values()))
         terms = {
             name: _terms(priced, c, self.prefetch if p == self.sent_ahead else None)
             for c, (name, p) in enumerate(proposals.items())
@@ -287,7 +289,14 @@ class AutoPlanner(Planner):
         # Each candidate's next plan: made by the job, readers wait for it (`Planner.defer`).
         plans = {n: p.defer() for n, p in self.planners.items() if p.plans_ahead}
         self._ahead = PlanAhead()
-        job = (self.planners, plans, np.array(flow_WE), cost_model, list(self.replanned), self.prefetch is not None)
+        job = (
+            self.planners,
+            plans,
+            flow if counts else np.array(raw),
+            cost_model,
+            list(self.replanned),
+            self.prefetch is not None,
+        )
         self._ahead.submit(_after_call, *job, *self._last_call)
         return proposals[best]
 

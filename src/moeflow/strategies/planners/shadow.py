@@ -127,10 +127,7 @@ class ShadowPlanner(Planner):
         if cost_model is None:
             raise ValueError("strategy='shadow' needs cost_model= (a moeflow.perf.costmodel.CostModel)")
         self.last = self.decide(flow_WE, placement, cost_model, pricer)
-        holders = np.zeros((placement.num_experts, placement.world_size), dtype=bool)
-        holders[np.arange(placement.num_experts), placement.owner_E] = True
-        holders[self.last.shadowed] = True
-        return Placement(placement.owner_E, holders)
+        return Placement.held_everywhere(placement.owner_E, placement.world_size, self.last.shadowed)
 
     def cost(self, flow_WE, owner_E, shadowed_ZE, cost_model) -> np.ndarray:
         """T(S) for boolean shadow masks `[..., E]` -> `[...]` seconds (module docstring)."""
