@@ -281,3 +281,37 @@ def test_a_shadow_search_on_the_everywhere_kernel_equals_the_general_one(monkeyp
             assert sum(rounds) == got.size - 1  # every prefix priced once, on the everywhere kernel
             several += len(rounds) > 1
     assert several >= 3
+
+
+def test_plans_priced_one_by_one_with_what_they_keep_equal_each_priced_alone(monkeypatch):
+    """`of_placements` on the compiled sums (each plan alone; its steps and copies kept on it, the
+    shadow steps' kernels for plans held everywhere) against `placements` of each plan alone with
+    fresh placements, on several flows and cost models in turn (what a plan keeps is this cost
+    model's), and against the NumPy path."""
+    rng = np.random.default_rng(12)
+    for _ in range(40):
+        first = _cost_model(rng)
+        models = [first, first.with_copy_chunks(int(rng.integers(2, 5)))]  # the same cluster, other copies
+        world = first.topology.num_devices
+        experts = world * int(rng.integers(1, 4))
+        owner_E = rng.integers(0, world, experts) if rng.random() < 0.3 else np.arange(experts) % world
+        alone = Placement.owners_only(owner_E, world)
+        plans = [
+            alone,
+            Placement.held_everywhere(owner_E, world, rng.integers(0, experts, int(rng.integers(1, 6)))),
+            *(alone.with_holders(rng.random((experts, world)) < p) for p in (0.05, 0.3)),
+            alone.with_holders(np.stack([_holders(rng, models[0], owner_E[e]) for e in range(experts)])),
+        ]
+        for cm in [*models, *models]:  # each model twice: the second time from what the plans keep
+            flow = _flow(rng, world, experts)
+            got = PlacementPricer(flow, owner_E, cm, SHAPE, cm.topology.node_of).of_placements(plans)
+            for z, plan in enumerate(plans):
+                fresh = Placement(plan.owner_E.copy(), plan.holders_EW.copy())
+                want = PlacementPricer(flow, owner_E, cm, SHAPE, cm.topology.node_of).placements([fresh.holders_EW])
+                for name in FIELDS:
+                    assert getattr(got, name)[z] == getattr(want, name)[0], name
+            monkeypatch.setattr(placement_pricing, "COMPILED", False)
+            numpy = PlacementPricer(flow, owner_E, cm, SHAPE, cm.topology.node_of).of_placements(plans)
+            monkeypatch.setattr(placement_pricing, "COMPILED", True)
+            for name in FIELDS:
+                np.testing.assert_allclose(getattr(got, name), getattr(numpy, name), rtol=1e-12, err_msg=name)

@@ -141,6 +141,16 @@ class Placement:
             placement.__dict__["copied_E"] = np.unique(np.asarray(experts, dtype=np.int64))
         return placement
 
+    def __getstate__(self) -> dict:
+        """Copies and checkpoints carry the owners and holders (and `copied_E`), not the memo."""
+        return {k: v for k, v in self.__dict__.items() if k != "memo"}
+
+    @cached_property
+    def memo(self) -> dict:
+        """What other layers derive from this placement alone and keep (its holders are not changed
+        once it is made): the placement pricer's steps and copies (`perf.placement_compiled`)."""
+        return {}
+
     @cached_property
     def copied_E(self) -> np.ndarray:
         """The experts held by any rank besides their owner, ascending (kept: a placement's holders

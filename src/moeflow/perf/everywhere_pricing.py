@@ -33,7 +33,6 @@ from __future__ import annotations
 import numpy as np
 
 from moeflow.core.placement import dispatch_entries
-from moeflow.perf import compiled_copies, compiled_everywhere
 from moeflow.perf.placement_pricing import PRICED_FIRST, PlacementPricer, PlacementTerms
 from moeflow.perf.prefix_max import running_sums
 
@@ -59,29 +58,14 @@ class EverywherePricer(PlacementPricer):
         )
         if not compiled or (pruned and not self._copies_grow(experts, rows)):
             return super().cheapest_prefixes(experts, rows, price, detail, bounded)
-        # Every prefix's copies: each owner's broadcasts out and reduces back (no copy tree).
-        start = np.zeros(Q, dtype=bool)
-        start[0] = True
-        after, before = compiled_everywhere.owner_counts(experts, self.owner, self.W)
-        trans, agg = (compiled_copies.owner_price_sums(after, before, start, t) for t in self._owner_price_tables())
+        trans, agg = self._everywhere_copies(experts)  # every prefix's: each owner's broadcasts, no tree
         n_copies = np.arange(Q + 1) * (self.W - 1)
         copies = trans + agg
         state = np.concatenate((self.tokens0, self.traffic0, self.classes0))
         maxima: list[np.ndarray] = []
         done, priced = 0, PRICED_FIRST if pruned else Q
         while True:  # as `_cheapest_growing`: price, then as far as the copies' bound leaves
-            rows_Z = compiled_everywhere.everywhere_rows(
-                self._flow_EW,
-                experts[done:priced],
-                self.owner,
-                self._node_W,
-                self.topology.route_tables,
-                self._spread_by_holder,
-                float(self.tok_bytes),
-                state,
-                self.inv_bw_L,
-                self.topology.latency_classes,
-            )
+            rows_Z = self._everywhere_rows(experts[done:priced], state)
             # Row 0 of a later round is the last row of the one before.
             maxima = [np.concatenate((m, r[1:])) for m, r in zip(maxima, rows_Z)] if done else list(rows_Z)
             done = priced

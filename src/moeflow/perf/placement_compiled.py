@@ -13,11 +13,12 @@ Shape suffixes: W ranks, Q steps.
 
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
 import numpy as np
 
-from moeflow.perf import compiled_copies, compiled_sums
+from moeflow.perf import compiled_copies, compiled_everywhere, compiled_sums
 from moeflow.perf.compiled_routes import kept_rows
 from moeflow.perf.copies_pricing import pipelined_trees
 from moeflow.perf.placement_terms import PlacementTerms
@@ -81,6 +82,139 @@ class CompiledPricing:
             copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
         trans, agg, trans_pf, agg_pf, n_copies = copies
         return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, None, None, n_copies)
+
+    def _compiled_plans(self, placements: list) -> PlacementTerms:
+        """`of_placements` plan by plan on the compiled sums: each plan's dispatch on this flow; its
+        steps (its copied experts, each from its owner alone) and its copies, which do not depend on
+        the flow, kept on it (`Placement.memo`) for this cost model and expert size."""
+        Z = len(placements)
+        most, busiest, latency = np.zeros(Z), np.zeros(Z), np.zeros(Z)
+        sends = np.zeros(Z, dtype=bool)
+        copies = np.zeros((4, Z))
+        n_copies = np.zeros(Z, dtype=np.int64)
+        topo = self.topology
+        for z, placement in enumerate(placements):
+            steps = self._plan_steps(placement)
+            if steps is None:  # the owners alone
+                most[z], busiest[z], latency[z], sends[z] = self._owners_row()
+                continue
+            experts, new_QW, prev_QW, start, earlier, keep, everywhere = steps
+            if everywhere:  # every copied expert held by every rank: the shadow steps' kernel
+                row = self._everywhere_rows(experts)
+            else:
+                row = compiled_sums.dispatch_terms(
+                    self._flow_EW,
+                    experts,
+                    new_QW,
+                    prev_QW,
+                    start,
+                    earlier,
+                    self._node_W,
+                    topo.route_tables,
+                    self._spread_by_holder,
+                    float(self.tok_bytes),
+                    self.tokens0,
+                    self.traffic0,
+                    self.classes0,
+                    self.inv_bw_L,
+                    topo.latency_classes,
+                    keep,
+                )
+            most[z], busiest[z], latency[z], sends[z] = (a[-1] for a in row)
+            *copies[:, z], n_copies[z] = self._plan_copies(placement, steps)
+        compute, a2a = self._priced_maxima(most, busiest, latency, sends)
+        return PlacementTerms(compute, a2a, *copies, None, None, n_copies)
+
+    def _plan_steps(self, placement) -> tuple | None:
+        """A plan's steps as `dispatch_terms` reads them — its copied experts, their holders, their
+        owners alone before, one candidate, no earlier step, the last row kept — kept on it (None:
+        the owners alone)."""
+        memo = placement.memo
+        if "steps" not in memo:
+            experts = placement.copied_E
+            Q = experts.size
+            steps = None
+            if Q:
+                prev_QW = np.zeros((Q, self.W), dtype=bool)
+                prev_QW[np.arange(Q), self.owner[experts]] = True
+                start, keep = np.zeros(Q, dtype=bool), np.zeros(Q + 1, dtype=bool)
+                start[0] = keep[Q] = True
+                new_QW = np.ascontiguousarray(placement.holders_EW[experts])
+                everywhere = self.W > 1 and bool(new_QW.all())
+                steps = (experts, new_QW, prev_QW, start, np.full(Q, -1, dtype=np.int64), keep, everywhere)
+            memo["steps"] = steps
+        return memo["steps"]
+
+    def _plan_copies(self, placement, steps: tuple) -> tuple:
+        """(copies out, back, both as the prefetch sends them, their number) of a plan alone
+        (`_copies`), kept on it for this cost model and expert size."""
+        key = ("copies", id(self.cm), float(self.param_bytes))
+        kept = placement.memo.get(key)
+        if kept is None or kept[0]() is not self.cm:  # (a cost model since freed at the same address)
+            experts, new_QW, prev_QW, start = steps[:4]
+            if steps[-1] and self.max_stages and not self.tree:  # held everywhere: each owner's broadcasts
+                trans, agg = self._everywhere_copies(experts)
+                terms = (trans, agg, trans, agg, np.array([experts.size * (self.W - 1)]))
+            else:
+                terms = self._copies(experts, self.owner[experts], new_QW, prev_QW, start)
+            kept = placement.memo[key] = (weakref.ref(self.cm), tuple(t[-1] for t in terms))
+        return kept[1]
+
+    def _everywhere_rows(self, experts: np.ndarray, state: np.ndarray | None = None) -> tuple:
+        """The dispatch's maxima of the prefixes of steps that each hold one more expert everywhere
+        (`compiled_everywhere.everywhere_rows`), from the owners alone or going on from `state`
+        (left as after the last step)."""
+        if state is None:
+            state = np.concatenate((self.tokens0, self.traffic0, self.classes0))
+        return compiled_everywhere.everywhere_rows(
+            self._flow_EW,
+            experts,
+            self.owner,
+            self._node_W,
+            self.topology.route_tables,
+            self._spread_by_holder,
+            float(self.tok_bytes),
+            state,
+            self.inv_bw_L,
+            self.topology.latency_classes,
+        )
+
+    def _everywhere_copies(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Copies out and back `[Q + 1]` of the prefixes of distinct experts each held everywhere
+        after its step (its owner's alone before): each owner's broadcasts and reduces
+        (`compiled_copies.owner_price_sums` of `compiled_everywhere.owner_counts`), no copy tree —
+        the floats `_compiled_copies` gives them."""
+        start = np.zeros(experts.size, dtype=bool)
+        start[:1] = True
+        after, before = compiled_everywhere.owner_counts(experts, self.owner, self.W)
+        trans, agg = (compiled_copies.owner_price_sums(after, before, start, t) for t in self._owner_price_tables())
+        return trans, agg
+
+    def _owners_row(self) -> tuple:
+        """The dispatch's maxima of the owners alone (`dispatch_terms` of no step), made once per pricer."""
+        if self._owners_maxima is None:
+            self._owners_maxima = tuple(
+                a[0]
+                for a in compiled_sums.dispatch_terms(
+                    self._flow_EW,
+                    np.zeros(0, dtype=np.int64),
+                    np.zeros((0, self.W), dtype=bool),
+                    np.zeros((0, self.W), dtype=bool),
+                    np.zeros(0, dtype=bool),
+                    np.zeros(0, dtype=np.int64),
+                    self._node_W,
+                    self.topology.route_tables,
+                    self._spread_by_holder,
+                    float(self.tok_bytes),
+                    self.tokens0,
+                    self.traffic0,
+                    self.classes0,
+                    self.inv_bw_L,
+                    self.topology.latency_classes,
+                    np.zeros(0, dtype=bool),
+                )
+            )
+        return self._owners_maxima
 
     def _priced_maxima(self, most, busiest, latency, sends) -> tuple[np.ndarray, np.ndarray]:
         """(forward expert compute of the slowest device, one exchange) from the dispatch's maxima

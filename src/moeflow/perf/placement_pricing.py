@@ -129,6 +129,8 @@ class PlacementPricer(PlacementCopies):
         self._price_tables: tuple | None = None
         """Each owner's broadcast and reduce of its experts held everywhere (`_owner_price_tables`)."""
         self._owners_alone: np.ndarray | None = None
+        self._owners_maxima: tuple | None = None
+        """The dispatch's maxima of the owners alone (`CompiledPricing._owners_row`)."""
         self._copies_of: tuple | None = None
         """(steps, holders, `_copies`) of the last prefix search's copies (`_prefix_copies`)."""
         self.inv_bw_L = cost_model.inv_bw_L
@@ -214,9 +216,14 @@ class PlacementPricer(PlacementCopies):
 
     def of_placements(self, placements: list[Placement], detail: bool = False) -> PlacementTerms:
         """`placements` of `Placement`s with the pricer's owners: each one's steps are its
-        `Placement.copied_E` (kept on it: a plan that stands several calls finds them once)."""
+        `Placement.copied_E`. On the compiled sums each is priced alone, with what does not depend
+        on the flow kept on it (`CompiledPricing._compiled_plans`: a plan that stands several calls
+        pays only its dispatch on each new flow); its copies are then the floats `placements` gives
+        it alone, which in company may differ in the last bit (running sums over the candidates)."""
         if any(p.owner_E is not self.owner and not np.array_equal(p.owner_E, self.owner) for p in placements):
             raise ValueError("of_placements: a placement has other owners than the pricer's")
+        if self._compiled_terms(detail):
+            return self._compiled_plans(placements)
         steps = [p.copied_E for p in placements]
         z = np.repeat(np.arange(len(placements)), [s.size for s in steps])
         experts = np.concatenate([np.zeros(0, dtype=np.int64), *steps])

@@ -171,6 +171,22 @@ def _terms(terms: PlacementTerms, c: int, window: PrefetchWindow | None) -> Term
     compute, exchange = float(terms.compute_s[c]), 2 * float(terms.a2a_s[c])  # the forward's two exchanges
     if window is None:
         return Terms(compute, exchange, float(terms.trans_s[c] + terms.agg_s[c]), float(terms.trans_s[c]))
+    return _hidden(terms, c, compute, exchange, window)
+
+
+def _every_terms(terms: PlacementTerms, windows: list[PrefetchWindow | None]) -> list[Terms]:
+    """`_terms` of every candidate (window c for candidate c), the arrays read once."""
+    compute, a2a, trans, agg = (a.tolist() for a in (terms.compute_s, terms.a2a_s, terms.trans_s, terms.agg_s))
+    return [
+        Terms(compute[c], 2 * a2a[c], trans[c] + agg[c], trans[c])
+        if w is None
+        else _hidden(terms, c, compute[c], 2 * a2a[c], w)
+        for c, w in enumerate(windows)
+    ]
+
+
+def _hidden(terms: PlacementTerms, c: int, compute: float, exchange: float, window: PrefetchWindow) -> Terms:
+    """Candidate c's `Terms` with its copies sent ahead by the prefetch (Eq. 8, the measured window)."""
     hidden = overlapped_copies(
         terms.trans_prefetched_s[c],
         terms.agg_prefetched_s[c],
@@ -273,10 +289,8 @@ class AutoPlanner(Planner):
         if moved:
             raise ValueError(f"strategy='auto': candidates {moved} proposed other owners than the layer's")
         priced = pricer.of_placements(list(proposals.values()))
-        terms = {
-            name: _terms(priced, c, self.prefetch if p == self.sent_ahead else None)
-            for c, (name, p) in enumerate(proposals.items())
-        }
+        windows = [self.prefetch if p == self.sent_ahead else None for p in proposals.values()]
+        terms = dict(zip(proposals, _every_terms(priced, windows)))
         prices = {name: self.price(t) for name, t in terms.items()}
         best = self._cheapest(prices)
         self.pending.append(terms[best])
