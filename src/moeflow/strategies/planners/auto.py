@@ -5,8 +5,9 @@ Every call each candidate planner proposes its placement for this call (one that
 placement it planned from the past flows), and each proposal is priced on the flow the layer will
 run (the count exchange has happened) with the terms every planner uses — three expert computes of
 the slowest device, four token exchanges, the copies out and back (FasterMoE Eq. 7, Pro-Prophet
-Eq. 6: `prophet_model.price_terms`), all of them in one pass over the experts the proposals change
-(`perf.placement_pricing`). A proposal equal to the placement the block-wise prefetch
+Eq. 6: `prophet_model.price_terms`), from plain EP's terms and each proposal's changed experts
+(`PlacementPricer.of_placements`: what does not depend on the flow, a plan's steps and copies, kept
+on the plan, which a plan that stands several calls reuses). A proposal equal to the placement the block-wise prefetch
 sent ahead has its copies priced as hidden by the window the prefetch measured (Pro-Prophet Eq. 8).
 It runs the cheapest, and plain EP unless the cheapest is predicted `min_gain` faster.
 
@@ -265,8 +266,8 @@ class AutoPlanner(Planner):
         self.calls += 1
         # One pricer of this flow: the planners that decide on it (shadowing) search on it where the
         # flow is whole counts (the numbers they would price alone), and every proposal is priced on
-        # it in one pass (`perf.placement_pricing`: the owners' terms once, then each proposal's
-        # changed experts); all share the layer's owners.
+        # it (`PlacementPricer.of_placements`: the owners' terms once, then each proposal's changed
+        # experts); all share the layer's owners.
         raw = np.asarray(flow_WE)
         counts = raw.dtype.kind in "iub"  # the count exchange's int64 (a replicas' mean may be fractional)
         # Whole counts as they are (the pricer's compiled sums read them so): a copy, which the job
