@@ -132,6 +132,25 @@ def test_one_process_step_synchronises_once(block, dtype):
     assert len(calls) <= 1, calls
 
 
+def test_capacity_dropping_synchronises_for_its_gather_alone():
+    """Capacity drops assignments by a mask: the rows kept are a size the host learns once (the
+    gather), and the count dropped is read from the shapes, not from a second wait."""
+    torch.manual_seed(0)
+    layer = MoELayer(64, 128, 16, top_k=2, capacity_factor=0.5).cuda()
+    x = torch.randn(512, 64, device="cuda", requires_grad=True)
+
+    def step():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        (layer(x).square().mean() + layer.aux_loss).backward()
+
+    for _ in range(2):
+        step()
+    calls = _synchronising_calls(step)
+    assert len(calls) <= 2, calls
+    assert layer.stats.dropped > 0
+
+
 def test_auto_learns_from_the_timed_gpu_forwards():
     torch.manual_seed(0)
     cm = CostModel(Topology.homogeneous(1, 1e11), gemm_flops_per_s=1e13)

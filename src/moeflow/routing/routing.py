@@ -93,10 +93,11 @@ class Routing:
             return self, 0
         capacity = math.ceil(capacity_factor * top_k * self.num_tokens / num_experts)
         keep_A = dispatch.position_in_expert(self.expert_A, num_experts) < capacity
-        dropped = int((~keep_A).sum())
+        token_A = self.token_A[keep_A]  # its size is the host's once the mask is applied (a GPU's one sync)
+        dropped = self.expert_A.numel() - token_A.numel()
         kept = replace(
             self,
-            token_A=self.token_A[keep_A],
+            token_A=token_A,
             expert_A=self.expert_A[keep_A],
             weight_A=self.weight_A[keep_A],
             # Nothing dropped: the rows are those of before. Some dropped: the rows may still happen
