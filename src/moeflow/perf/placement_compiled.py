@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,6 +46,25 @@ def _tree_layout(node_of: tuple | None) -> tuple[np.ndarray, np.ndarray, np.ndar
     return arrays
 
 
+class PlanSteps(NamedTuple):
+    """A plan's steps as `compiled_sums.dispatch_terms` reads them (`CompiledPricing._plan_steps`)."""
+
+    experts: np.ndarray
+    """`[Q]` its copied experts, ascending."""
+    new_QW: np.ndarray
+    """Their holders."""
+    prev_QW: np.ndarray
+    """Their owners alone."""
+    start: np.ndarray
+    """One candidate."""
+    earlier: np.ndarray
+    """No step repeats an earlier one (-1)."""
+    keep: np.ndarray
+    """The last row read."""
+    everywhere: bool
+    """Every copied expert held by every rank."""
+
+
 class CompiledPricing:
     """The compiled path's terms and copies (module docstring)."""
 
@@ -57,25 +77,8 @@ class CompiledPricing:
     def _compiled(self, experts, owner_Q, new_QW, prev_QW, start) -> PlacementTerms:
         """`_terms` from the compiled running sums of the dispatch (`compiled_sums.dispatch_terms`):
         the same maxima as the NumPy path, priced by the same `CostModel` calls."""
-        topo = self.topology
-        most, busiest, latency, sends = compiled_sums.dispatch_terms(
-            self._flow_EW,
-            experts,
-            np.ascontiguousarray(new_QW),
-            prev_QW,
-            start,
-            self._earlier,
-            self._node_W,
-            topo.route_tables,
-            self._spread_by_holder,
-            float(self.tok_bytes),
-            self.tokens0,
-            self.traffic0,
-            self.classes0,
-            self.inv_bw_L,
-            topo.latency_classes,
-            kept_rows(start),
-        )
+        new_QW = np.ascontiguousarray(new_QW)
+        most, busiest, latency, sends = self._dispatch(experts, new_QW, prev_QW, start, self._earlier, kept_rows(start))
         compute, a2a = self._priced_maxima(most, busiest, latency, sends)
         copies = self._known_copies(experts, new_QW) if int(start.sum()) == 1 else None
         if copies is None:
@@ -92,40 +95,21 @@ class CompiledPricing:
         sends = np.zeros(Z, dtype=bool)
         copies = np.zeros((4, Z))
         n_copies = np.zeros(Z, dtype=np.int64)
-        topo = self.topology
         for z, placement in enumerate(placements):
             steps = self._plan_steps(placement)
             if steps is None:  # the owners alone
                 most[z], busiest[z], latency[z], sends[z] = self._owners_row()
                 continue
-            experts, new_QW, prev_QW, start, earlier, keep, everywhere = steps
-            if everywhere:  # every copied expert held by every rank: the shadow steps' kernel
-                row = self._everywhere_rows(experts)
+            if steps.everywhere:  # every copied expert held by every rank: the shadow steps' kernel
+                row = self._everywhere_rows(steps.experts)
             else:
-                row = compiled_sums.dispatch_terms(
-                    self._flow_EW,
-                    experts,
-                    new_QW,
-                    prev_QW,
-                    start,
-                    earlier,
-                    self._node_W,
-                    topo.route_tables,
-                    self._spread_by_holder,
-                    float(self.tok_bytes),
-                    self.tokens0,
-                    self.traffic0,
-                    self.classes0,
-                    self.inv_bw_L,
-                    topo.latency_classes,
-                    keep,
-                )
+                row = self._dispatch(*steps[:6])
             most[z], busiest[z], latency[z], sends[z] = (a[-1] for a in row)
             *copies[:, z], n_copies[z] = self._plan_copies(placement, steps)
         compute, a2a = self._priced_maxima(most, busiest, latency, sends)
         return PlacementTerms(compute, a2a, *copies, None, None, n_copies)
 
-    def _plan_steps(self, placement) -> tuple | None:
+    def _plan_steps(self, placement) -> PlanSteps | None:
         """A plan's steps as `dispatch_terms` reads them — its copied experts, their holders, their
         owners alone before, one candidate, no earlier step, the last row kept — kept on it (None:
         the owners alone)."""
@@ -141,18 +125,18 @@ class CompiledPricing:
                 start[0] = keep[Q] = True
                 new_QW = np.ascontiguousarray(placement.holders_EW[experts])
                 everywhere = self.W > 1 and bool(new_QW.all())
-                steps = (experts, new_QW, prev_QW, start, np.full(Q, -1, dtype=np.int64), keep, everywhere)
+                steps = PlanSteps(experts, new_QW, prev_QW, start, np.full(Q, -1, dtype=np.int64), keep, everywhere)
             memo["steps"] = steps
         return memo["steps"]
 
-    def _plan_copies(self, placement, steps: tuple) -> tuple:
+    def _plan_copies(self, placement, steps: PlanSteps) -> tuple:
         """(copies out, back, both as the prefetch sends them, their number) of a plan alone
         (`_copies`), kept on it for this cost model and expert size."""
         key = ("copies", id(self.cm), float(self.param_bytes))
         kept = placement.memo.get(key)
         if kept is None or kept[0]() is not self.cm:  # (a cost model since freed at the same address)
             experts, new_QW, prev_QW, start = steps[:4]
-            if steps[-1] and self.max_stages and not self.tree:  # held everywhere: each owner's broadcasts
+            if steps.everywhere and self.max_stages and not self.tree:  # each owner's broadcasts
                 trans, agg = self._everywhere_copies(experts)
                 terms = (trans, agg, trans, agg, np.array([experts.size * (self.W - 1)]))
             else:
@@ -193,28 +177,38 @@ class CompiledPricing:
     def _owners_row(self) -> tuple:
         """The dispatch's maxima of the owners alone (`dispatch_terms` of no step), made once per pricer."""
         if self._owners_maxima is None:
-            self._owners_maxima = tuple(
-                a[0]
-                for a in compiled_sums.dispatch_terms(
-                    self._flow_EW,
-                    np.zeros(0, dtype=np.int64),
-                    np.zeros((0, self.W), dtype=bool),
-                    np.zeros((0, self.W), dtype=bool),
-                    np.zeros(0, dtype=bool),
-                    np.zeros(0, dtype=np.int64),
-                    self._node_W,
-                    self.topology.route_tables,
-                    self._spread_by_holder,
-                    float(self.tok_bytes),
-                    self.tokens0,
-                    self.traffic0,
-                    self.classes0,
-                    self.inv_bw_L,
-                    self.topology.latency_classes,
-                    np.zeros(0, dtype=bool),
-                )
+            none_QW = np.zeros((0, self.W), dtype=bool)
+            empty = (
+                np.zeros(0, dtype=np.int64),
+                none_QW,
+                none_QW,
+                np.zeros(0, dtype=bool),
+                np.zeros(0, dtype=np.int64),
             )
+            self._owners_maxima = tuple(a[0] for a in self._dispatch(*empty, np.zeros(0, dtype=bool)))
         return self._owners_maxima
+
+    def _dispatch(self, experts, new_QW, prev_QW, start, earlier, keep) -> tuple:
+        """`compiled_sums.dispatch_terms` of these steps on the pricer's flow, from the owners alone."""
+        topo = self.topology
+        return compiled_sums.dispatch_terms(
+            self._flow_EW,
+            experts,
+            new_QW,
+            prev_QW,
+            start,
+            earlier,
+            self._node_W,
+            topo.route_tables,
+            self._spread_by_holder,
+            float(self.tok_bytes),
+            self.tokens0,
+            self.traffic0,
+            self.classes0,
+            self.inv_bw_L,
+            topo.latency_classes,
+            keep,
+        )
 
     def _priced_maxima(self, most, busiest, latency, sends) -> tuple[np.ndarray, np.ndarray]:
         """(forward expert compute of the slowest device, one exchange) from the dispatch's maxima
