@@ -1,14 +1,19 @@
 """The compiled path of `perf.placement_pricing.PlacementPricer`: its terms from the numba kernels
-on a whole flow (`perf.compiled_sums` for the dispatch, `perf.compiled_copies` for the copies),
-priced by the same `CostModel` calls as the NumPy path, to the bit (tests/test_compiled_sums.py). A
-base class of `PlacementCopies`, kept apart from the NumPy path it stands beside.
+on a whole flow (`perf.compiled_sums` for the dispatch, `perf.compiled_copies` for the copies,
+`perf.compiled_everywhere` for steps that hold an expert everywhere), priced by the same
+`CostModel` calls as the NumPy path, to the bit (tests/test_compiled_sums.py). A base class of
+`PlacementCopies`, kept apart from the NumPy path it stands beside.
 
-It reads from the pricer: `compiled`, `max_compute`, `cm`, `shape`, `topology`, `owner`, `W`,
-`tok_bytes`, `param_bytes`, `inv_bw_L`, `tree`, the owners' state (`tokens0`, `traffic0`,
-`classes0`, `_flow_EW`, `_node_W`, `_spread_by_holder`), `_price_tables`, `_known_copies` and
-`_copies`.
+Plans priced plan by plan (`PlacementPricer.of_placements`, `auto`'s proposals): what does not
+depend on the flow — a plan's steps, its copies — is kept on the plan (`Placement.memo`), so a plan
+that stands several calls pays only its dispatch on each new flow.
 
-Shape suffixes: W ranks, Q steps.
+It reads from the pricer: `compiled`, `max_compute`, `max_stages`, `cm`, `shape`, `topology`,
+`owner`, `W`, `tok_bytes`, `param_bytes`, `inv_bw_L`, `tree`, the owners' state (`tokens0`,
+`traffic0`, `classes0`, `_flow_EW`, `_node_W`, `_spread_by_holder`, `_owners_maxima`), `_earlier`,
+`_price_tables`, `_known_copies` and `_copies`.
+
+Shape suffixes: W ranks, Q steps, Z candidates.
 """
 
 from __future__ import annotations
