@@ -317,8 +317,8 @@ def test_compiled_dispatch_equals_the_entries_on_random_and_edge_cases():
 
 
 def test_compiled_dispatch_raises_what_the_entries_raise():
-    """A node layout of the wrong length, and an expert with tokens and no holder (a placement
-    changed after construction), fail as `dispatch_entries` does."""
+    """A node layout of the wrong length, and an expert with tokens and no holder (a placement's
+    holders are read-only: only one forced past its checks has such), fail as `dispatch_entries` does."""
     from moeflow.core.placement import dispatch_entries, dispatch_loads
 
     placement = Placement(np.array([0, 1, 1]), np.array([[1, 1], [0, 1], [1, 1]], dtype=bool))
@@ -326,7 +326,11 @@ def test_compiled_dispatch_raises_what_the_entries_raise():
     for dispatch in (dispatch_counts, dispatch_loads):
         with pytest.raises(ValueError, match=r"^node_of has 1 entries, expected one per rank \(2\)$"):
             dispatch(flow, placement, [0])
-    placement.holders_EW[1, 1] = False
+    with pytest.raises(ValueError, match="read-only"):
+        placement.holders_EW[1, 1] = False
+    holders = placement.holders_EW.copy()
+    holders[1, 1] = False
+    object.__setattr__(placement, "holders_EW", holders)
     message = r"^dispatch: experts \[1\] have tokens and no holder$"
     with pytest.raises(ValueError, match=message):
         dispatch_entries(flow, placement.holders_EW)

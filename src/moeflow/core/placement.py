@@ -42,6 +42,15 @@ def plain_ep_owners(num_experts: int, world_size: int) -> np.ndarray:
     return np.arange(num_experts, dtype=np.int64) // (num_experts // world_size)
 
 
+def owners_alone(owner_E: np.ndarray, world_size: int) -> np.ndarray:
+    """bool `[E, W]`: every expert held by its owner alone — a new array, to add holders to before
+    making a `Placement` of it (a placement's own holders are read-only)."""
+    owner = np.asarray(owner_E, dtype=np.int64)
+    holders = np.zeros((owner.size, world_size), dtype=bool)
+    holders[np.arange(owner.size), owner] = True
+    return holders
+
+
 def send_by_owner(flow_WE: np.ndarray, owner_E: np.ndarray) -> np.ndarray:
     """Tokens `[..., W, W]` each rank sends to each rank when every expert is computed by its owner
     alone (plain EP): the flow summed over each rank's experts."""
@@ -87,7 +96,7 @@ class Placement:
 
     def __post_init__(self) -> None:
         owner = np.asarray(self.owner_E, dtype=np.int64)
-        holders = np.asarray(self.holders_EW, dtype=bool)
+        holders = np.array(self.holders_EW, dtype=bool)  # its own, read-only: what is kept of it stays true
         if owner.ndim != 1 or holders.ndim != 2 or holders.shape[0] != owner.shape[0]:
             raise ValueError(
                 f"Placement: owner_E must be [E] and holders_EW [E, W]; got owner_E shape "
@@ -99,6 +108,7 @@ class Placement:
         missing = np.flatnonzero(~holders[np.arange(owner.size), owner])
         if missing.size:
             raise ValueError(f"Placement: experts {missing.tolist()} are not held by their owner")
+        holders.flags.writeable = False
         object.__setattr__(self, "owner_E", owner)
         object.__setattr__(self, "holders_EW", holders)
 
@@ -117,10 +127,7 @@ class Placement:
 
     @classmethod
     def owners_only(cls, owner_E: np.ndarray, world_size: int) -> Placement:
-        owner = np.asarray(owner_E, dtype=np.int64)
-        holders = np.zeros((owner.size, world_size), dtype=bool)
-        holders[np.arange(owner.size), owner] = True
-        return cls(owner, holders)
+        return cls(np.asarray(owner_E, dtype=np.int64), owners_alone(owner_E, world_size))
 
     def with_holders(self, extra_EW: np.ndarray) -> Placement:
         """The same owners with additional materializations (e.g. shadowed experts)."""
@@ -135,8 +142,9 @@ class Placement:
     @classmethod
     def held_everywhere(cls, owner_E: np.ndarray, world_size: int, experts: Sequence[int]) -> Placement:
         """The owners, and `experts` held by every rank (FasterMoE's shadows)."""
-        placement = cls.owners_only(owner_E, world_size)
-        placement.holders_EW[list(experts)] = True
+        holders = owners_alone(owner_E, world_size)
+        holders[list(experts)] = True
+        placement = cls(np.asarray(owner_E, dtype=np.int64), holders)
         if world_size > 1:  # `copied_E` known: no pass over the holders to find it
             placement.__dict__["copied_E"] = np.unique(np.asarray(experts, dtype=np.int64))
         return placement

@@ -38,7 +38,7 @@ import numpy as np
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement
+from moeflow.core.placement import Placement, owners_alone
 from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
 from moeflow.strategies.planners.prophet_model import Pricing, price_terms, prune_by_copies
@@ -200,7 +200,7 @@ def eplb_plan(
     copies = replicate_experts(load_E, world * redundant_slots)
     placed = pack_copies(copies, load_E, placement.owner_E, world, redundant_slots, node_of)
     # Prefix k: the first k copies placed; step k gives its expert one more holder.
-    holders = Placement.owners_only(placement.owner_E, world).holders_EW
+    holders = owners_alone(placement.owner_E, world)
     experts = np.array([e for e, _ in placed], dtype=np.int64)
     rows = np.zeros((len(placed), world), dtype=bool)
     for k, (e, d) in enumerate(placed):
@@ -213,7 +213,7 @@ def eplb_plan(
     best = int(np.argmin(predicted_s))
     if predicted_s[best] > (1.0 - min_gain) * predicted_s[0]:
         best = 0
-    chosen = Placement.owners_only(placement.owner_E, world).holders_EW
+    chosen = owners_alone(placement.owner_E, world)
     for e, d in placed[:best]:
         chosen[e, d] = True
     return Placement(placement.owner_E, chosen), predicted_s.tolist()

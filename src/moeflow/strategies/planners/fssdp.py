@@ -40,7 +40,7 @@ import numpy as np
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement
+from moeflow.core.placement import Placement, owners_alone
 from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
 from moeflow.strategies.planners.hecate import heterogeneous_sharding, overlap_degree, sparse_materialization
@@ -227,7 +227,7 @@ def fssdp_plan(
     best = int(np.argmin(predicted))
     if predicted[best] > (1.0 - min_gain) * predicted[0]:
         best = 0
-    chosen = Placement.owners_only(placement.owner_E, world).holders_EW
+    chosen = owners_alone(placement.owner_E, world)
     chosen[copied[:best]] = holders[copied[:best]]
     decision = FSSDPDecision(overlap, memory, predicted.tolist(), best, load_E=load_E)
     return Placement(placement.owner_E, chosen), decision

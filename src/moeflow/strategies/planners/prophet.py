@@ -51,7 +51,7 @@ import numpy as np
 
 from moeflow.core.checks import finite_number, positive_int
 from moeflow.core.expert_shape import ExpertShape
-from moeflow.core.placement import Placement
+from moeflow.core.placement import Placement, owners_alone
 from moeflow.perf.placement_pricing import PlacementPricer
 from moeflow.strategies.planners.base import PlanAheadPlanner
 from moeflow.strategies.planners.prophet_model import (
@@ -159,7 +159,7 @@ def prophet_search(
     accepted = int(np.argmin(predicted))  # the best prefix (first of equal minima: fewest copies)
     if predicted[accepted] > (1.0 - options.min_gain) * predicted[0]:
         accepted = 0  # not worth the model's error
-    holders = Placement.owners_only(owner_E, W).holders_EW
+    holders = owners_alone(owner_E, W)
     for e, row in zip(experts[:accepted], rows[:accepted]):
         holders[e] = row
     decision = ProphetDecision(steps, predicted.tolist(), accepted, flow)
