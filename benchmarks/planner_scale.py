@@ -10,7 +10,10 @@ PCIe 3.0, 50 Gb/s between nodes; `topology_presets.resolve_preset("johnny@N")`).
 the SmartMoE trace's held-out half (iterations 126-251 of the shipped excerpt, layer `--layer`)
 unfolded to the size (`Trace.rescale`), and Zipf 1.2 (`synthetic_trace`), 8192 tokens per rank,
 top-2, consecutive iterations so the planners that plan ahead meet the trace's locality; int64
-counts, as the layer's count exchange hands them to its planner. Expert:
+counts, as the layer's count exchange hands them to its planner; with `--replicas R`, each call's
+flow the mean of R data-parallel replicas' flows in whole tokens, as a layer with replicas hands it
+to its planner (`MoELayer._replicas_flow`, docs/parallel.md), R consecutive iterations of the load
+standing for the replicas. Expert:
 d = 1024, h = 4096 (FasterMoE's GPT; as `moeflow simulate` prices the trace).
 
 Per planner and load, medians over `--calls` calls after `--warmup`:
@@ -283,7 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-ms", type=float, default=5.0, help="the layer's work between two calls")
     parser.add_argument("--layer", type=int, default=1, help="the trace's layer (0-3 of the excerpt)")
     parser.add_argument("--reference", action="store_true", help="also the loop versions, sizes up to 64x256")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="each call's flow the mean of this many data-parallel replicas' flows in whole tokens, as a "
+        "layer with replicas plans on (R consecutive iterations of the load stand for the replicas)",
+    )
     args = parser.parse_args(argv)
+    if args.replicas < 1:
+        parser.error(f"--replicas={args.replicas}: expected a positive number of replicas")
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",") if s.strip()]
     result = {
         "command": " ".join(["python", *sys.argv]),
@@ -291,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": os.getloadavg(),
         "preset": args.preset,
         "gap_ms": args.gap_ms,
+        "replicas": args.replicas,
         "expert": {"d_model": SHAPE.d_model, "d_hidden": SHAPE.d_hidden},
         "sizes": {},
     }
@@ -299,7 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         calls = max(3, args.calls // 2) if world >= 1024 else args.calls
         entry = {"cluster": cm.name, "world": world, "experts": experts, "loads": {}}
         for kind in [k.strip() for k in args.loads.split(",") if k.strip()]:
-            flows = loads("smartmoe" if kind == "smartmoe" else "zipf", world, experts, args.warmup + calls, args.layer)
+            R = args.replicas
+            flows = loads(
+                "smartmoe" if kind == "smartmoe" else "zipf", world, experts, args.warmup + calls + R - 1, args.layer
+            )
+            if R > 1:  # the mean of R replicas' flows in whole tokens, as `MoELayer._replicas_flow` gives it
+                flows = np.stack([np.rint(flows[i : i + R].mean(axis=0)) for i in range(args.warmup + calls)])
+                flows = flows.astype(np.int64)
             row = {"planners": {}}
             for name in [n.strip() for n in args.planners.split(",") if n.strip()]:
                 row["planners"][name] = measure_planner(name, flows, cm, args.warmup, args.gap_ms / 1e3)

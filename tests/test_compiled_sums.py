@@ -315,3 +315,29 @@ def test_plans_priced_one_by_one_with_what_they_keep_equal_each_priced_alone(mon
             monkeypatch.setattr(placement_pricing, "COMPILED", True)
             for name in FIELDS:
                 np.testing.assert_allclose(getattr(got, name), getattr(numpy, name), rtol=1e-12, err_msg=name)
+
+
+def test_a_mean_of_replicas_flows_is_priced_in_whole_tokens_on_the_kernels(monkeypatch):
+    """With data-parallel replicas the layer plans on the mean of their flows: shadowing, alone and
+    inside `auto`, prices it rounded (as the dispatch sends whole tokens), on the shadow steps'
+    kernel — the same decision as on the rounded flow itself."""
+    from moeflow.perf import compiled_everywhere
+
+    calls = []
+    rows_of = compiled_everywhere.everywhere_rows
+    monkeypatch.setattr(compiled_everywhere, "everywhere_rows", lambda *a: calls.append(1) or rows_of(*a))
+    cm = CostModel.from_preset("johnny@16")
+    owners = Placement.expert_parallel(32, 16)
+    ctx = LayerContext(32, 2, ExpertShape(1024, 4096), cm)
+    zipf = synthetic_trace("zipf", 4, 1, 16, 32, 4096, 2, skew=1.2, seed=4).flow_ILWE[:, 0]
+    auto = PLANNERS.build("auto", ctx)
+    for a, b in zip(np.rint(zipf[:2]), np.rint(zipf[2:])):
+        mean = (a + b) / 2.0  # two replicas: halves
+        assert not np.array_equal(mean, np.rint(mean))
+        calls.clear()
+        shadow = PLANNERS.build("shadow", ctx)
+        got = shadow(mean, owners, cm)
+        assert calls  # the kernel, not the NumPy path
+        assert got == PLANNERS.build("shadow", ctx)(np.rint(mean), owners, cm)
+        auto(mean, owners, cm)
+        assert auto.planners["shadow"].last.shadowed == shadow.last.shadowed

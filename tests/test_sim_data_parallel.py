@@ -16,7 +16,7 @@ from moeflow.perf.costmodel import CostModel
 from moeflow.perf.topology import Topology
 from moeflow.sim import simulator as sim
 from moeflow.sim.attention_overlap import attention_overlapped_copies
-from moeflow.sim.data_parallel import MeshLayout, hidden_behind_backward
+from moeflow.sim.data_parallel import MeshLayout, hidden_behind_backward, replica_flows
 from moeflow.sim.planning import plan_replay
 from moeflow.sim.traces import Trace, synthetic_trace
 from moeflow.strategies import PLANNERS
@@ -151,6 +151,8 @@ def test_every_replica_runs_the_placement_planned_on_the_mean_flow():
         ceiling=False,
     )
     assert np.array_equal(r.replicated_IL, on_mean.holders.sum((-2, -1)) - 8)
+    planned, _ = replica_flows(flow, 2)  # the mean in whole tokens, as the layer hands it to its planner
+    assert not np.array_equal(mean, np.rint(mean)) and np.array_equal(planned, np.rint(mean))
 
 
 def test_attention_overlap_by_hand():

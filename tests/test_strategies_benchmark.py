@@ -1,6 +1,6 @@
 """benchmarks/strategies.py's summaries on hand-built rows: the best single strategy per workload and
 the interval of `auto`'s distance to it; benchmarks/pool_suites.py's pooling of several runs;
-benchmarks/planner_overhead.py on an even load."""
+benchmarks/planner_overhead.py on an even load; benchmarks/planner_scale.py's replicas."""
 
 from __future__ import annotations
 
@@ -78,3 +78,21 @@ def test_on_an_even_load_auto_chooses_ep_and_the_overhead_is_reported():
     overhead = _load("planner_overhead")
     planners = overhead.measure("prophet_lpwnv", calls=10, gap_s=0.0, load="even", hidden_share=0.0)["planners"]
     assert set(planners["auto"]["chosen"]) == {"ep"} and set(planners["auto"]["cpu_ms"]) == {"inline", "thread"}
+
+
+def test_planner_scale_plans_on_the_mean_of_replicas_flows(tmp_path):
+    """`benchmarks/planner_scale.py --replicas 2`: each call's flow is the mean of two consecutive
+    iterations in whole tokens (as a layer with replicas plans on); the JSON says so."""
+    import json
+
+    scale = _load("planner_scale")
+    flows = scale.loads("zipf", 16, 32, 4, 1)
+    out = tmp_path / "scale.json"
+    argv = ["--sizes", "16x32", "--loads", "zipf1.2", "--planners", "shadow", "--calls", "2", "--warmup", "1"]
+    assert scale.main([*argv, "--replicas", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["replicas"] == 2 and result["sizes"]["16x32"]["loads"]["zipf1.2"]["planners"]["shadow"]
+    mean = flows[:2].mean(axis=0)
+    assert not np.array_equal(mean, np.rint(mean))  # the replicas' mean is fractional, then rounded
+    with pytest.raises(SystemExit):
+        scale.main([*argv, "--replicas", "0", "--out", str(out)])

@@ -392,14 +392,16 @@ class MoELayer(LayerRouting, HeldExperts, LayerStats, nn.Module):
 
     def _replicas_flow(self, flow_WE: np.ndarray, device: torch.device) -> np.ndarray:
         """What the planner plans on: this EP group's flow, or with data-parallel replicas (the
-        same experts, other tokens) the mean of their flows — one small all-reduce — so that every
-        replica takes the same decision (and keeps the same history) while each dispatches its own
-        tokens under it. Planners that ignore the flow (`reads_flow=False`) get it as is."""
+        same experts, other tokens) the mean of their flows in whole tokens — one small all-reduce —
+        so that every replica takes the same decision (and keeps the same history) while each
+        dispatches its own tokens under it. Whole counts, as the count exchange gives them: what a
+        dispatch sends and the planners price, and what their compiled pricing and exact windows
+        take. Planners that ignore the flow (`reads_flow=False`) get it as is."""
         if self.replica_group is None or not self.planner.reads_flow or self.cluster_mismatch:
             return flow_WE
         flow = torch.as_tensor(flow_WE, dtype=torch.float64, device=device)
         dist.all_reduce(flow, group=self.replica_group)
-        return (flow / dist.get_world_size(self.replica_group)).cpu().numpy()
+        return np.rint((flow / dist.get_world_size(self.replica_group)).cpu().numpy()).astype(np.int64)
 
     def _plan(self, flow_WE: np.ndarray) -> Placement:
         """The planner's placement for this flow (plain EP where the cost model is another cluster's)."""

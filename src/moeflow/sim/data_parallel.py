@@ -10,7 +10,8 @@ moeflow runs on it:
 
 - EP groups are consecutive blocks of `ep_size` ranks (`restricted_models`: the cost model on each
   group's ranks, `CostModel.restricted`); replica z holds the cluster's ranks z·W .. z·W + W − 1.
-- `replicate`: a planner that reads the flow plans on the MEAN of the replicas' flows (one ring
+- `replicate`: a planner that reads the flow plans on the MEAN of the replicas' flows, in whole
+  tokens as the layer rounds it (one ring
   all-reduce of a `[W, E]` float64 matrix over every dp group per layer, `flow_mean_time`), so every
   replica runs the same placement on its own rows; plain EP reads no flow and plans nothing.
   The all-reduce of the flow is a synchronisation point, so each layer waits for its slowest replica;
@@ -166,10 +167,11 @@ def slowest_replica(total_ZIL: np.ndarray, per_layer: bool) -> np.ndarray:
 
 
 def replica_flows(flow_ILWE: np.ndarray, ep: int) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The flow every replica plans on (the mean of theirs; the flow itself without replicas) and
-    each replica's own rows `[I, L, W, E]` (replica z: the cluster's ranks z·W .. z·W + W − 1)."""
+    """The flow every replica plans on (the mean of theirs in whole tokens, as `MoELayer` hands it
+    to its planner; the flow itself without replicas) and each replica's own rows `[I, L, W, E]`
+    (replica z: the cluster's ranks z·W .. z·W + W − 1)."""
     I, L, world, E = flow_ILWE.shape
     if ep == world:
         return flow_ILWE, [flow_ILWE]
     flow_ILZWE = flow_ILWE.reshape(I, L, world // ep, ep, E)
-    return flow_ILZWE.mean(axis=2), [flow_ILZWE[:, :, z] for z in range(world // ep)]
+    return np.rint(flow_ILZWE.mean(axis=2)), [flow_ILZWE[:, :, z] for z in range(world // ep)]

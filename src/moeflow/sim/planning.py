@@ -3,8 +3,9 @@
 Every (iteration, layer) the planner of the strategy is asked for a `Placement` on the flow the
 layer plans on, and each rank's own tokens are dispatched under it (`core.placement.dispatch_loads`).
 With data-parallel replicas of the experts (`sim.data_parallel`), the flow planned on is the mean of
-the replicas' flows (as `MoELayer` all-reduces it, docs/parallel.md) and every replica dispatches its
-own rows under the one placement; without replicas both are the trace's flow.
+the replicas' flows in whole tokens (as `MoELayer` all-reduces and rounds it, docs/parallel.md) and
+every replica dispatches its own rows under the one placement; without replicas both are the
+trace's flow.
 
 The copies a placement asks for are priced here too (`copies_time_IL`): materialize in forward,
 reduce-to-owner in backward (Hecate §3.1's spAG / spRS, as `core.sparse_collectives` runs them).

@@ -264,22 +264,21 @@ class AutoPlanner(Planner):
         turn = self.searching[self.calls % len(self.searching)] if self.searching else None
         self.replanned = [n for n in self.searching if n == turn or not turns]
         self.calls += 1
-        # One pricer of this flow: the planners that decide on it (shadowing) search on it where the
-        # flow is whole counts (the numbers they would price alone), and every proposal is priced on
-        # it (`PlacementPricer.of_placements`: the owners' terms once, then each proposal's changed
-        # experts); all share the layer's owners.
+        # One pricer of this flow in whole tokens (a mean of replicas' flows rounded, as every planner
+        # prices it): the planners that decide on it (shadowing) search on it, and every proposal is
+        # priced on it (`PlacementPricer.of_placements`: the owners' terms once, then each proposal's
+        # changed experts); all share the layer's owners.
         raw = np.asarray(flow_WE)
         counts = raw.dtype.kind in "iub"  # the count exchange's int64 (a replicas' mean may be fractional)
         # Whole counts as they are (the pricer's compiled sums read them so): a copy, which the job
         # after the call records too (captured now, as every input of the planning thread's work).
         flow = np.array(raw) if counts else np.rint(raw)
         pricer = EverywherePricer(flow, placement.owner_E, cost_model, self.shape, node_of, whole=True)
-        shared = pricer if counts or np.array_equal(flow, raw) else None
         self._settle()  # the last call's job: the candidates' windows and plans
         proposals = {
             name: planner.current(flow_WE, placement, cost_model)
             if planner.plans_ahead
-            else planner.on_pricer(shared, flow_WE, placement, cost_model)
+            else planner.on_pricer(pricer, flow_WE, placement, cost_model)
             for name, planner in self.planners.items()
         }
         moved = [

@@ -140,16 +140,17 @@ class ShadowPlanner(Planner):
         return _shadow_time(terms).reshape(shadowed_ZE.shape[:-1])
 
     def decide(self, flow_WE: np.ndarray, placement: Placement, cost_model, pricer=None) -> ShadowDecision:
-        """Algorithm 1 on `flow_WE` (`pricer`: an `EverywherePricer` already built on it and the owners)."""
+        """Algorithm 1 on `flow_WE` rounded to whole tokens (`pricer`: an `EverywherePricer` already
+        built on them and the owners)."""
         owner_E = placement.owner_E
         if cost_model.topology.num_devices != placement.world_size:
             raise ValueError(
                 f"cost model has {cost_model.topology.num_devices} devices, the expert-parallel group "
                 f"{placement.world_size}"
             )
-        if pricer is None:
-            flow = np.asarray(flow_WE, dtype=np.float64)
-            pricer = EverywherePricer(flow, owner_E, cost_model, self.shape, cost_model.topology.node_of)
+        if pricer is None:  # whole tokens, as the dispatch sends them (a mean of replicas' flows rounded)
+            flow = np.rint(np.asarray(flow_WE, dtype=np.float64))
+            pricer = EverywherePricer(flow, owner_E, cost_model, self.shape, cost_model.topology.node_of, whole=True)
         received_E = pricer.received_E  # column sums: tokens each expert receives from all senders
         order = np.argsort(-received_E, kind="stable")
         candidates = order[received_E[order] > 0][: self.options.max_shadowed]
