@@ -51,6 +51,7 @@ Targets checked (written to the JSON as `targets`): critical path ≤ 1 ms for e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -65,6 +66,7 @@ import torch
 from moeflow.core.expert_shape import ExpertShape
 from moeflow.core.placement import Placement, dispatch_loads
 from moeflow.core.registry import LayerContext
+from moeflow.perf.alpha_beta import AlphaBeta
 from moeflow.perf.costmodel import CostModel
 from moeflow.sim.traces import Trace, resolve_trace, synthetic_trace
 from moeflow.strategies import PLANNERS
@@ -293,7 +295,16 @@ def main(argv: list[str] | None = None) -> int:
         help="each call's flow the mean of this many data-parallel replicas' flows in whole tokens, as a "
         "layer with replicas plans on (R consecutive iterations of the load stand for the replicas)",
     )
+    parser.add_argument(
+        "--gemm-launch-us",
+        type=float,
+        default=None,
+        help="a fitted GEMM with this launch cost (µs; β from the preset's GEMM throughput), as "
+        "`moeflow profile` fits one: the experts each device computes are then priced too",
+    )
     args = parser.parse_args(argv)
+    if args.gemm_launch_us is not None and not args.gemm_launch_us >= 0:
+        parser.error(f"--gemm-launch-us={args.gemm_launch_us}: expected microseconds >= 0")
     if args.replicas < 1:
         parser.error(f"--replicas={args.replicas}: expected a positive number of replicas")
     sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.sizes.split(",") if s.strip()]
@@ -304,11 +315,15 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "gap_ms": args.gap_ms,
         "replicas": args.replicas,
+        "gemm_launch_us": args.gemm_launch_us,
         "expert": {"d_model": SHAPE.d_model, "d_hidden": SHAPE.d_hidden},
         "sizes": {},
     }
     for world, experts in sizes:
         cm = CostModel.from_preset(f"{args.preset}@{world}")
+        if args.gemm_launch_us is not None:  # a profiled cluster's fitted GEMM
+            gemm = AlphaBeta(args.gemm_launch_us * 1e-6, 1.0 / cm.gemm_flops_per_s, "flop", source="planner_scale")
+            cm = dataclasses.replace(cm, fits={**cm.fits, "gemm": gemm})
         calls = max(3, args.calls // 2) if world >= 1024 else args.calls
         entry = {"cluster": cm.name, "world": world, "experts": experts, "loads": {}}
         for kind in [k.strip() for k in args.loads.split(",") if k.strip()]:

@@ -6,6 +6,8 @@ fits; pipelined copy trees); and the planners built on them decide alike."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -26,8 +28,16 @@ FIELDS = ("compute_s", "a2a_s", "trans_s", "agg_s", "trans_prefetched_s", "agg_p
 
 
 def _cost_model(rng) -> CostModel:
-    """A cluster of 1 to 8 nodes: presets' link classes, or two halves with fits and gloo's trees."""
-    kind = int(rng.integers(5))
+    """A cluster of 1 to 8 nodes: presets' link classes, or two halves with fits and gloo's trees; a
+    fitted GEMM launch (as `moeflow profile` fits) or one host's cores shared (processor sharing)."""
+    kind = int(rng.integers(7))
+    if kind >= 5:
+        base = _cost_model(rng)
+        fits = dict(base.fits)
+        if kind == 5 or rng.random() < 0.5:
+            fits["gemm"] = AlphaBeta(float(rng.choice([1e-5, 1e-3])), 1e-12)
+        cores = int(rng.integers(1, base.topology.num_devices + 1)) if kind == 6 else None
+        return dataclasses.replace(base, fits=fits, host_cores=cores)
     if kind == 0:
         return CostModel.from_preset(f"johnny@{int(rng.choice([8, 16, 24, 32]))}")
     if kind == 1:

@@ -87,7 +87,7 @@ class EverywherePricer(PlacementPricer):
         """Whether the steps are one prefix of distinct experts, each held everywhere after it."""
         return (
             not detail
-            and not self._compiled_terms(detail)
+            and not self.compiled
             and not self.tree
             and not self.cm.prices_gemm_calls
             and self.W > 1

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moeflow.perf import compiled_copies, compiled_everywhere, compiled_sums
+from moeflow.perf import compiled_copies, compiled_everywhere, compiled_rows, compiled_sums
 from moeflow.perf.compiled_routes import kept_rows
 from moeflow.perf.copies_pricing import pipelined_trees
 from moeflow.perf.placement_terms import PlacementTerms
@@ -91,28 +91,52 @@ class CompiledPricing:
         trans, agg, trans_pf, agg_pf, n_copies = copies
         return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, None, None, n_copies)
 
+    def _compiled_rows(self, experts, owner_Q, new_QW, prev_QW, start) -> PlacementTerms:
+        """`_terms` where the slowest device is not simply the one with the most tokens (a fitted
+        GEMM launch, processor sharing): every device's tokens and experts computed per row
+        (`compiled_rows.dispatch_rows`), priced by the NumPy path's own `CostModel` calls."""
+        new_QW = np.ascontiguousarray(new_QW)
+        tokens, calls, busiest, latency, sends = self._rows(experts, new_QW, prev_QW, start, kept_rows(start))
+        compute, a2a = self._priced_rows(tokens, calls, busiest, latency, sends)
+        copies = self._known_copies(experts, new_QW) if int(start.sum()) == 1 else None
+        if copies is None:
+            copies = self._copies(experts, owner_Q, new_QW, prev_QW, start)
+        trans, agg, trans_pf, agg_pf, n_copies = copies
+        return PlacementTerms(compute, a2a, trans, agg, trans_pf, agg_pf, tokens, None, n_copies)
+
     def _compiled_plans(self, placements: list) -> PlacementTerms:
-        """`of_placements` plan by plan on the compiled sums: each plan's dispatch on this flow; its
+        """`of_placements` plan by plan on the compiled sums: each plan's dispatch on this flow (its
+        maxima, or every device's rows where the cost model needs them: `_compiled_rows`); its
         steps (its copied experts, each from its owner alone) and its copies, which do not depend on
         the flow, kept on it (`Placement.memo`) for this cost model and expert size."""
-        Z = len(placements)
+        Z, fast = len(placements), self._compiled_terms(False)
         most, busiest, latency = np.zeros(Z), np.zeros(Z), np.zeros(Z)
         sends = np.zeros(Z, dtype=bool)
+        tokens_ZW, calls_ZW = (None, None) if fast else (np.zeros((Z, self.W)), np.zeros((Z, self.W)))
         copies = np.zeros((4, Z))
         n_copies = np.zeros(Z, dtype=np.int64)
         for z, placement in enumerate(placements):
             steps = self._plan_steps(placement)
             if steps is None:  # the owners alone
                 most[z], busiest[z], latency[z], sends[z] = self._owners_row()
+                if not fast:
+                    tokens_ZW[z], calls_ZW[z] = self.tokens0, self.calls0
                 continue
-            if steps.everywhere:  # every copied expert held by every rank: the shadow steps' kernel
-                row = self._everywhere_rows(steps.experts)
+            if not fast:
+                rows = self._rows(*steps[:4], steps.keep)
+                tokens_ZW[z], calls_ZW[z], busiest[z], latency[z], sends[z] = (a[-1] for a in rows)
             else:
-                row = self._dispatch(*steps[:6])
-            most[z], busiest[z], latency[z], sends[z] = (a[-1] for a in row)
+                if steps.everywhere:  # every copied expert held by every rank: the shadow steps' kernel
+                    row = self._everywhere_rows(steps.experts)
+                else:
+                    row = self._dispatch(*steps[:6])
+                most[z], busiest[z], latency[z], sends[z] = (a[-1] for a in row)
             *copies[:, z], n_copies[z] = self._plan_copies(placement, steps)
-        compute, a2a = self._priced_maxima(most, busiest, latency, sends)
-        return PlacementTerms(compute, a2a, *copies, None, None, n_copies)
+        if fast:
+            compute, a2a = self._priced_maxima(most, busiest, latency, sends)
+        else:
+            compute, a2a = self._priced_rows(tokens_ZW, calls_ZW, busiest, latency, sends)
+        return PlacementTerms(compute, a2a, *copies, tokens_ZW, None, n_copies)
 
     def _plan_steps(self, placement) -> PlanSteps | None:
         """A plan's steps as `dispatch_terms` reads them — its copied experts, their holders, their
@@ -214,6 +238,39 @@ class CompiledPricing:
             topo.latency_classes,
             keep,
         )
+
+    def _rows(self, experts, new_QW, prev_QW, start, keep) -> tuple:
+        """`compiled_rows.dispatch_rows` of these steps on the pricer's flow, from the owners alone."""
+        topo = self.topology
+        return compiled_rows.dispatch_rows(
+            self._flow_EW,
+            experts,
+            new_QW,
+            prev_QW,
+            start,
+            self._node_W,
+            topo.route_tables,
+            self._spread_by_holder,
+            float(self.tok_bytes),
+            self.tokens0,
+            self.calls0,
+            self.traffic0,
+            self.classes0,
+            self.inv_bw_L,
+            topo.latency_classes,
+            keep,
+        )
+
+    def _priced_rows(self, tokens_ZW, calls_ZW, busiest, latency, sends) -> tuple[np.ndarray, np.ndarray]:
+        """(forward expert compute of the slowest device, one exchange) from every device's tokens
+        and experts computed (the fitted GEMM launch's α per expert) and the exchange's maxima, by the
+        NumPy path's own `CostModel` calls."""
+        cm, shape = self.cm, self.shape
+        gemm_calls = calls_ZW * shape.gemms if cm.prices_gemm_calls else None
+        compute = cm.slowest(
+            cm.expert_forward_time(tokens_ZW, shape, gemm_calls) + cm.elementwise_time(tokens_ZW, shape)
+        )
+        return compute, cm.a2a_from_busiest(busiest, latency, sends)
 
     def _priced_maxima(self, most, busiest, latency, sends) -> tuple[np.ndarray, np.ndarray]:
         """(forward expert compute of the slowest device, one exchange) from the dispatch's maxima

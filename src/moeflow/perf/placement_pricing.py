@@ -222,7 +222,7 @@ class PlacementPricer(PlacementCopies):
         it alone, which in company may differ in the last bit (running sums over the candidates)."""
         if any(p.owner_E is not self.owner and not np.array_equal(p.owner_E, self.owner) for p in placements):
             raise ValueError("of_placements: a placement has other owners than the pricer's")
-        if self._compiled_terms(detail):
+        if self.compiled and not detail:
             return self._compiled_plans(placements)
         steps = [p.copied_E for p in placements]
         z = np.repeat(np.arange(len(placements)), [s.size for s in steps])
@@ -320,6 +320,8 @@ class PlacementPricer(PlacementCopies):
         prev_QW = self._previous(experts, owner_Q, new_QW, start)
         if self._compiled_terms(detail):
             return self._compiled(experts, owner_Q, new_QW, prev_QW, start)
+        if self.compiled and not detail:  # a fitted GEMM launch or processor sharing: every device's rows
+            return self._compiled_rows(experts, owner_Q, new_QW, prev_QW, start)
         # The dispatch of every step's expert after (state j) and before (state Q + j) the step, of
         # the sources whose candidates it changes (the others' entries would cancel out) — unless
         # the experts each device computes are counted (a fitted GEMM launch): then of all.
