@@ -68,23 +68,20 @@ def dispatch_rows(
     pend_i, pend_f = np.empty((3, W * per_node + 1), dtype=np.int64), np.empty((2, W * per_node + 1))
     none_N = np.zeros(nodes, dtype=np.bool_)  # no source left out: each state dispatched in full
     memo_f, memo_x = np.zeros(0), np.zeros(0, dtype=np.int64)
-    after, before = np.zeros(base.size), np.zeros(base.size)
+    start_W, added_W = np.zeros(W), np.zeros(W)  # every device's tokens before and between the two states
     for j in range(Q):
         if start_Q[j] and j > 0:
             state[:] = base
             calls_W[:] = calls0_W
         flow_W = flow_EW[experts_Q[j]]
-        after[:] = 0.0
-        before[:] = 0.0
-        rest = (routes, spread_by_holder, L, tok_bytes)
-        dispatch_one(flow_W, new_QW[j], node_W, none_N, none_N, 1.0, *rest, after, work, pend_i, pend_f, memo_f, memo_x)
-        dispatch_one(
-            flow_W, prev_QW[j], node_W, none_N, none_N, 1.0, *rest, before, work, pend_i, pend_f, memo_f, memo_x
-        )
-        for x in range(base.size):
-            state[x] += after[x] - before[x]
-        for w in range(W):  # a device computes the expert iff it receives any of its tokens
-            calls_W[w] += (1.0 if after[w] > 0 else 0.0) - (1.0 if before[w] > 0 else 0.0)
+        rest = (routes, spread_by_holder, L, tok_bytes, state, work, pend_i, pend_f, memo_f, memo_x)
+        start_W[:] = state[:W]
+        dispatch_one(flow_W, new_QW[j], node_W, none_N, none_N, 1.0, *rest)
+        added_W[:] = state[:W]
+        dispatch_one(flow_W, prev_QW[j], node_W, none_N, none_N, -1.0, *rest)
+        for w in range(W):  # a device computes the expert iff it receives any of its tokens (whole numbers)
+            after, before = added_W[w] - start_W[w], added_W[w] - state[w]
+            calls_W[w] += (1.0 if after > 0 else 0.0) - (1.0 if before > 0 else 0.0)
         if kept(keep_Z, j + 1):
             tokens_ZW[j + 1], calls_ZW[j + 1] = state[:W], calls_W
             busiest_Z[j + 1], latency_Z[j + 1], sends_Z[j + 1] = link_maxima(
