@@ -6,10 +6,11 @@ placement it planned from the past flows), and each proposal is priced on the fl
 run (the count exchange has happened) with the terms every planner uses — three expert computes of
 the slowest device, four token exchanges, the copies out and back (FasterMoE Eq. 7, Pro-Prophet
 Eq. 6: `prophet_model.price_terms`), from plain EP's terms and each proposal's changed experts
-(`PlacementPricer.of_placements`: what does not depend on the flow, a plan's steps and copies, kept
-on the plan, which a plan that stands several calls reuses). A proposal equal to the placement the block-wise prefetch
-sent ahead has its copies priced as hidden by the window the prefetch measured (Pro-Prophet Eq. 8).
-It runs the cheapest, and plain EP unless the cheapest is predicted `min_gain` faster.
+(`PlacementPricer.of_placements`; what does not depend on the flow, a plan's steps and copies, is
+kept on the plan, so a plan that stands several calls pays only its dispatch). A proposal equal to
+the placement the block-wise prefetch sent ahead has its copies priced as hidden by the window the
+prefetch measured (Pro-Prophet Eq. 8). It runs the cheapest, and plain EP unless the cheapest is
+predicted `min_gain` faster.
 
 Correction. The layer measures each forward's expert computes, exposed exchanges and wait for
 copies on the slowest rank (`strategies.timing`); each term's factor is an exponentially weighted
