@@ -33,7 +33,8 @@ from __future__ import annotations
 import numpy as np
 
 from moeflow.core.placement import dispatch_entries
-from moeflow.perf.placement_pricing import PRICED_FIRST, PlacementPricer, PlacementTerms
+from moeflow.perf.placement_pricing import PlacementPricer, PlacementTerms
+from moeflow.perf.placement_search import PRICED_FIRST
 from moeflow.perf.prefix_max import running_sums
 
 
