@@ -13,7 +13,9 @@ top-2, consecutive iterations so the planners that plan ahead meet the trace's l
 counts, as the layer's count exchange hands them to its planner; with `--replicas R`, each call's
 flow the mean of R data-parallel replicas' flows in whole tokens, as a layer with replicas hands it
 to its planner (`MoELayer._replicas_flow`, docs/parallel.md), R consecutive iterations of the load
-standing for the replicas. Expert:
+standing for the replicas; with `--gemm-launch-us T`, the cost model has a fitted GEMM launching
+in T µs (the preset's throughput), as `moeflow profile` fits one, so the experts each device
+computes are priced too. Expert:
 d = 1024, h = 4096 (FasterMoE's GPT; as `moeflow simulate` prices the trace).
 
 Per planner and load, medians over `--calls` calls after `--warmup`:
