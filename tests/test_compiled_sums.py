@@ -262,7 +262,8 @@ def test_planners_decide_alike_compiled_or_not(monkeypatch, preset):
 def test_a_shadow_search_on_the_everywhere_kernel_equals_the_general_one(monkeypatch):
     """`EverywherePricer.cheapest_prefixes` on `perf.compiled_everywhere` (the copies of every prefix
     first, then rounds of prefixes going on from the last state) against the general pricer's
-    search: the same floats, bounded and not, with searches of one round and of several."""
+    search: the same floats, bounded and not, with searches of one round and of several, and on
+    cost models that price every device (a fitted GEMM launch, shared cores: `perf.compiled_rows`)."""
     from moeflow.perf import compiled_everywhere
 
     rounds = []
@@ -271,8 +272,11 @@ def test_a_shadow_search_on_the_everywhere_kernel_equals_the_general_one(monkeyp
     big = ExpertShape(1024, 4096)  # copies that cost as much as some tokens: the bound stops searches
     rng = np.random.default_rng(8)
     several = 0
-    for case in range(24):
+    for case in range(30):
         cm = CostModel.from_preset(["johnny@64", "johnny@16", "hecate_a@16"][case % 3])
+        if case % 5 in (3, 4):  # a cost model that prices every device: a GEMM launch, shared cores
+            gemm = {"gemm": AlphaBeta(float(rng.choice([1e-5, 1e-3])), 1e-12)} if case % 5 == 3 else {}
+            cm = dataclasses.replace(cm, fits={**cm.fits, **gemm}, host_cores=None if gemm else 4)
         world = cm.topology.num_devices
         experts = world * int(rng.choice([2, 4]))
         skew = rng.uniform(0.6, 1.6)

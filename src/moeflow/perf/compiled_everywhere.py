@@ -9,9 +9,13 @@ when the copies' bound asks for more prefixes:
 
 - `everywhere_rows`: each step's dispatch after it (every source computes its own tokens) and
   before it (every token to the owner), added to a running state that the next call goes on from,
-  and per row the maxima a price reads. The dispatch and the maxima are the general kernel's own
-  (`compiled_sums.dispatch_one`, `compiled_sums.row_maxima`); every value summed is a whole number,
-  so the sums, and the maxima, are the general kernel's to the bit.
+  and per row the maxima a price reads — and, for a cost model that prices every device
+  (`perf.compiled_rows`), every device's tokens and the experts it computes. The dispatch and the
+  maxima are the general kernel's own (`compiled_sums.dispatch_one`, `compiled_sums.row_maxima`);
+  every value summed is a whole number, so the sums, and the maxima, are the general kernel's to
+  the bit; after a step every source computes its own tokens and before it the owner all of them,
+  so a device computes the expert after the step iff it sends any, and the owner before it iff any
+  is sent.
 - `owner_counts`: each step's owner's number of experts held everywhere before and after it, which
   `compiled_copies.owner_price_sums` prices (one broadcast out and one reduce back per owner:
   FasterMoE Eq. 8's copy term).
@@ -32,17 +36,23 @@ from moeflow.perf.compiled_sums import dispatch_one, row_maxima
 
 @njit(cache=True, nogil=True)
 def everywhere_rows(
-    flow_EW, experts_Q, owner_E, node_W, routes, spread_by_holder, tok_bytes, state, inv_bw_L, latency_classes
+    flow_EW, experts_Q, owner_E, node_W, routes, spread_by_holder, tok_bytes, state, calls_W, inv_bw_L, latency_classes
 ):
     """Rows `[Z]` (most tokens on a device, busiest link time, slowest route latency with a positive
-    entry, whether anything is sent): row 0 of `state` as given (tokens per device, bytes per link,
-    positive entries per route latency), row j + 1 after step j holds `experts_Q[j]` everywhere
-    instead of on its owner alone. `state` is left as after the last step."""
+    entry, whether anything is sent) and, where `calls_W` is given (`[W]`, the experts each device
+    computes, else empty), every device's tokens and experts `[Z, W]` (else `[Z, 0]`): row 0 of
+    `state` as given (tokens per device, bytes per link, positive entries per route latency), row
+    j + 1 after step j holds `experts_Q[j]` everywhere instead of on its owner alone. `state` and
+    `calls_W` are left as after the last step."""
     Q, W = experts_Q.size, node_W.size
     L, n_classes = inv_bw_L.size, latency_classes.size
+    rows = calls_W.size > 0
     most_Z, busiest_Z, latency_Z = np.zeros(Q + 1), np.zeros(Q + 1), np.zeros(Q + 1)
     sends_Z = np.zeros(Q + 1, dtype=np.bool_)
+    tokens_ZW, calls_ZW = np.zeros((Q + 1, W if rows else 0)), np.zeros((Q + 1, W if rows else 0))
     most_Z[0], busiest_Z[0], latency_Z[0], sends_Z[0] = row_maxima(state, W, L, n_classes, inv_bw_L, latency_classes)
+    if rows:
+        tokens_ZW[0], calls_ZW[0] = state[:W], calls_W
     nodes = node_W.max() + 1
     work = np.empty((6, W + 1), dtype=np.int64)
     per_node = np.bincount(node_W).max()  # a source's candidates on its node, at most
@@ -55,15 +65,25 @@ def everywhere_rows(
     rest = (routes, spread_by_holder, L, tok_bytes, state, work, pend_i, pend_f, memo_f, memo_x)
     for j in range(Q):
         e = experts_Q[j]
+        o = owner_E[e]
         flow_W = flow_EW[e]
         dispatch_one(flow_W, everywhere_W, node_W, none_N, none_N, 1.0, *rest)
-        alone_W[owner_E[e]] = True
+        alone_W[o] = True
         dispatch_one(flow_W, alone_W, node_W, none_N, none_N, -1.0, *rest)
-        alone_W[owner_E[e]] = False
+        alone_W[o] = False
         most_Z[j + 1], busiest_Z[j + 1], latency_Z[j + 1], sends_Z[j + 1] = row_maxima(
             state, W, L, n_classes, inv_bw_L, latency_classes
         )
-    return most_Z, busiest_Z, latency_Z, sends_Z
+        if rows:  # after the step every source computes its own tokens; before it the owner all of them
+            total = 0.0
+            for w in range(W):
+                total += flow_W[w]
+                if flow_W[w] > 0:
+                    calls_W[w] += 1.0
+            if total > 0:
+                calls_W[o] -= 1.0
+            tokens_ZW[j + 1], calls_ZW[j + 1] = state[:W], calls_W
+    return most_Z, busiest_Z, latency_Z, sends_Z, tokens_ZW, calls_ZW
 
 
 @njit(cache=True, nogil=True)

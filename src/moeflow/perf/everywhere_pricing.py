@@ -50,7 +50,8 @@ class EverywherePricer(PlacementPricer):
         pruned = bounded and Q > PRICED_FIRST
         compiled = (
             Q > 0
-            and self._compiled_terms(detail)
+            and self.compiled
+            and not detail
             and self.max_stages
             and not self.tree
             and self.W > 1
@@ -63,17 +64,25 @@ class EverywherePricer(PlacementPricer):
         n_copies = np.arange(Q + 1) * (self.W - 1)
         copies = trans + agg
         state = np.concatenate((self.tokens0, self.traffic0, self.classes0))
-        maxima: list[np.ndarray] = []
+        # A cost model that prices every device (`perf.compiled_rows`): every device's tokens and
+        # experts per row too, priced as the general path prices them.
+        fast = self._compiled_terms(detail)
+        calls = None if fast else self.calls0.astype(np.float64)
+        rows: list[np.ndarray] = []
         done, priced = 0, PRICED_FIRST if pruned else Q
         while True:  # as `_cheapest_growing`: price, then as far as the copies' bound leaves
-            rows_Z = self._everywhere_rows(experts[done:priced], state)
+            rows_Z = self._everywhere_rows(experts[done:priced], state, calls)
             # Row 0 of a later round is the last row of the one before.
-            maxima = [np.concatenate((m, r[1:])) for m, r in zip(maxima, rows_Z)] if done else list(rows_Z)
+            rows = [np.concatenate((m, r[1:])) for m, r in zip(rows, rows_Z)] if done else list(rows_Z)
             done = priced
-            compute, a2a = self._priced_maxima(*maxima)
+            most, busiest, latency, sends, tokens, experts_computed = rows
+            if fast:
+                (compute, a2a), tokens = self._priced_maxima(most, busiest, latency, sends), None
+            else:
+                compute, a2a = self._priced_rows(tokens, experts_computed, busiest, latency, sends)
             kept = slice(0, priced + 1)
             terms = PlacementTerms(
-                compute, a2a, trans[kept], agg[kept], trans[kept], agg[kept], None, None, n_copies[kept]
+                compute, a2a, trans[kept], agg[kept], trans[kept], agg[kept], tokens, None, n_copies[kept]
             )
             predicted = price(terms)
             if not pruned:

@@ -122,15 +122,16 @@ class CompiledPricing:
                 if not fast:
                     tokens_ZW[z], calls_ZW[z] = self.tokens0, self.calls0
                 continue
-            if not fast:
+            if steps.everywhere:  # every copied expert held by every rank: the shadow steps' kernel
+                row = self._everywhere_rows(steps.experts, calls=None if fast else self.calls0.copy())
+                most[z], busiest[z], latency[z], sends[z] = (a[-1] for a in row[:4])
+                if not fast:
+                    tokens_ZW[z], calls_ZW[z] = row[4][-1], row[5][-1]
+            elif not fast:
                 rows = self._rows(*steps[:4], steps.keep)
                 tokens_ZW[z], calls_ZW[z], busiest[z], latency[z], sends[z] = (a[-1] for a in rows)
             else:
-                if steps.everywhere:  # every copied expert held by every rank: the shadow steps' kernel
-                    row = self._everywhere_rows(steps.experts)
-                else:
-                    row = self._dispatch(*steps[:6])
-                most[z], busiest[z], latency[z], sends[z] = (a[-1] for a in row)
+                most[z], busiest[z], latency[z], sends[z] = (a[-1] for a in self._dispatch(*steps[:6]))
             *copies[:, z], n_copies[z] = self._plan_copies(placement, steps)
         if fast:
             compute, a2a = self._priced_maxima(most, busiest, latency, sends)
@@ -173,10 +174,11 @@ class CompiledPricing:
             kept = placement.memo[key] = (weakref.ref(self.cm), tuple(t[-1] for t in terms))
         return kept[1]
 
-    def _everywhere_rows(self, experts: np.ndarray, state: np.ndarray | None = None) -> tuple:
+    def _everywhere_rows(self, experts: np.ndarray, state: np.ndarray | None = None, calls=None) -> tuple:
         """The dispatch's maxima of the prefixes of steps that each hold one more expert everywhere
         (`compiled_everywhere.everywhere_rows`), from the owners alone or going on from `state`
-        (left as after the last step)."""
+        (left as after the last step); with `calls` (the experts each device computes, going on
+        likewise: a cost model that prices every device) every device's rows too."""
         if state is None:
             state = np.concatenate((self.tokens0, self.traffic0, self.classes0))
         return compiled_everywhere.everywhere_rows(
@@ -188,6 +190,7 @@ class CompiledPricing:
             self._spread_by_holder,
             float(self.tok_bytes),
             state,
+            np.zeros(0) if calls is None else calls,
             self.inv_bw_L,
             self.topology.latency_classes,
         )
