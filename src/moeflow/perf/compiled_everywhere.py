@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from moeflow.perf.compiled_sums import dispatch_one, row_maxima
+from moeflow.perf.compiled_sums import dispatch_one, dispatch_scratch, row_maxima
 
 
 @njit(cache=True, nogil=True)
@@ -53,10 +53,7 @@ def everywhere_rows(
     most_Z[0], busiest_Z[0], latency_Z[0], sends_Z[0] = row_maxima(state, W, L, n_classes, inv_bw_L, latency_classes)
     if rows:
         tokens_ZW[0], calls_ZW[0] = state[:W], calls_W
-    nodes = node_W.max() + 1
-    work = np.empty((6, W + 1), dtype=np.int64)
-    per_node = np.bincount(node_W).max()  # a source's candidates on its node, at most
-    pend_i, pend_f = np.empty((3, W * per_node + 1), dtype=np.int64), np.empty((2, W * per_node + 1))
+    nodes, work, pend_i, pend_f = dispatch_scratch(node_W)
     # No node is skipped (a node that holds the expert before and after on the same ranks would add
     # and take back the same whole counts) and none is bare (every node holds it after).
     none_N = np.zeros(nodes, dtype=np.bool_)

@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit
 
 from moeflow.perf.compiled_routes import kept, link_maxima
-from moeflow.perf.compiled_sums import dispatch_one
+from moeflow.perf.compiled_sums import dispatch_one, dispatch_scratch
 
 
 @njit(cache=True, nogil=True)
@@ -62,10 +62,7 @@ def dispatch_rows(
     if kept(keep_Z, 0):
         tokens_ZW[0], calls_ZW[0] = state[:W], calls_W
         busiest_Z[0], latency_Z[0], sends_Z[0] = link_maxima(state, W, L, n_classes, inv_bw_L, latency_classes)
-    nodes = node_W.max() + 1
-    work = np.empty((6, W + 1), dtype=np.int64)
-    per_node = np.bincount(node_W).max()  # a source's candidates on its node, at most
-    pend_i, pend_f = np.empty((3, W * per_node + 1), dtype=np.int64), np.empty((2, W * per_node + 1))
+    nodes, work, pend_i, pend_f = dispatch_scratch(node_W)
     none_N = np.zeros(nodes, dtype=np.bool_)  # no source left out: each state dispatched in full
     memo_f, memo_x = np.zeros(0), np.zeros(0, dtype=np.int64)
     start_W, added_W = np.zeros(W), np.zeros(W)  # every device's tokens before and between the two states

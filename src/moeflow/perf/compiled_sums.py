@@ -308,6 +308,17 @@ def _unchanged_nodes(new_W, prev_W, node_W, skip_N, bare_N, held_new, held_prev)
 
 
 @njit(cache=True, nogil=True)
+def dispatch_scratch(node_W):
+    """(the number of nodes, `dispatch_one`'s scratch `[6, W + 1]`, its pending route entries
+    `pend_i` `[3, n]` and `pend_f` `[2, n]`, room for a node's ranks per source)."""
+    W = node_W.size
+    nodes = node_W.max() + 1
+    per_node = np.bincount(node_W).max()  # a source's candidates on its node, at most
+    n = W * per_node + 1
+    return nodes, np.empty((6, W + 1), dtype=np.int64), np.empty((3, n), dtype=np.int64), np.empty((2, n))
+
+
+@njit(cache=True, nogil=True)
 def row_maxima(state, W, L, n_classes, inv_bw_L, latency_classes):
     """(most tokens on a device, then the exchange's `link_maxima`) of a row of `dispatch_terms`."""
     most = state[0]
@@ -352,11 +363,8 @@ def dispatch_terms(
         most_Z[0], busiest_Z[0], latency_Z[0], sends_Z[0] = row_maxima(
             state, W, L, n_classes, inv_bw_L, latency_classes
         )
-    nodes = node_W.max() + 1
-    work = np.empty((6, W + 1), dtype=np.int64)
+    nodes, work, pend_i, pend_f = dispatch_scratch(node_W)
     ranks_by_node(node_W, nodes, work[4], work[5])
-    per_node = np.bincount(node_W).max()  # a source's candidates on its node, at most
-    pend_i, pend_f = np.empty((3, W * per_node + 1), dtype=np.int64), np.empty((2, W * per_node + 1))
     skip_N, bare_N = np.empty(nodes, dtype=np.bool_), np.empty(nodes, dtype=np.bool_)
     held_new, held_prev = np.empty(nodes, dtype=np.bool_), np.empty(nodes, dtype=np.bool_)
     # Room for the sums a later step takes back: the steps some later step names in `earlier_Q`.

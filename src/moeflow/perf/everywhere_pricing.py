@@ -21,9 +21,9 @@ per-device local counts (`detail`) take the general path.
 On a whole flow (the compiled path, `perf.placement_compiled`) a search of such steps
 (`cheapest_prefixes`) runs on `perf.compiled_everywhere`: the copies of every prefix first (each
 owner's broadcasts, no tree), then the dispatch of as many prefixes as the copies' bound asks for,
-going on from the state where the last round stopped instead of pricing the first prefixes again
-— the same floats as the general path (tests/test_compiled_sums.py), without its copy trees, its
-per-step bookkeeping and its round of NumPy calls per pass.
+each round going on from the state where the last one stopped (a prefix is dispatched once) — the
+same floats as the general path (tests/test_compiled_sums.py), with no copy trees (every copy is a
+broadcast) and no per-step bookkeeping (every step is of the one kind).
 
 Shape suffixes: W ranks, E experts, Q steps (one expert each), Z candidates (prefixes: Q + 1).
 """

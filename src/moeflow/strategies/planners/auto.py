@@ -170,14 +170,14 @@ def _price_ahead(planners: dict, pricer: PlacementPricer, placement: Placement, 
 
 def _terms(terms: PlacementTerms, c: int, window: PrefetchWindow | None) -> Terms:
     """Candidate c's `Terms` (`layer_terms`)."""
-    compute, exchange = float(terms.compute_s[c]), 2 * float(terms.a2a_s[c])  # the forward's two exchanges
-    if window is None:
-        return Terms(compute, exchange, float(terms.trans_s[c] + terms.agg_s[c]), float(terms.trans_s[c]))
-    return _hidden(terms, c, compute, exchange, window)
+    windows: list[PrefetchWindow | None] = [None] * len(terms.compute_s)
+    windows[c] = window
+    return _every_terms(terms, windows)[c]
 
 
 def _every_terms(terms: PlacementTerms, windows: list[PrefetchWindow | None]) -> list[Terms]:
-    """`_terms` of every candidate (window c for candidate c), the arrays read once."""
+    """Every candidate's `Terms` (window c: candidate c's copies were sent ahead through it), the
+    arrays read once; the forward has two exchanges."""
     compute, a2a, trans, agg = (a.tolist() for a in (terms.compute_s, terms.a2a_s, terms.trans_s, terms.agg_s))
     return [
         Terms(compute[c], 2 * a2a[c], trans[c] + agg[c], trans[c])
@@ -270,7 +270,7 @@ class AutoPlanner(Planner):
         # priced on it (`PlacementPricer.of_placements`: the owners' terms once, then each proposal's
         # changed experts); all share the layer's owners.
         raw = np.asarray(flow_WE)
-        counts = raw.dtype.kind in "iub"  # the count exchange's int64 (a replicas' mean may be fractional)
+        counts = raw.dtype.kind in "iub"  # the count exchange's int64 (a caller's own flow may be fractional)
         # Whole counts as they are (the pricer's compiled sums read them so): a copy, which the job
         # after the call records too (captured now, as every input of the planning thread's work).
         flow = np.array(raw) if counts else np.rint(raw)
