@@ -170,21 +170,22 @@ def _price_ahead(planners: dict, pricer: PlacementPricer, placement: Placement, 
 
 def _terms(terms: PlacementTerms, c: int, window: PrefetchWindow | None) -> Terms:
     """Candidate c's `Terms` (`layer_terms`)."""
-    windows: list[PrefetchWindow | None] = [None] * len(terms.compute_s)
-    windows[c] = window
-    return _every_terms(terms, windows)[c]
+    row = (float(terms.compute_s[c]), float(terms.a2a_s[c]), float(terms.trans_s[c]), float(terms.agg_s[c]))
+    return _row_terms(terms, c, *row, window)
 
 
 def _every_terms(terms: PlacementTerms, windows: list[PrefetchWindow | None]) -> list[Terms]:
-    """Every candidate's `Terms` (window c: candidate c's copies were sent ahead through it), the
-    arrays read once; the forward has two exchanges."""
+    """Every candidate's `Terms` (window c: candidate c's), the arrays read once."""
     compute, a2a, trans, agg = (a.tolist() for a in (terms.compute_s, terms.a2a_s, terms.trans_s, terms.agg_s))
-    return [
-        Terms(compute[c], 2 * a2a[c], trans[c] + agg[c], trans[c])
-        if w is None
-        else _hidden(terms, c, compute[c], 2 * a2a[c], w)
-        for c, w in enumerate(windows)
-    ]
+    return [_row_terms(terms, c, compute[c], a2a[c], trans[c], agg[c], w) for c, w in enumerate(windows)]
+
+
+def _row_terms(terms, c, compute: float, a2a: float, trans: float, agg: float, window) -> Terms:
+    """Candidate c's `Terms` from its row: the forward's two exchanges; its copies sent now, or sent
+    ahead through `window` (`_hidden`)."""
+    if window is None:
+        return Terms(compute, 2 * a2a, trans + agg, trans)
+    return _hidden(terms, c, compute, 2 * a2a, window)
 
 
 def _hidden(terms: PlacementTerms, c: int, compute: float, exchange: float, window: PrefetchWindow) -> Terms:
